@@ -1,0 +1,39 @@
+"""lifecycle: what happens to each saved tensor during a step, as plain data.
+
+Pure data and pure functions: the :class:`Recorder` (clock and memory probe injected), the frozen
+:class:`Trace` it produces, and the exporters. No CUDA calls; never imports ``offload`` or
+``storage``.
+"""
+
+from lifecycle._clock import Clock, MonotonicClock
+from lifecycle._export import write_memory_png, write_perfetto
+from lifecycle._recorder import MemoryProbe, Recorder, StepBoundary
+from lifecycle._trace import (
+    SCHEMA_VERSION,
+    Event,
+    EventKind,
+    Family,
+    ModuleSpan,
+    TensorRecord,
+    Trace,
+)
+
+__all__ = [
+    # recording
+    "Clock",
+    "MemoryProbe",
+    "MonotonicClock",
+    "Recorder",
+    "StepBoundary",
+    # the trace
+    "SCHEMA_VERSION",
+    "Event",
+    "EventKind",
+    "Family",
+    "ModuleSpan",
+    "TensorRecord",
+    "Trace",
+    # exports
+    "write_memory_png",
+    "write_perfetto",
+]

@@ -1,0 +1,449 @@
+"""The recorded life of one or more training steps: frozen records, JSON, derived facts.
+
+A :class:`Trace` is plain data. It is produced by :class:`lifecycle.Recorder`, saved and loaded
+as JSON with a schema version, and read by the planner, the exporters and the CLI. Nothing here
+touches CUDA or autograd.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+_FORMAT = "offload.trace"
+
+
+class EventKind(str, enum.Enum):
+    """What happened at one point of the step timeline."""
+
+    STEP_START = "step_start"
+    STEP_END = "step_end"
+    FORWARD_START = "forward_start"
+    FORWARD_END = "forward_end"
+    BACKWARD_START = "backward_start"
+    BACKWARD_END = "backward_end"
+    PACK = "pack"
+    UNPACK = "unpack"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One point of the timeline.
+
+    Attributes:
+        index: position in the trace's timeline (0, 1, 2, ... across all steps).
+        kind: what happened.
+        step: which recorded step (0-based) the event belongs to.
+        time_s: seconds since the start of the first recorded step.
+        memory_bytes: memory in use at this point (CUDA allocator on GPU, live saved bytes on CPU).
+        module: qualified name of the module concerned ("" when none).
+        call_index: call index of that module within the step (-1 when none).
+        record: ``seq`` of the record concerned for PACK / UNPACK events, else -1.
+    """
+
+    index: int
+    kind: EventKind
+    step: int
+    time_s: float
+    memory_bytes: int
+    module: str = ""
+    call_index: int = -1
+    record: int = -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorRecord:
+    """One tensor that autograd saved for backward, and when it was used.
+
+    Attributes:
+        seq: pack order across the trace (0, 1, 2, ...).
+        step: which recorded step (0-based).
+        family: alias family id; records of one live storage (at one version) share it.
+        module: qualified name of the innermost module running at pack ("" outside modules).
+        call_index: call index of that module within the step.
+        ordinal: position of this pack within that module call.
+        nbytes: bytes this view spans (``numel * itemsize``).
+        storage_nbytes: bytes of the whole underlying storage.
+        storage_offset: element offset of the view into its storage.
+        shape: the view's shape.
+        stride: the view's strides, in elements.
+        dtype: ``str(torch.dtype)``, e.g. ``"torch.float32"``.
+        device: ``str(torch.device)``, e.g. ``"cpu"`` or ``"cuda:0"``.
+        is_parameter: the storage belongs to a parameter or buffer of the model (so ``weight.t()``
+            counts).
+        grad_fn: class name of the tensor's ``grad_fn`` (``""`` for leaves and non-grad tensors).
+        in_backward: packed while a backward ran (checkpoint recomputation, double backward).
+        pack_event: timeline index of the pack.
+        pack_time_s: time of the pack.
+        unpack_events: timeline indices of every unpack, in order.
+        unpack_times_s: times of every unpack, in order.
+    """
+
+    seq: int
+    step: int
+    family: int
+    module: str
+    call_index: int
+    ordinal: int
+    nbytes: int
+    storage_nbytes: int
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    device: str
+    is_parameter: bool
+    grad_fn: str
+    in_backward: bool
+    pack_event: int
+    pack_time_s: float
+    unpack_events: tuple[int, ...] = ()
+    unpack_times_s: tuple[float, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """(module path, call index, ordinal): stable across steps of one signature."""
+        return (self.module, self.call_index, self.ordinal)
+
+    @property
+    def last_use_event(self) -> int:
+        """Timeline index of the last unpack, or of the pack when never unpacked."""
+        return self.unpack_events[-1] if self.unpack_events else self.pack_event
+
+    @property
+    def lifetime_s(self) -> float:
+        """Seconds from pack to the last unpack (0.0 when never unpacked)."""
+        return self.unpack_times_s[-1] - self.pack_time_s if self.unpack_times_s else 0.0
+
+    @property
+    def itemsize(self) -> int:
+        return self.nbytes // max(1, math.prod(self.shape)) if self.nbytes else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """An alias family: the records that share one live storage, and the span they cover.
+
+    Attributes:
+        family: the family id.
+        records: ``seq`` of each member, in pack order.
+        span_bytes: bytes of the storage span the members cover (what an offload copies once).
+        storage_nbytes: bytes of the whole storage.
+        is_parameter: the storage is a parameter's or buffer's.
+        first_pack_event / last_use_event: the family's lifetime on the timeline.
+    """
+
+    family: int
+    step: int
+    records: tuple[int, ...]
+    span_bytes: int
+    storage_nbytes: int
+    is_parameter: bool
+    first_pack_event: int
+    last_use_event: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleSpan:
+    """One forward or backward of one module call, from its start to its end event."""
+
+    module: str
+    call_index: int
+    step: int
+    phase: str  # "forward" | "backward"
+    start_event: int
+    end_event: int
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trace:
+    """The recorded life of every saved tensor over one or more steps.
+
+    Build one with :func:`offload.profile` or the ``offload profile`` CLI; load one with
+    :meth:`Trace.load`.
+
+    Attributes:
+        records: every saved tensor, in pack order.
+        events: the timeline (module starts and ends, packs, unpacks), in order.
+        steps: how many steps were recorded.
+        metadata: free-form facts about the run (torch version, device, clock, memory probe).
+
+    Example:
+        >>> import torch, offload
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        >>> x = torch.randn(4, 8)
+        >>> trace = offload.profile(lambda: model(x).sum().backward(), model)
+        >>> trace.steps, len(trace.records) > 0
+        (1, True)
+    """
+
+    records: tuple[TensorRecord, ...]
+    events: tuple[Event, ...]
+    steps: int = 1
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    # -- derived facts -----------------------------------------------------------------------
+
+    def families(self) -> tuple[Family, ...]:
+        """Alias families in order of first pack."""
+        members: dict[int, list[TensorRecord]] = {}
+        for r in self.records:
+            members.setdefault(r.family, []).append(r)
+        out = []
+        for fam, rs in members.items():
+            out.append(
+                Family(
+                    family=fam,
+                    step=rs[0].step,
+                    records=tuple(r.seq for r in rs),
+                    span_bytes=_span_bytes(rs),
+                    storage_nbytes=rs[0].storage_nbytes,
+                    is_parameter=rs[0].is_parameter,
+                    first_pack_event=min(r.pack_event for r in rs),
+                    last_use_event=max(r.last_use_event for r in rs),
+                )
+            )
+        return tuple(out)
+
+    @property
+    def activation_records(self) -> tuple[TensorRecord, ...]:
+        """Records that are not parameters or buffers."""
+        return tuple(r for r in self.records if not r.is_parameter)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Activation bytes saved over the trace, each alias family counted once (its span)."""
+        return sum(f.span_bytes for f in self.families() if not f.is_parameter)
+
+    def live_saved_bytes(self) -> list[tuple[int, int]]:
+        """Live activation bytes after each event: ``[(event index, bytes), ...]``.
+
+        A family is live from its first pack through its last use (the last unpack of any
+        member; a family never unpacked stays live until the end of its step).
+        """
+        step_end: dict[int, int] = {}
+        for e in self.events:
+            if e.kind is EventKind.STEP_END:
+                step_end[e.step] = e.index
+        last_index = self.events[-1].index if self.events else 0
+        delta: dict[int, int] = {}
+        for f in self.families():
+            if f.is_parameter:
+                continue
+            unpacked = any(self.records[s].unpack_events for s in f.records)
+            end = f.last_use_event if unpacked else step_end.get(f.step, last_index)
+            delta[f.first_pack_event] = delta.get(f.first_pack_event, 0) + f.span_bytes
+            # Bytes leave right after their last use.
+            delta[end + 1] = delta.get(end + 1, 0) - f.span_bytes
+        out, live = [], 0
+        for e in self.events:
+            live += delta.get(e.index, 0)
+            out.append((e.index, live))
+        return out
+
+    @property
+    def peak_saved_bytes(self) -> int:
+        """Peak of :meth:`live_saved_bytes` (0 for an empty trace)."""
+        return max((b for _, b in self.live_saved_bytes()), default=0)
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """Peak of the memory probe over the timeline (allocator bytes on GPU)."""
+        return max((e.memory_bytes for e in self.events), default=0)
+
+    def bytes_by_module(self) -> dict[str, int]:
+        """Activation bytes per module path (each family counted once, at its first record)."""
+        out: dict[str, int] = {}
+        for f in self.families():
+            if f.is_parameter:
+                continue
+            first = self.records[f.records[0]]
+            out[first.module] = out.get(first.module, 0) + f.span_bytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def lifetimes_s(self) -> list[float]:
+        """Pack-to-last-use seconds of each activation record that was unpacked."""
+        return [r.lifetime_s for r in self.activation_records if r.unpack_events]
+
+    def alias_counts(self) -> dict[int, int]:
+        """How many records share each activation family: ``{family: count}``."""
+        counts: dict[int, int] = {}
+        for r in self.activation_records:
+            counts[r.family] = counts.get(r.family, 0) + 1
+        return counts
+
+    def module_spans(self) -> tuple[ModuleSpan, ...]:
+        """Forward and backward spans of every module call, ordered by start."""
+        open_: dict[tuple[str, int, int, str], Event] = {}
+        spans = []
+        pairs = {
+            EventKind.FORWARD_START: ("forward", True),
+            EventKind.FORWARD_END: ("forward", False),
+            EventKind.BACKWARD_START: ("backward", True),
+            EventKind.BACKWARD_END: ("backward", False),
+        }
+        for e in self.events:
+            if e.kind not in pairs:
+                continue
+            phase, is_start = pairs[e.kind]
+            k = (e.module, e.call_index, e.step, phase)
+            if is_start:
+                open_.setdefault(k, e)
+                continue
+            start = open_.pop(k, None)
+            if start is not None:
+                spans.append(
+                    ModuleSpan(
+                        module=e.module,
+                        call_index=e.call_index,
+                        step=e.step,
+                        phase=phase,
+                        start_event=start.index,
+                        end_event=e.index,
+                        start_s=start.time_s,
+                        end_s=e.time_s,
+                    )
+                )
+        # A backward whose end was not seen (the module's inputs need no gradient: the first
+        # layer, the root) ends with its step.
+        step_end = {e.step: e for e in self.events if e.kind is EventKind.STEP_END}
+        for (module, call_index, step, phase), start in open_.items():
+            end = step_end.get(step)
+            if phase == "backward" and end is not None:
+                spans.append(
+                    ModuleSpan(
+                        module=module,
+                        call_index=call_index,
+                        step=step,
+                        phase=phase,
+                        start_event=start.index,
+                        end_event=end.index,
+                        start_s=start.time_s,
+                        end_s=end.time_s,
+                    )
+                )
+        return tuple(sorted(spans, key=lambda s: s.start_event))
+
+    def summary(self, top: int = 10) -> str:
+        """A plain-text report: totals, peak, top modules, lifetimes, aliasing."""
+        from lifecycle._report import summarize
+
+        return summarize(self, top=top)
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (lists for tuples, strings for enums)."""
+        return {
+            "format": _FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "steps": self.steps,
+            "metadata": dict(self.metadata),
+            "records": [_record_to_json(r) for r in self.records],
+            "events": [_event_to_json(e) for e in self.events],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Trace:
+        """Inverse of :meth:`to_dict`; raises ``ValueError`` for another format or schema."""
+        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
+            raise ValueError("not an offload trace: expected a JSON object with format 'offload.trace'")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(
+                f"trace schema_version {version!r} is not supported; this offload reads "
+                f"schema_version {SCHEMA_VERSION}"
+            )
+        return cls(
+            records=tuple(_record_from_json(r) for r in data["records"]),
+            events=tuple(_event_from_json(e) for e in data["events"]),
+            steps=int(data["steps"]),
+            metadata=dict(data.get("metadata", {})),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the trace as JSON to ``path`` (atomically: a temp file, then a rename)."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, separators=(",", ":"))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Trace:
+        """Read a trace written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            ValueError: the file is not an offload trace, or has another schema version.
+        """
+        with open(os.fspath(path), encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    def __post_init__(self) -> None:
+        # Records are addressed by position everywhere (events carry ``record=seq``).
+        for i, r in enumerate(self.records):
+            if r.seq != i:
+                raise ValueError(f"records must be in seq order with seq == position; record {i} has seq {r.seq}")
+        for i, e in enumerate(self.events):
+            if e.index != i:
+                raise ValueError(f"events must be in index order with index == position; event {i} has index {e.index}")
+
+
+def _span_bytes(records: Iterable[TensorRecord]) -> int:
+    """Bytes of the storage span covered by views (offset/shape/stride in elements)."""
+    lo, hi = None, 0
+    for r in records:
+        item = r.itemsize
+        if r.nbytes == 0:
+            continue
+        extent = 1 + sum((n - 1) * abs(s) for n, s in zip(r.shape, r.stride, strict=True))
+        start = r.storage_offset * item
+        end = start + extent * item
+        lo = start if lo is None else min(lo, start)
+        hi = max(hi, end)
+    if lo is None:
+        return 0
+    return hi - lo
+
+
+def _record_to_json(r: TensorRecord) -> dict[str, Any]:
+    d = asdict(r)
+    for k in ("shape", "stride", "unpack_events", "unpack_times_s"):
+        d[k] = list(d[k])
+    return d
+
+
+def _record_from_json(d: Mapping[str, Any]) -> TensorRecord:
+    d = dict(d)
+    for k in ("shape", "stride", "unpack_events", "unpack_times_s"):
+        d[k] = tuple(d[k])
+    return TensorRecord(**d)
+
+
+def _event_to_json(e: Event) -> dict[str, Any]:
+    d = asdict(e)
+    d["kind"] = e.kind.value
+    return d
+
+
+def _event_from_json(d: Mapping[str, Any]) -> Event:
+    d = dict(d)
+    d["kind"] = EventKind(d["kind"])
+    return Event(**d)

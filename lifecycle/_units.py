@@ -1,0 +1,79 @@
+"""Byte quantities: parsing budget strings and printing sizes, in one place."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+    "t": 1 << 40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str, *, name: str = "value", total: int | None = None) -> int:
+    """Parse ``12GiB``, ``512MB``, ``1e9``-free integers, or ``"85%"`` (of ``total``) into bytes.
+
+    Args:
+        value: an int (bytes) or a string with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; K, M,
+            G, T mean KiB, MiB, GiB, TiB) or a percentage when ``total`` is given.
+        name: the argument's name, used in error messages.
+        total: what a percentage is a share of.
+
+    Raises:
+        ValueError: the value is negative, unparsable, or a percentage without a total.
+        TypeError: the value is neither int nor str.
+
+    Example:
+        >>> parse_bytes("1.5GiB")
+        1610612736
+        >>> parse_bytes("50%", total=1000)
+        500
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{name} must be an int (bytes) or a string like '12GiB' or '85%'; got {type(value).__name__}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 bytes; got {value}")
+        return value
+    text = value.strip()
+    if text.endswith("%"):
+        if total is None:
+            raise ValueError(f"{name}={value!r}: a percentage needs a known total (device memory)")
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a percentage like '85%'") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"{name}={value!r}: a percentage must be in (0, 100]")
+        return int(total * pct / 100)
+    m = _PATTERN.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"{name}={value!r} is not a size; use bytes or a number with one of B, KB, MB, GB, TB, "
+            "KiB, MiB, GiB, TiB (e.g. '12GiB')"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``: binary units, three significant digits."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

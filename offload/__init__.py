@@ -1,0 +1,40 @@
+"""offload: an activation memory manager for PyTorch training.
+
+Profile a step to learn when each saved tensor is created and last used, plan where each one
+waits (GPU, pinned host memory, NVMe, or recomputed), and run that plan with overlapped copies.
+``import offload`` is all a user needs.
+"""
+
+from lifecycle import (
+    Event,
+    EventKind,
+    Family,
+    ModuleSpan,
+    Recorder,
+    TensorRecord,
+    Trace,
+    write_memory_png,
+    write_perfetto,
+)
+from offload._errors import OffloadError
+from offload._profile import profile
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # profiling
+    "Recorder",
+    "profile",
+    # data
+    "Event",
+    "EventKind",
+    "Family",
+    "ModuleSpan",
+    "TensorRecord",
+    "Trace",
+    # exports
+    "write_memory_png",
+    "write_perfetto",
+    # errors
+    "OffloadError",
+]

@@ -1,0 +1,7 @@
+"""``python -m offload``: the same as the ``offload`` console script."""
+
+import sys
+
+from offload._cli import main
+
+sys.exit(main())

@@ -1,0 +1,25 @@
+"""The ``offload`` command line (also ``python -m offload``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="offload", description="Activation memory manager for PyTorch training.")
+    sub = p.add_subparsers(dest="command", required=True)
+    from offload import _cli_info, _cli_profile
+
+    _cli_profile.add_parser(sub)
+    _cli_info.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The compute device, and its clock and memory probe for the recorder.
+
+Nothing here runs at import: CUDA is touched only when a model on a CUDA device is profiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lifecycle import Clock, MemoryProbe, MonotonicClock
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (CPU for a model with neither)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+class CudaClock:
+    """Stamps are CUDA events on the current stream; resolved after one synchronize at the end,
+    so stamping never blocks the host on the GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def stamp(self) -> object:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def seconds(self, stamps: Sequence[object]) -> list[float]:
+        if not stamps:
+            return []
+        torch.cuda.synchronize(self.device)
+        first = stamps[0]
+        return [first.elapsed_time(s) / 1e3 for s in stamps]  # type: ignore[attr-defined]
+
+
+def clock_and_probe(device: torch.device) -> tuple[Clock, MemoryProbe | None, str]:
+    """The clock, memory probe and a label for ``device``: CUDA events and allocated bytes on a
+    CUDA device; the host clock and live saved bytes elsewhere."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        dev = torch.device("cuda", index)
+
+        def cuda_memory_allocated() -> int:
+            return torch.cuda.memory_allocated(dev)
+
+        return CudaClock(dev), cuda_memory_allocated, str(dev)
+    return MonotonicClock(), None, str(device)
