@@ -6,6 +6,8 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from lifecycle._units import format_bytes
+
 if TYPE_CHECKING:
     from lifecycle._trace import Trace
 
@@ -18,8 +20,20 @@ def perfetto_events(trace: Trace) -> list[dict[str, Any]]:
     tracks ("C") of live saved bytes and memory in use. Times are microseconds."""
     out: list[dict[str, Any]] = [
         {"ph": "M", "pid": _PID, "name": "process_name", "args": {"name": "offload trace"}},
-        {"ph": "M", "pid": _PID, "tid": _TIDS["forward"], "name": "thread_name", "args": {"name": "forward"}},
-        {"ph": "M", "pid": _PID, "tid": _TIDS["backward"], "name": "thread_name", "args": {"name": "backward"}},
+        {
+            "ph": "M",
+            "pid": _PID,
+            "tid": _TIDS["forward"],
+            "name": "thread_name",
+            "args": {"name": "forward"},
+        },
+        {
+            "ph": "M",
+            "pid": _PID,
+            "tid": _TIDS["backward"],
+            "name": "thread_name",
+            "args": {"name": "backward"},
+        },
     ]
     for s in trace.module_spans():
         out.append(
@@ -37,8 +51,24 @@ def perfetto_events(trace: Trace) -> list[dict[str, Any]]:
     live = dict(trace.live_saved_bytes())
     for e in trace.events:
         ts = e.time_s * 1e6
-        out.append({"ph": "C", "pid": _PID, "name": "live saved bytes", "ts": ts, "args": {"bytes": live.get(e.index, 0)}})
-        out.append({"ph": "C", "pid": _PID, "name": "memory in use", "ts": ts, "args": {"bytes": e.memory_bytes}})
+        out.append(
+            {
+                "ph": "C",
+                "pid": _PID,
+                "name": "live saved bytes",
+                "ts": ts,
+                "args": {"bytes": live.get(e.index, 0)},
+            }
+        )
+        out.append(
+            {
+                "ph": "C",
+                "pid": _PID,
+                "name": "memory in use",
+                "ts": ts,
+                "args": {"bytes": e.memory_bytes},
+            }
+        )
     return out
 
 
@@ -60,30 +90,44 @@ def write_memory_png(trace: Trace, path: str | os.PathLike[str]) -> None:
         ImportError: matplotlib is missing; the message names the ``plot`` extra.
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        # A bare Figure renders with Agg and leaves pyplot's global state (and backend) alone.
+        from matplotlib.figure import Figure
     except ImportError as e:
         raise ImportError(
             "the memory-timeline PNG needs matplotlib: pip install 'offload[plot]'"
         ) from e
+    live_b = [b for _, b in trace.live_saved_bytes()]
+    mem_b = [e.memory_bytes for e in trace.events]
+    top = max([*live_b, *mem_b, 1])
+    unit, scale = next(
+        (u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if top >= s
+    )
     times = [e.time_s * 1e3 for e in trace.events]
-    live = [b / 2**20 for _, b in trace.live_saved_bytes()]
-    mem = [e.memory_bytes / 2**20 for e in trace.events]
-    fig, ax = plt.subplots(figsize=(10, 4), dpi=100)
-    try:
-        ax.step(times, live, where="post", label="live saved activation bytes")
-        if trace.metadata.get("memory_probe") != "live_saved_storage_bytes":
-            ax.step(times, mem, where="post", label="memory in use", alpha=0.7)
-        for s in trace.module_spans():
-            if s.phase == "backward" and s.module.count(".") == 0:
-                ax.axvspan(s.start_s * 1e3, s.end_s * 1e3, color="0.9", zorder=0)
-        ax.set_xlabel("time (ms)")
-        ax.set_ylabel("MiB")
-        ax.set_title(f"saved-tensor memory over {trace.steps} step(s); peak {max(live, default=0):.1f} MiB")
-        ax.legend(loc="upper right")
-        fig.tight_layout()
-        fig.savefig(os.fspath(path))
-    finally:
-        plt.close(fig)
+    on_cpu = trace.metadata.get("memory_probe") == "live_saved_storage_bytes"
+    fig = Figure(figsize=(10, 4), dpi=100)
+    ax = fig.subplots()
+    ax.step(
+        times,
+        [b / scale for b in live_b],
+        where="post",
+        label="live saved activations (pack to last use)",
+    )
+    ax.step(
+        times,
+        [b / scale for b in mem_b],
+        where="post",
+        alpha=0.7,
+        label="saved storages still held" if on_cpu else "allocated device memory",
+    )
+    for s in trace.module_spans():
+        if s.phase == "backward" and s.module.count(".") == 0:
+            ax.axvspan(s.start_s * 1e3, s.end_s * 1e3, color="0.92", zorder=0)
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel(unit)
+    ax.set_title(
+        f"saved-tensor memory over {trace.steps} step(s) (backward shaded); "
+        f"peak live {format_bytes(trace.peak_saved_bytes)}"
+    )
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(os.fspath(path))

@@ -58,10 +58,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 class _Packed:
     """What the recorder's pack hook returns: the tensor, and which record it is."""
 
-    __slots__ = ("__weakref__", "family", "recorder", "seq", "tensor")
+    __slots__ = ("__weakref__", "epoch", "family", "recorder", "seq", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, seq: int, family: int, recorder: Recorder | None):
+    def __init__(
+        self, tensor: torch.Tensor, seq: int, family: int, recorder: Recorder | None, epoch: int
+    ):
         self.tensor = tensor
+        self.epoch = epoch
         self.seq = seq
         self.family = family
         self.recorder = recorder
@@ -112,6 +115,8 @@ class Recorder:
         boundary: ``"manual"`` (steps are :meth:`begin_step` / :meth:`end_step`) or
             ``"backward"`` (each completed backward pass ends a step).
         max_steps: stop recording after this many steps (0 = no limit).
+        warmup_steps: steps recorded and then thrown away before the first kept one (under
+            ``boundary="backward"`` the recorder must watch them to see where they end).
 
     Example:
         >>> import torch
@@ -134,17 +139,23 @@ class Recorder:
         memory_probe: MemoryProbe | None = None,
         boundary: StepBoundary | str = StepBoundary.MANUAL,
         max_steps: int = 0,
+        warmup_steps: int = 0,
     ) -> None:
         if clock is not None and not isinstance(clock, Clock):
             raise TypeError(f"clock must provide stamp() and seconds(); got {type(clock).__name__}")
         if memory_probe is not None and not callable(memory_probe):
-            raise TypeError(f"memory_probe must be a callable returning bytes; got {memory_probe!r}")
+            raise TypeError(
+                f"memory_probe must be a callable returning bytes; got {memory_probe!r}"
+            )
         try:
             self._boundary = StepBoundary(boundary)
         except ValueError:
             raise ValueError(f"boundary must be 'manual' or 'backward'; got {boundary!r}") from None
         if not isinstance(max_steps, int) or max_steps < 0:
             raise ValueError(f"max_steps must be an int >= 0; got {max_steps!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0; got {warmup_steps!r}")
+        self._warmup_left = warmup_steps
         self._clock = clock or MonotonicClock()
         self._probe = memory_probe
         self._max_steps = max_steps
@@ -155,6 +166,8 @@ class Recorder:
         self._records: list[_Pending] = []
         self._steps_done = 0
         self._recording = False
+        # Bumped whenever recorded data is thrown away; handles of older epochs are ignored.
+        self._epoch = 0
         # Per step.
         self._families: dict[int, list[_Family]] = {}
         self._by_id: dict[int, _Family] = {}
@@ -167,7 +180,8 @@ class Recorder:
         self._param_storages: dict[int, weakref.ref] = {}
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._roots: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
-        self._on_step_end: list[Callable[[int], None]] = []
+        self._on_step_end: list[Callable[[int, bool], None]] = []
+        self._step_first = (0, 0)
 
     # -- public control ----------------------------------------------------------------------
 
@@ -185,8 +199,8 @@ class Recorder:
         """True once ``max_steps`` steps have been recorded."""
         return bool(self._max_steps) and self._steps_done >= self._max_steps
 
-    def on_step_end(self, fn: Callable[[int], None]) -> None:
-        """Call ``fn(steps_recorded)`` after each step ends (the CLI shows progress with it)."""
+    def on_step_end(self, fn: Callable[[int, bool], None]) -> None:
+        """Call ``fn(steps_recorded, was_warmup)`` after each step ends (the CLI shows progress)."""
         self._on_step_end.append(fn)
 
     def begin_step(self) -> None:
@@ -199,20 +213,47 @@ class Recorder:
             self._call_counts.clear()
             self._families.clear()
             self._graph_task = None
+            self._step_first = (len(self._events), len(self._records))
             self._event(EventKind.STEP_START)
 
     def end_step(self) -> None:
-        """Finish the current step; a no-op when none is being recorded."""
+        """Finish the current step; a no-op when none is being recorded.
+
+        A warm-up step is thrown away here. Under ``boundary="backward"`` the next step begins at
+        once (until ``max_steps`` are recorded).
+        """
         with self._lock:
             if not self._recording:
                 return
-            self._event(EventKind.STEP_END)
             self._recording = False
-            self._steps_done += 1
             self._stack.clear()
+            if self._warmup_left:
+                self._warmup_left -= 1
+                self._discard_current()
+                warmup = True
+            else:
+                self._event(EventKind.STEP_END)
+                self._steps_done += 1
+                self._step_first = (len(self._events), len(self._records))
+                warmup = False
             callbacks = list(self._on_step_end)
         for fn in callbacks:
-            fn(self._steps_done)
+            fn(self._steps_done, warmup)
+        if self._boundary is StepBoundary.BACKWARD:
+            self.begin_step()
+
+    def discard_partial_step(self) -> None:
+        """Throw away a step still being recorded (the script raised in the middle of it)."""
+        with self._lock:
+            if self._recording:
+                self._recording = False
+                self._stack.clear()
+                self._discard_current()
+
+    def _discard_current(self) -> None:
+        n_events, n_records = self._step_first
+        del self._events[n_events:], self._stamps[n_events:], self._records[n_records:]
+        self._epoch += 1
 
     def add_parameters(self, module: nn.Module) -> None:
         """Treat ``module``'s parameters and buffers (by storage) as parameters, not activations."""
@@ -264,8 +305,15 @@ class Recorder:
             yield self
 
     def trace(self, metadata: dict[str, Any] | None = None) -> Trace:
-        """Freeze what was recorded into a :class:`Trace` (ends a step still being recorded)."""
-        self.end_step()
+        """Freeze what was recorded into a :class:`Trace`.
+
+        Under ``boundary="manual"`` a step still being recorded is ended first; under
+        ``"backward"`` it is incomplete (no backward finished it) and is thrown away.
+        """
+        if self._boundary is StepBoundary.BACKWARD:
+            self.discard_partial_step()
+        else:
+            self.end_step()
         with self._lock:
             seconds = self._clock.seconds(self._stamps)
             by_stamp = dict(zip(map(id, self._stamps), seconds, strict=True))
@@ -285,14 +333,20 @@ class Recorder:
             meta = {
                 "torch_version": torch.__version__,
                 "clock": type(self._clock).__name__,
-                "memory_probe": "live_saved_storage_bytes" if self._probe is None else getattr(self._probe, "__name__", "custom"),
+                "memory_probe": "live_saved_storage_bytes"
+                if self._probe is None
+                else getattr(self._probe, "__name__", "custom"),
             }
             meta.update(metadata or {})
-            return Trace(records=tuple(records), events=tuple(events), steps=self._steps_done, metadata=meta)
+            return Trace(
+                records=tuple(records), events=tuple(events), steps=self._steps_done, metadata=meta
+            )
 
     # -- events ------------------------------------------------------------------------------
 
-    def _event(self, kind: EventKind, module: str = "", call_index: int = -1, record: int = -1) -> int:
+    def _event(
+        self, kind: EventKind, module: str = "", call_index: int = -1, record: int = -1
+    ) -> int:
         # Caller holds the lock. Stamps are objects so ``id()`` maps them back after resolving.
         stamp = self._clock.stamp()
         if type(stamp) is float:
@@ -381,7 +435,7 @@ class Recorder:
 
     def _pack(self, t: torch.Tensor) -> _Packed:
         if not self._recording:
-            return _Packed(t.detach(), -1, -1, None)
+            return _Packed(t.detach(), -1, -1, None, -1)
         local = local_tensor(t)
         storage = local.untyped_storage()
         sid = id(storage)
@@ -437,10 +491,10 @@ class Recorder:
                     pack_stamp=self._stamps[ev],
                 )
             )
-        return _Packed(t.detach(), seq, fam.family if not is_param else -1, self)
+        return _Packed(t.detach(), seq, fam.family if not is_param else -1, self, self._epoch)
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
-        if packed.seq >= 0 and self._recording:
+        if packed.seq >= 0 and self._recording and packed.epoch == self._epoch:
             with self._lock:
                 p = self._records[packed.seq]
                 f = p.fields
@@ -466,9 +520,8 @@ class Recorder:
         ref = self._param_storages.get(sid)
         if ref is not None and ref() is storage:
             return True
-        if isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter):
-            return True
-        return False
+        # FSDP2 and ``weight.t()`` hand over views whose base is the Parameter.
+        return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
 class _FloatStamp(float):

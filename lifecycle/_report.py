@@ -14,7 +14,7 @@ def _quantiles(values: list[float], qs: tuple[float, ...]) -> list[float]:
     if not values:
         return [0.0 for _ in qs]
     v = sorted(values)
-    return [v[min(len(v) - 1, int(round(q * (len(v) - 1))))] for q in qs]
+    return [v[min(len(v) - 1, round(q * (len(v) - 1)))] for q in qs]
 
 
 def summarize(trace: Trace, top: int = 10) -> str:
@@ -38,7 +38,9 @@ def summarize(trace: Trace, top: int = 10) -> str:
         lines.append(f"  top modules by saved bytes (of {len(by_mod)}):")
         width = min(48, max(len(m or "<outside modules>") for m in list(by_mod)[:top]))
         for mod, b in list(by_mod.items())[:top]:
-            lines.append(f"    {(mod or '<outside modules>'):<{width}}  {format_bytes(b / steps):>11}  {100 * b / total:5.1f}%")
+            lines.append(
+                f"    {(mod or '<outside modules>'):<{width}}  {format_bytes(b / steps):>11}  {100 * b / total:5.1f}%"
+            )
     life = trace.lifetimes_s()
     if life:
         p = _quantiles(life, (0.0, 0.5, 0.9, 1.0))
@@ -58,5 +60,7 @@ def summarize(trace: Trace, top: int = 10) -> str:
         )
     in_bwd = sum(1 for r in trace.records if r.in_backward)
     if in_bwd:
-        lines.append(f"  packed during backward          : {in_bwd} records (recomputation / double backward)")
+        lines.append(
+            f"  packed during backward          : {in_bwd} records (recomputation / double backward)"
+        )
     return "\n".join(lines)

@@ -359,7 +359,9 @@ class Trace:
     def from_dict(cls, data: Mapping[str, Any]) -> Trace:
         """Inverse of :meth:`to_dict`; raises ``ValueError`` for another format or schema."""
         if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
-            raise ValueError("not an offload trace: expected a JSON object with format 'offload.trace'")
+            raise ValueError(
+                "not an offload trace: expected a JSON object with format 'offload.trace'"
+            )
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(
@@ -400,10 +402,14 @@ class Trace:
         # Records are addressed by position everywhere (events carry ``record=seq``).
         for i, r in enumerate(self.records):
             if r.seq != i:
-                raise ValueError(f"records must be in seq order with seq == position; record {i} has seq {r.seq}")
+                raise ValueError(
+                    f"records must be in seq order with seq == position; record {i} has seq {r.seq}"
+                )
         for i, e in enumerate(self.events):
             if e.index != i:
-                raise ValueError(f"events must be in index order with index == position; event {i} has index {e.index}")
+                raise ValueError(
+                    f"events must be in index order with index == position; event {i} has index {e.index}"
+                )
 
 
 def _span_bytes(records: Iterable[TensorRecord]) -> int:

@@ -43,7 +43,9 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
         500
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{name} must be an int (bytes) or a string like '12GiB' or '85%'; got {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be an int (bytes) or a string like '12GiB' or '85%'; got {type(value).__name__}"
+        )
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes; got {value}")

@@ -11,7 +11,9 @@ from lifecycle import Recorder, Trace
 from offload._device import clock_and_probe, compute_device
 
 
-def profile(step_fn: Callable[[], Any], model: nn.Module, *, warmup_steps: int = 1, steps: int = 1) -> Trace:
+def profile(
+    step_fn: Callable[[], Any], model: nn.Module, *, warmup_steps: int = 1, steps: int = 1
+) -> Trace:
     """Record the life of every tensor autograd saves during training steps.
 
     ``step_fn`` runs one whole step (forward and backward; an optimizer step too if you like). It
@@ -40,7 +42,9 @@ def profile(step_fn: Callable[[], Any], model: nn.Module, *, warmup_steps: int =
         ['0', '1', '2']
     """
     if not callable(step_fn):
-        raise TypeError(f"step_fn must be a callable running forward and backward; got {type(step_fn).__name__}")
+        raise TypeError(
+            f"step_fn must be a callable running forward and backward; got {type(step_fn).__name__}"
+        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:

@@ -1,0 +1,203 @@
+"""``offload profile``: record the saved tensors of an unmodified training script."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from lifecycle import MonotonicClock, Recorder, Trace, write_memory_png, write_perfetto
+
+
+class _ProfileComplete(BaseException):
+    """Raised into the script at its next module call once the requested steps are recorded.
+
+    A BaseException so that a script's ``except Exception`` does not swallow it.
+    """
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="record when each saved tensor of a training script is created and used",
+        description=(
+            "Run SCRIPT (a normal training script, unmodified) with global module hooks and "
+            "saved-tensor hooks; one backward pass is one step. Writes trace.json, a Perfetto "
+            "trace and a memory-timeline PNG into --out and prints a summary. Options go before "
+            "SCRIPT; everything after SCRIPT is passed to it."
+        ),
+    )
+    p.add_argument(
+        "--steps", type=int, default=1, help="steps (backward passes) to record (default 1)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=1, help="steps to run before recording (default 1)"
+    )
+    p.add_argument(
+        "--out", default="offload-profile", help="output directory (default ./offload-profile)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("script", help="the training script to run")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(run=run)
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"offload profile: error: {msg}", file=sys.stderr)
+    return code
+
+
+def _prepare_out(out: str) -> str | None:
+    """Create ``out`` and check it is writable; return an error message or None."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        return f"cannot create output directory {out!r}: {e.strerror or e}"
+    if not os.path.isdir(out):
+        return f"output path {out!r} exists and is not a directory"
+    probe = os.path.join(out, f".offload-write-test-{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("x")
+        os.unlink(probe)
+    except OSError as e:
+        return f"output directory {out!r} is not writable: {e.strerror or e}"
+    return None
+
+
+def _clock_and_probe() -> tuple[Any, Any, str]:
+    # The script's device is unknown until it runs; on a CUDA machine time with CUDA events and
+    # read the allocator (the script will use CUDA anyway); elsewhere the host clock.
+    if torch.cuda.is_available():
+        from offload._device import clock_and_probe
+
+        return clock_and_probe(torch.device("cuda", torch.cuda.current_device()))
+    return MonotonicClock(), None, "cpu"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        return _fail(f"--steps must be >= 1; got {args.steps}")
+    if args.warmup < 0:
+        return _fail(f"--warmup must be >= 0; got {args.warmup}")
+    script = args.script
+    if not os.path.isfile(script):
+        return _fail(f"script {script!r} not found")
+    err = _prepare_out(args.out)
+    if err:
+        return _fail(err)
+    script_args = list(args.script_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+
+    clock, probe, device = _clock_and_probe()
+    rec = Recorder(
+        clock=clock,
+        memory_probe=probe,
+        boundary="backward",
+        max_steps=args.steps,
+        warmup_steps=args.warmup,
+    )
+    t0 = time.perf_counter()
+
+    def progress(done: int, warmup: bool) -> None:
+        if args.quiet:
+            return
+        elapsed = time.perf_counter() - t0
+        if warmup:
+            print(f"offload: warm-up step done ({elapsed:.1f} s)", file=sys.stderr, flush=True)
+        else:
+            print(
+                f"offload: recorded step {done}/{args.steps} ({elapsed:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    rec.on_step_end(progress)
+
+    def stop_when_done(module: nn.Module, inputs: Any) -> None:
+        if rec.done:
+            raise _ProfileComplete
+
+    if not args.quiet:
+        print(
+            f"offload: profiling {script} (warm-up {args.warmup}, recording {args.steps} step(s); "
+            "one backward pass = one step)",
+            file=sys.stderr,
+            flush=True,
+        )
+    failure: BaseException | None = None
+    old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    stop = nn.modules.module.register_module_forward_pre_hook(stop_when_done)
+    rec.begin_step()
+    try:
+        with rec.attach_global(), rec.hooks():
+            runpy.run_path(script, run_name="__main__")
+    except _ProfileComplete:
+        pass
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            failure = e
+    except BaseException as e:  # the script's own failure: still write what was recorded
+        failure = e
+    finally:
+        stop.remove()
+        sys.argv = old_argv
+        if sys.path and sys.path[0] != old_path0:
+            sys.path.pop(0)
+
+    trace = rec.trace(
+        {
+            "device": device,
+            "script": script,
+            "warmup_steps": args.warmup,
+            "source": "offload profile",
+        }
+    )
+    if trace.steps == 0:
+        if failure is not None:
+            _describe_failure(script, failure)
+            return _fail("the script failed before any step completed; no trace written", 1)
+        return _fail(
+            f"no backward pass ran in {script} after {args.warmup} warm-up step(s); nothing to "
+            "record (does the script call loss.backward()? lower --warmup?)",
+            1,
+        )
+    paths = _write_outputs(trace, args.out)
+    print(trace.summary())
+    for p in paths:
+        print(f"wrote {p}")
+    if failure is not None:
+        _describe_failure(script, failure)
+        return _fail(
+            f"the script failed; wrote the trace of the {trace.steps} completed step(s)", 1
+        )
+    return 0
+
+
+def _describe_failure(script: str, exc: BaseException) -> None:
+    import traceback
+
+    print(f"offload profile: {script} raised:", file=sys.stderr)
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+
+
+def _write_outputs(trace: Trace, out: str) -> list[str]:
+    paths = [os.path.join(out, "trace.json"), os.path.join(out, "trace.perfetto.json")]
+    trace.save(paths[0])
+    write_perfetto(trace, paths[1])
+    png = os.path.join(out, "memory.png")
+    try:
+        write_memory_png(trace, png)
+        paths.append(png)
+    except ImportError as e:
+        print(f"offload: skipped {png}: {e}", file=sys.stderr)
+    return paths
