@@ -103,7 +103,7 @@ def write_memory_png(trace: Trace, path: str | os.PathLike[str]) -> None:
         (u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if top >= s
     )
     times = [e.time_s * 1e3 for e in trace.events]
-    on_cpu = trace.metadata.get("memory_probe") == "live_saved_storage_bytes"
+    on_cpu = trace.metadata.get("memory_probe") == "live_saved_bytes"
     fig = Figure(figsize=(10, 4), dpi=100)
     ax = fig.subplots()
     ax.step(
@@ -112,13 +112,14 @@ def write_memory_png(trace: Trace, path: str | os.PathLike[str]) -> None:
         where="post",
         label="live saved activations (pack to last use)",
     )
-    ax.step(
-        times,
-        [b / scale for b in mem_b],
-        where="post",
-        alpha=0.7,
-        label="saved storages still held" if on_cpu else "allocated device memory",
-    )
+    if not on_cpu:  # on CPU the memory probe is the live saved curve itself
+        ax.step(
+            times,
+            [b / scale for b in mem_b],
+            where="post",
+            alpha=0.7,
+            label="allocated device memory",
+        )
     for s in trace.module_spans():
         if s.phase == "backward" and s.module.count(".") == 0:
             ax.axvspan(s.start_s * 1e3, s.end_s * 1e3, color="0.92", zorder=0)

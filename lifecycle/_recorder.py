@@ -16,13 +16,14 @@ NOTE [ Alias families ]
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from lifecycle._trace import Event, EventKind, TensorRecord, Trace
 
 MemoryProbe = Callable[[], int]
 
+LIVE_SAVED_BYTES = "live_saved_bytes"
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
@@ -55,35 +57,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _Packed:
-    """What the recorder's pack hook returns: the tensor, and which record it is."""
-
-    __slots__ = ("__weakref__", "epoch", "family", "recorder", "seq", "tensor")
-
-    def __init__(
-        self, tensor: torch.Tensor, seq: int, family: int, recorder: Recorder | None, epoch: int
-    ):
-        self.tensor = tensor
-        self.epoch = epoch
-        self.seq = seq
-        self.family = family
-        self.recorder = recorder
-
-    def __del__(self) -> None:
-        rec = self.recorder
-        if rec is not None:
-            rec._release(self.family)
-
-
-@dataclass
-class _Family:
-    storage_ref: weakref.ref
-    version: int
-    family: int
-    storage_nbytes: int
-    handles: int = 0
-
-
 @dataclass
 class _Call:
     """One module call being run: where packs go and what its backward hooks refer to."""
@@ -93,14 +66,56 @@ class _Call:
     packs: int = 0
 
 
-@dataclass
-class _Pending:
-    """A record under construction (unpacks are appended while backward runs)."""
+_RECORD_FIELDS = (
+    "seq",
+    "step",
+    "family",
+    "module",
+    "call_index",
+    "ordinal",
+    "nbytes",
+    "storage_nbytes",
+    "storage_offset",
+    "shape",
+    "stride",
+    "dtype",
+    "device",
+    "is_parameter",
+    "grad_fn",
+    "in_backward",
+    "pack_event",
+)
+_EVENT_FIELDS = ("kind", "step", "memory_bytes", "module", "call_index", "record")
 
-    fields: dict[str, Any]
-    pack_stamp: object
-    unpack_events: list[int] = field(default_factory=list)
-    unpack_stamps: list[object] = field(default_factory=list)
+
+# NOTE [ Recorder allocations ]
+#     Every object a pack leaves alive that Python's cyclic GC tracks makes the next full
+#     collection longer; with torch imported (~170k objects) one full collection took 0.2 s on the
+#     project's 2-core CI machine, which added several microseconds per pack when each pack kept
+#     an enum or a small object alive. Rows are therefore tuples of ints, strings and tuples of
+#     ints (the GC untracks those), event kinds are small ints, and the only per-pack survivors
+#     that stay tracked are the handle and its detached tensor.
+_KINDS = tuple(EventKind)
+_CODE = {k: i for i, k in enumerate(_KINDS)}
+_PACK, _UNPACK = _CODE[EventKind.PACK], _CODE[EventKind.UNPACK]
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(d)
+    if name is None:
+        name = _DTYPE_NAMES[d] = str(d)
+    return name
+
+
+def _device_name(d: torch.device) -> str:
+    name = _DEVICE_NAMES.get(d)
+    if name is None:
+        name = _DEVICE_NAMES[d] = str(d)
+    return name
 
 
 class Recorder:
@@ -111,7 +126,8 @@ class Recorder:
     Args:
         clock: where times come from (default: :class:`MonotonicClock`).
         memory_probe: ``() -> int`` bytes in use at each event (``torch.cuda.memory_allocated`` on
-            GPU); ``None`` reports the bytes of the storages saved tensors hold alive.
+            GPU); ``None`` reports live saved activation bytes (each alias family counted once,
+            from its first pack to its last use).
         boundary: ``"manual"`` (steps are :meth:`begin_step` / :meth:`end_step`) or
             ``"backward"`` (each completed backward pass ends a step).
         max_steps: stop recording after this many steps (0 = no limit).
@@ -161,18 +177,18 @@ class Recorder:
         self._max_steps = max_steps
         self._lock = threading.RLock()
         # Timeline.
-        self._events: list[dict[str, Any]] = []
+        # Rows in _EVENT_FIELDS / _RECORD_FIELDS order; see NOTE [ Recorder allocations ].
+        self._events: list[tuple[Any, ...]] = []
         self._stamps: list[object] = []
-        self._records: list[_Pending] = []
+        self._records: list[tuple[Any, ...]] = []
         self._steps_done = 0
         self._recording = False
-        # Bumped whenever recorded data is thrown away; handles of older epochs are ignored.
-        self._epoch = 0
         # Per step.
-        self._families: dict[int, list[_Family]] = {}
-        self._by_id: dict[int, _Family] = {}
+        # id(detached tensor handed to autograd) -> record seq; see NOTE [ Recorder allocations ].
+        self._seq_of: dict[int, int] = {}
+        # (id(storage), version) -> (weak storage, family id, storage bytes).
+        self._family_of: dict[tuple[int, int], tuple[weakref.ref, int, int]] = {}
         self._next_family = 0
-        self._live_bytes = 0
         self._stack: list[_Call] = []
         self._call_counts: dict[str, int] = {}
         self._graph_task: int | None = None
@@ -211,7 +227,7 @@ class Recorder:
             self._recording = True
             self._stack.clear()
             self._call_counts.clear()
-            self._families.clear()
+            self._family_of.clear()
             self._graph_task = None
             self._step_first = (len(self._events), len(self._records))
             self._event(EventKind.STEP_START)
@@ -252,8 +268,9 @@ class Recorder:
 
     def _discard_current(self) -> None:
         n_events, n_records = self._step_first
-        del self._events[n_events:], self._stamps[n_events:], self._records[n_records:]
-        self._epoch += 1
+        del self._events[n_events:], self._records[n_records:], self._stamps[n_events:]
+        # Handles of thrown-away records must not log unpacks into later steps.
+        self._seq_of.clear()
 
     def add_parameters(self, module: nn.Module) -> None:
         """Treat ``module``'s parameters and buffers (by storage) as parameters, not activations."""
@@ -316,54 +333,60 @@ class Recorder:
             self.end_step()
         with self._lock:
             seconds = self._clock.seconds(self._stamps)
-            by_stamp = dict(zip(map(id, self._stamps), seconds, strict=True))
             events = []
-            for i, (e, s) in enumerate(zip(self._events, seconds, strict=True)):
-                events.append(Event(index=i, time_s=s, **e))
+            for i, (row, t) in enumerate(zip(self._events, seconds, strict=True)):
+                e = dict(zip(_EVENT_FIELDS, row, strict=True))
+                e["kind"] = _KINDS[e["kind"]]
+                events.append(Event(index=i, time_s=t, **e))
+            unpacks: dict[int, list[int]] = {}
+            for e in events:
+                if e.kind is EventKind.UNPACK:
+                    unpacks.setdefault(e.record, []).append(e.index)
             records = []
-            for p in self._records:
+            for row in self._records:
+                f = dict(zip(_RECORD_FIELDS, row, strict=True))
+                used = unpacks.get(f["seq"], ())
                 records.append(
                     TensorRecord(
-                        **p.fields,
-                        pack_time_s=by_stamp[id(p.pack_stamp)],
-                        unpack_events=tuple(p.unpack_events),
-                        unpack_times_s=tuple(by_stamp[id(s)] for s in p.unpack_stamps),
+                        **f,
+                        pack_time_s=seconds[f["pack_event"]],
+                        unpack_events=tuple(used),
+                        unpack_times_s=tuple(seconds[e] for e in used),
                     )
                 )
             meta = {
                 "torch_version": torch.__version__,
                 "clock": type(self._clock).__name__,
-                "memory_probe": "live_saved_storage_bytes"
+                "memory_probe": LIVE_SAVED_BYTES
                 if self._probe is None
                 else getattr(self._probe, "__name__", "custom"),
             }
             meta.update(metadata or {})
-            return Trace(
+            trace = Trace(
                 records=tuple(records), events=tuple(events), steps=self._steps_done, metadata=meta
             )
+        if self._probe is None:
+            # Without a device memory probe, memory in use is the live saved activation bytes
+            # (pack to last use, each alias family once), known only now that last uses are.
+            live = dict(trace.live_saved_bytes())
+            trace = dataclasses.replace(
+                trace,
+                events=tuple(
+                    dataclasses.replace(e, memory_bytes=live[e.index]) for e in trace.events
+                ),
+            )
+        return trace
 
     # -- events ------------------------------------------------------------------------------
 
     def _event(
         self, kind: EventKind, module: str = "", call_index: int = -1, record: int = -1
     ) -> int:
-        # Caller holds the lock. Stamps are objects so ``id()`` maps them back after resolving.
-        stamp = self._clock.stamp()
-        if type(stamp) is float:
-            stamp = _FloatStamp(stamp)
-        mem = self._probe() if self._probe is not None else self._live_bytes
-        self._stamps.append(stamp)
-        self._events.append(
-            {
-                "kind": kind,
-                "step": self._steps_done,
-                "memory_bytes": int(mem),
-                "module": module,
-                "call_index": call_index,
-                "record": record,
-            }
-        )
-        return len(self._events) - 1
+        # Caller holds the lock. Plain tuples: this runs for every pack and unpack.
+        self._stamps.append(self._clock.stamp())
+        mem = self._probe() if self._probe is not None else 0
+        self._events.append((_CODE[kind], self._steps_done, mem, module, call_index, record))
+        return len(self._stamps) - 1
 
     # -- module hooks ------------------------------------------------------------------------
 
@@ -433,101 +456,90 @@ class Recorder:
 
     # -- saved-tensor hooks ------------------------------------------------------------------
 
-    def _pack(self, t: torch.Tensor) -> _Packed:
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # Hot path: see NOTE [ Recorder allocations ] before adding work here. Autograd keeps
+        # what this returns; ``t.detach()`` (never ``t`` itself: an output saved by its own
+        # grad_fn would form a reference cycle).
+        d = t.detach()
         if not self._recording:
-            return _Packed(t.detach(), -1, -1, None, -1)
-        local = local_tensor(t)
+            self._seq_of.pop(id(d), None)
+            return d
+        local = t if type(t) is torch.Tensor else local_tensor(t)
         storage = local.untyped_storage()
         sid = id(storage)
-        backward = in_backward()
+        version = local._version
+        backward = _current_graph_task_id is not None and _current_graph_task_id() != -1
+        fn = t.grad_fn
         with self._lock:
-            is_param = self._is_param(t, sid, storage)
-            version = local._version
-            fam = None
-            for f in self._families.get(sid, ()):
-                if f.storage_ref() is storage and f.version == version:
-                    fam = f
-                    break
-            if fam is None:
-                fam = _Family(weakref.ref(storage), version, self._next_family, storage.nbytes())
+            is_param = self._is_param(local, sid, storage)
+            # See NOTE [ Alias families ].
+            fam = self._family_of.get((sid, version))
+            if fam is None or fam[0]() is not storage:
+                fam = (weakref.ref(storage), self._next_family, storage.nbytes())
                 self._next_family += 1
-                self._families.setdefault(sid, []).append(fam)
-                if not is_param:
-                    self._by_id[fam.family] = fam
-            if not is_param:
-                if fam.handles == 0:
-                    self._live_bytes += fam.storage_nbytes
-                fam.handles += 1
-            call = self._stack[-1] if self._stack else None
-            module, call_index = (call.module, call.call_index) if call else ("", 0)
-            ordinal = 0
-            if call is not None:
-                ordinal = call.packs
-                call.packs += 1
+                self._family_of[(sid, version)] = fam
+            if self._stack:
+                call = self._stack[-1]
+                module, call_index, ordinal = call.module, call.call_index, call.packs
+                call.packs = ordinal + 1
+            else:
+                module, call_index, ordinal = "", 0, 0
             seq = len(self._records)
-            ev = self._event(EventKind.PACK, module, call_index, seq)
-            fn = t.grad_fn
-            self._records.append(
-                _Pending(
-                    fields={
-                        "seq": seq,
-                        "step": self._steps_done,
-                        "family": fam.family,
-                        "module": module,
-                        "call_index": call_index,
-                        "ordinal": ordinal,
-                        "nbytes": local.numel() * local.element_size(),
-                        "storage_nbytes": fam.storage_nbytes,
-                        "storage_offset": local.storage_offset(),
-                        "shape": tuple(local.shape),
-                        "stride": tuple(local.stride()),
-                        "dtype": str(local.dtype),
-                        "device": str(local.device),
-                        "is_parameter": is_param,
-                        "grad_fn": type(fn).__name__ if fn is not None else "",
-                        "in_backward": backward,
-                        "pack_event": ev,
-                    },
-                    pack_stamp=self._stamps[ev],
+            self._seq_of[id(d)] = seq
+            self._stamps.append(self._clock.stamp())
+            self._events.append(
+                (
+                    _PACK,
+                    self._steps_done,
+                    self._probe() if self._probe is not None else 0,
+                    module,
+                    call_index,
+                    seq,
                 )
             )
-        return _Packed(t.detach(), seq, fam.family if not is_param else -1, self, self._epoch)
+            self._records.append(
+                (
+                    seq,
+                    self._steps_done,
+                    fam[1],
+                    module,
+                    call_index,
+                    ordinal,
+                    local.numel() * local.element_size(),
+                    fam[2],
+                    local.storage_offset(),
+                    tuple(local.shape),
+                    tuple(local.stride()),
+                    _dtype_name(local.dtype),
+                    _device_name(local.device),
+                    is_param,
+                    type(fn).__name__ if fn is not None else "",
+                    backward,
+                    len(self._events) - 1,
+                )
+            )
+        return d
 
-    def _unpack(self, packed: _Packed) -> torch.Tensor:
-        if packed.seq >= 0 and self._recording and packed.epoch == self._epoch:
-            with self._lock:
-                p = self._records[packed.seq]
-                f = p.fields
-                ev = self._event(EventKind.UNPACK, f["module"], f["call_index"], packed.seq)
-                p.unpack_events.append(ev)
-                p.unpack_stamps.append(self._stamps[ev])
-            self._backward_signal()
-        return packed.tensor
-
-    def _release(self, family: int) -> None:
-        if family < 0:
-            return
-        with self._lock:
-            f = self._by_id.get(family)
-            if f is None:
-                return
-            f.handles -= 1
-            if f.handles == 0:
-                self._live_bytes -= f.storage_nbytes
-                del self._by_id[family]
+    def _unpack(self, d: torch.Tensor) -> torch.Tensor:
+        if self._recording:
+            seq = self._seq_of.get(id(d))
+            if seq is not None:
+                with self._lock:
+                    row = self._records[seq]
+                    self._event(EventKind.UNPACK, row[3], row[4], seq)
+                self._backward_signal()
+        return d
 
     def _is_param(self, t: torch.Tensor, sid: int, storage: Any) -> bool:
         ref = self._param_storages.get(sid)
         if ref is not None and ref() is storage:
             return True
-        # FSDP2 and ``weight.t()`` hand over views whose base is the Parameter.
-        return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
-
-
-class _FloatStamp(float):
-    """A float stamp with its own identity (``id()`` of equal floats may coincide)."""
-
-    __slots__ = ()
+        # FSDP2 and ``weight.t()`` hand over views whose base is the Parameter. ``_is_param`` is
+        # what ``isinstance(x, nn.Parameter)`` checks, without the metaclass call (10x cheaper).
+        if getattr(t, "_is_param", False):
+            return True
+        base = t._base
+        return base is not None and getattr(base, "_is_param", False)
 
 
 class _BackwardStart:

@@ -30,7 +30,7 @@ def summarize(trace: Trace, top: int = 10) -> str:
         f"  ({len(fams)} storages; {format_bytes(sum(r.nbytes for r in acts) / steps)} before alias dedupe)",
         f"  peak live saved bytes           : {format_bytes(trace.peak_saved_bytes)}",
     ]
-    if trace.metadata.get("memory_probe") not in (None, "live_saved_storage_bytes"):
+    if trace.metadata.get("memory_probe") not in (None, "live_saved_bytes"):
         lines.append(f"  peak memory in use              : {format_bytes(trace.peak_memory_bytes)}")
     by_mod = trace.bytes_by_module()
     if by_mod:
