@@ -167,7 +167,9 @@ class GPT(nn.Module):
             raise ValueError(f"idx must have shape (batch, seq); got {tuple(idx.shape)}")
         t = idx.shape[1]
         if t > self.config.seq_len:
-            raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.config.seq_len}")
+            raise ValueError(
+                f"sequence length {t} exceeds the model's seq_len {self.config.seq_len}"
+            )
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:

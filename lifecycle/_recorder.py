@@ -35,6 +35,7 @@ from lifecycle._trace import Event, EventKind, TensorRecord, Trace
 MemoryProbe = Callable[[], int]
 
 LIVE_SAVED_BYTES = "live_saved_bytes"
+OUTSIDE = "<outside>"  # the module path of packs made while no module runs (a functional loss)
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
@@ -191,6 +192,7 @@ class Recorder:
         self._next_family = 0
         self._stack: list[_Call] = []
         self._call_counts: dict[str, int] = {}
+        self._outside_packs = 0
         self._graph_task: int | None = None
         # Parameters and buffers, by storage (see NOTE [ Alias families ] for why Python objects).
         self._param_storages: dict[int, weakref.ref] = {}
@@ -227,6 +229,7 @@ class Recorder:
             self._recording = True
             self._stack.clear()
             self._call_counts.clear()
+            self._outside_packs = 0
             self._family_of.clear()
             self._graph_task = None
             self._step_first = (len(self._events), len(self._records))
@@ -483,7 +486,8 @@ class Recorder:
                 module, call_index, ordinal = call.module, call.call_index, call.packs
                 call.packs = ordinal + 1
             else:
-                module, call_index, ordinal = "", 0, 0
+                module, call_index, ordinal = OUTSIDE, 0, self._outside_packs
+                self._outside_packs = ordinal + 1
             seq = len(self._records)
             self._seq_of[id(d)] = seq
             self._stamps.append(self._clock.stamp())

@@ -36,10 +36,10 @@ def summarize(trace: Trace, top: int = 10) -> str:
     if by_mod:
         total = sum(by_mod.values()) or 1
         lines.append(f"  top modules by saved bytes (of {len(by_mod)}):")
-        width = min(48, max(len(m or "<outside modules>") for m in list(by_mod)[:top]))
+        width = min(48, max(len(m or "<root>") for m in list(by_mod)[:top]))
         for mod, b in list(by_mod.items())[:top]:
             lines.append(
-                f"    {(mod or '<outside modules>'):<{width}}  {format_bytes(b / steps):>11}  {100 * b / total:5.1f}%"
+                f"    {(mod or '<root>'):<{width}}  {format_bytes(b / steps):>11}  {100 * b / total:5.1f}%"
             )
     life = trace.lifetimes_s()
     if life:

@@ -65,7 +65,8 @@ class TensorRecord:
         seq: pack order across the trace (0, 1, 2, ...).
         step: which recorded step (0-based).
         family: alias family id; records of one live storage (at one version) share it.
-        module: qualified name of the innermost module running at pack ("" outside modules).
+        module: qualified name of the innermost module running at pack ("" is the root module,
+            "<outside>" no module: a functional loss, say).
         call_index: call index of that module within the step.
         ordinal: position of this pack within that module call.
         nbytes: bytes this view spans (``numel * itemsize``).

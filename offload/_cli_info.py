@@ -1,0 +1,76 @@
+"""``offload info``: what this node offers the offloader (GPU, PCIe, host memory, disk, kvikio)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from lifecycle._units import format_bytes, parse_bytes
+
+DEFAULT_PROBE = "256MiB"
+
+
+def _size(text: str) -> int:
+    try:
+        n = parse_bytes(text, name="--probe-bytes")
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"--probe-bytes must be positive; got {text!r}")
+    return n
+
+
+def add_parser(sub: Any) -> None:
+    """Add the ``info`` subcommand to the ``offload`` subparsers ``sub``."""
+    p = sub.add_parser(
+        "info",
+        help="show the GPU, PCIe link, host memory, disk and kvikio this node offers",
+        description=(
+            "Report torch/CUDA, GPUs, the PCIe link (NVML) and measured pinned copy bandwidth, "
+            "host memory and the default pinned-pool budget (psutil and cgroups), NVMe free "
+            "space and bandwidth (with --nvme-dir), which gds extra fits, and the start-up costs "
+            "to expect. Works without a GPU. Exit status: 0 on success, 1 when a requested disk "
+            "measurement failed, 2 for bad arguments."
+        ),
+    )
+    p.add_argument(
+        "--nvme-dir",
+        metavar="DIR",
+        default=None,
+        help="directory on the disk an NVMe tier would use: report its free space and measure "
+        "write/read bandwidth with a probe file that is removed afterwards (default: no disk "
+        "measurement)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument(
+        "--probe-bytes",
+        metavar="SIZE",
+        type=_size,
+        default=_size(DEFAULT_PROBE),
+        help=f"size of each bandwidth probe, PCIe copies and disk file, e.g. 64MiB "
+        f"(default {DEFAULT_PROBE})",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Collect and print; the exit status."""
+    from offload._info import NvmeDirError, collect_info, format_info
+
+    try:
+        info = collect_info(nvme_dir=args.nvme_dir, probe_bytes=args.probe_bytes)
+    except NvmeDirError as e:
+        print(f"offload info: error: --nvme-dir {e.path}: {e.problem}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_info(info))
+        if args.nvme_dir is None:
+            print(
+                f"\n(--nvme-dir DIR measures a disk with a {format_bytes(args.probe_bytes)} file)"
+            )
+    nvme = info.get("nvme")
+    return 1 if nvme is not None and "error" in nvme else 0

@@ -1,0 +1,925 @@
+"""What this node offers the offloader: ``offload info`` collects it, as plain JSON-able data.
+
+Nothing here runs at import. ``collect_info`` touches CUDA only when ``torch.cuda.is_available()``
+(then it measures the PCIe link, which creates a context on the current device); NVML (from
+nvidia-ml-py) and kvikio are imported lazily and their absence is reported, not raised. Disk is
+measured only in a directory the caller names, with one probe file that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import math
+import mmap
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from lifecycle._units import format_bytes, parse_bytes
+
+SCHEMA_VERSION = 1
+DEFAULT_PROBE_BYTES = 256 << 20
+PCIE_REPEATS = 3
+DISK_IO_THREADS = 4
+DISK_CHUNK_BYTES = 16 << 20
+# O_DIRECT needs buffer address, file offset and length aligned to the logical block size; 4 KiB
+# covers every NVMe drive we know of.
+ALIGN_BYTES = 4096
+# Pinned (page-locked) host allocation cost, measured on an H200 host (notes/design-review.md).
+PINNED_ALLOC_S_PER_GIB_REFERENCE = 0.4
+SMALL_CPU_BUDGET_BYTES = 4 << 30
+_GIB = 1 << 30
+# cgroup v1 writes "no limit" as a huge page-rounded number (PAGE_COUNTER_MAX * page size).
+_CGROUP_V1_UNLIMITED = 1 << 60
+
+# PCIe raw rate per lane in GT/s and line-code efficiency, by generation: 8b/10b for Gen1-2,
+# 128b/130b for Gen3-5, FLIT mode (242 of 256 bytes carry data) for Gen6.
+_PCIE_GT_PER_S = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
+_PCIE_ENCODING = {1: 8 / 10, 2: 8 / 10, 3: 128 / 130, 4: 128 / 130, 5: 128 / 130, 6: 242 / 256}
+
+
+class NvmeDirError(ValueError):
+    """``nvme_dir`` names no directory this process can write to.
+
+    Attributes:
+        path: the directory as given.
+        problem: what is wrong with it, in words.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"nvme_dir {path!r}: {problem}; give an existing, writable directory")
+
+
+def pcie_gb_per_s(generation: int | None, width: int | None) -> float | None:
+    """Theoretical bytes per second in one direction, in GB/s: GT/s x lanes x encoding / 8.
+
+    Example:
+        >>> round(pcie_gb_per_s(5, 16), 1)
+        63.0
+    """
+    if not generation or not width or generation not in _PCIE_GT_PER_S:
+        return None
+    return _PCIE_GT_PER_S[generation] * width * _PCIE_ENCODING[generation] / 8
+
+
+def check_nvme_dir(path: str | os.PathLike[str]) -> Path:
+    """Return ``path`` resolved if it is an existing directory that accepts a new file.
+
+    Raises:
+        NvmeDirError: it does not exist, is not a directory, or a file cannot be created in it.
+    """
+    given = os.fspath(path)
+    p = Path(given).expanduser()
+    if not p.exists():
+        raise NvmeDirError(given, "does not exist")
+    if not p.is_dir():
+        raise NvmeDirError(given, "is not a directory")
+    # Creating a file is the real test: os.access says yes to root on a read-only mount.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".offload-info-check-", dir=p)
+    except OSError as e:
+        raise NvmeDirError(given, f"is not writable ({e.strerror or e})") from e
+    os.close(fd)
+    os.unlink(probe)
+    return p.resolve()
+
+
+# ---------------------------------------------------------------------------------------------
+# Collection
+
+
+def collect_info(
+    nvme_dir: str | os.PathLike[str] | None = None,
+    probe_bytes: int | str = DEFAULT_PROBE_BYTES,
+) -> dict[str, Any]:
+    """Describe this node for the offloader: software, GPUs, PCIe, host memory, disk, kvikio.
+
+    Args:
+        nvme_dir: a directory on the disk an NVMe tier would use; when given, its free space is
+            read and a probe file of ``probe_bytes`` is written and read back (then removed).
+            None measures nothing on disk.
+        probe_bytes: size of each bandwidth probe (PCIe copies and the disk file), bytes or a
+            string like ``"64MiB"``; rounded up to 4 KiB.
+
+    Returns:
+        A dict of plain JSON types (``schema`` names its version). Measurements that failed
+        carry an ``"error"`` string instead of numbers.
+
+    Raises:
+        NvmeDirError: ``nvme_dir`` does not exist, is not a directory or is not writable.
+        ValueError: ``probe_bytes`` is not a positive size.
+
+    Example:
+        >>> info = collect_info()
+        >>> info["host_memory"]["default_cpu_budget_bytes"] > 0
+        True
+    """
+    nbytes = parse_bytes(probe_bytes, name="probe_bytes")
+    if nbytes <= 0:
+        raise ValueError(f"probe_bytes must be a positive size like '64MiB'; got {probe_bytes!r}")
+    nbytes = _round_up(nbytes, ALIGN_BYTES)
+    directory = check_nvme_dir(nvme_dir) if nvme_dir is not None else None
+
+    # torch.cuda.is_available() asks the driver for a device count; it creates no context and
+    # leaves torch.cuda.is_initialized() False. Everything else CUDA waits for a True here.
+    cuda_available = torch.cuda.is_available()
+    gpus: list[dict[str, Any]] = []
+    gpus_error = None
+    if cuda_available:
+        try:
+            gpus = _torch_gpus()
+        except Exception as e:  # a driver that counts devices but cannot open them
+            gpus_error = f"{type(e).__name__}: {e}"
+    if gpus:
+        pcie = _measure_pcie(nbytes)
+    elif cuda_available:
+        pcie = {"skipped": f"CUDA devices could not be read ({gpus_error})"}
+    else:
+        pcie = {"skipped": "CUDA is not available"}
+    info: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cuda_available": cuda_available,
+        "gpus": gpus,
+        "gpus_error": gpus_error,
+        # With torch's devices known, NVML's list is theirs, in torch's order (looked up by
+        # UUID); otherwise it is every GPU NVML sees.
+        "nvml": _nvml_info([g["uuid"] for g in gpus] if gpus else None),
+        "pcie_measured": pcie,
+    }
+    local_ranks, ranks_source = _local_ranks()
+    info["host_memory"] = _host_memory(local_ranks, ranks_source)
+    info["nvme"] = _nvme_info(directory, nbytes, local_ranks) if directory is not None else None
+    info["kvikio"] = _kvikio_info(cuda_available)
+    info["startup"] = _startup(info)
+    info["warnings"] = _warnings(info)
+    return info
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _torch_gpus() -> list[dict[str, Any]]:
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        uuid = str(getattr(p, "uuid", "") or "")
+        if uuid and not uuid.startswith(("GPU-", "MIG-")):
+            uuid = "GPU-" + uuid  # torch prints the bare UUID; NVML wants the prefix
+        gpus.append(
+            {
+                "index": i,
+                "name": p.name,
+                "total_memory_bytes": int(p.total_memory),
+                "capability": f"{p.major}.{p.minor}",
+                "uuid": uuid,
+            }
+        )
+    return gpus
+
+
+def _nvml_info(uuids: list[str] | None) -> dict[str, Any]:
+    """NVML's view: driver, and per device name, memory and PCIe link.
+
+    ``uuids`` are torch's visible devices, looked up by UUID because NVML numbers every GPU of
+    the node and ignores CUDA_VISIBLE_DEVICES; None lists all NVML devices (torch cannot use
+    CUDA, but the node may still have GPUs, which is worth saying).
+    """
+    try:
+        import pynvml
+    except ImportError as e:
+        return {"available": False, "error": f"nvidia-ml-py is not installed ({e})"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound, _DriverNotLoaded, any NVMLError, OSError
+        return {"available": False, "error": str(e) or type(e).__name__}
+    try:
+        out: dict[str, Any] = {
+            "available": True,
+            "driver_version": _nvml_call(pynvml.nvmlSystemGetDriverVersion),
+        }
+        cuda_driver = _nvml_call(pynvml.nvmlSystemGetCudaDriverVersion)
+        if isinstance(cuda_driver, int):
+            out["driver_cuda_version"] = f"{cuda_driver // 1000}.{cuda_driver % 1000 // 10}"
+        out["device_count"] = _nvml_call(pynvml.nvmlDeviceGetCount)
+        devices = []
+        if uuids is None:
+            for i in range(out["device_count"] or 0):
+                devices.append(
+                    _nvml_device(pynvml, lambda i=i: pynvml.nvmlDeviceGetHandleByIndex(i))
+                )
+        else:
+            for uuid in uuids:
+                devices.append(
+                    _nvml_device(pynvml, lambda u=uuid: pynvml.nvmlDeviceGetHandleByUUID(u))
+                )
+        out["devices"] = devices
+        return out
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
+def _nvml_call(fn: Any, *args: Any) -> Any:
+    """One NVML query; None when the device or driver does not support it."""
+    try:
+        value = fn(*args)
+    except Exception:  # NVMLError_NotSupported and friends: one missing field, not a failure
+        return None
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _nvml_device(pynvml: Any, get_handle: Any) -> dict[str, Any]:
+    try:
+        h = get_handle()
+    except Exception as e:
+        return {"error": f"NVML has no such device ({e})"}
+    dev: dict[str, Any] = {
+        "name": _nvml_call(pynvml.nvmlDeviceGetName, h),
+        "uuid": _nvml_call(pynvml.nvmlDeviceGetUUID, h),
+    }
+    mem = _nvml_call(pynvml.nvmlDeviceGetMemoryInfo, h)
+    if mem is not None:
+        dev["memory_total_bytes"] = int(mem.total)
+        dev["memory_used_bytes"] = int(mem.used)
+    cur_gen = _nvml_call(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h)
+    cur_width = _nvml_call(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h)
+    max_gen = _nvml_call(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h)
+    max_width = _nvml_call(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h)
+    dev["pcie"] = {
+        "current_generation": cur_gen,
+        "current_width": cur_width,
+        "max_generation": max_gen,
+        "max_width": max_width,
+        "gpu_max_generation": _nvml_call(pynvml.nvmlDeviceGetGpuMaxPcieLinkGeneration, h),
+        # Links train down when idle, so the current figure can read low: the max is the one
+        # to compare measurements with.
+        "current_theoretical_gb_per_s": pcie_gb_per_s(cur_gen, cur_width),
+        "max_theoretical_gb_per_s": pcie_gb_per_s(max_gen, max_width),
+    }
+    return dev
+
+
+def _measure_pcie(nbytes: int) -> dict[str, Any]:
+    """Pinned copies on the current device, timed with CUDA events: H2D alone, D2H alone, both
+    at once (best of 3 after a warm-up)."""
+    device = "cuda"
+    try:
+        index = torch.cuda.current_device()
+        device = f"cuda:{index}"
+        return _measure_pcie_unchecked(index, nbytes)
+    except Exception as e:  # out of memory, a broken driver: report, keep the rest of the info
+        return {"device": device, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+
+
+def _measure_pcie_unchecked(device_index: int, nbytes: int) -> dict[str, Any]:
+    dev = torch.device("cuda", device_index)
+    with torch.cuda.device(dev):
+        t0 = time.perf_counter()
+        host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        pin_s = time.perf_counter() - t0
+        host_src.fill_(1)  # touch the pages so no first-use cost lands in a timed copy
+        host_dst.fill_(0)
+        dev_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        dev_src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+        compute = torch.cuda.current_stream(dev)
+        h2d = torch.cuda.Stream(dev)
+        d2h = torch.cuda.Stream(dev)
+
+        def timed(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]]) -> float:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(compute)
+            done = []
+            for stream, dst, src in copies:
+                # The copy streams wait on `start` so all copies begin together and after the
+                # buffers' initialisation on the compute stream.
+                stream.wait_event(start)
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                done.append(ev)
+            for ev in done:
+                compute.wait_event(ev)  # `end` comes after every copy
+            end.record(compute)
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        def best(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]]) -> float:
+            timed(copies)  # warm-up
+            return min(timed(copies) for _ in range(PCIE_REPEATS))
+
+        h2d_s = best([(h2d, dev_dst, host_src)])
+        d2h_s = best([(d2h, host_dst, dev_src)])
+        both_s = best([(h2d, dev_dst, host_src), (d2h, host_dst, dev_src)])
+        # The buffers were used on the side streams; everything is complete after the
+        # synchronize in timed(), so freeing them here reuses nothing early.
+        torch.cuda.synchronize(dev)
+        del host_src, host_dst, dev_src, dev_dst
+    return {
+        "device": str(dev),
+        "probe_bytes": nbytes,
+        "repeats": PCIE_REPEATS,
+        "h2d_gb_per_s": nbytes / h2d_s / 1e9,
+        "d2h_gb_per_s": nbytes / d2h_s / 1e9,
+        "both_gb_per_s": 2 * nbytes / both_s / 1e9,
+        "pinned_alloc_s_per_gib": pin_s / (2 * nbytes / _GIB),
+    }
+
+
+def _local_ranks() -> tuple[int, str]:
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return 1, "LOCAL_WORLD_SIZE unset"
+    try:
+        n = int(raw)
+    except ValueError:
+        return 1, f"LOCAL_WORLD_SIZE={raw!r} is not an integer; counting 1"
+    if n < 1:
+        return 1, f"LOCAL_WORLD_SIZE={raw!r} is not positive; counting 1"
+    return n, "LOCAL_WORLD_SIZE"
+
+
+def _host_memory(local_ranks: int, ranks_source: str) -> dict[str, Any]:
+    vm = psutil.virtual_memory()
+    cgroup = cgroup_memory()
+    headroom = int(vm.available)
+    limited_by = "available RAM"
+    if cgroup is not None and cgroup.get("headroom_bytes") is not None:
+        if cgroup["headroom_bytes"] < headroom:
+            limited_by = "cgroup limit - usage"
+        headroom = min(headroom, cgroup["headroom_bytes"])
+    return {
+        "total_bytes": int(vm.total),
+        "available_bytes": int(vm.available),
+        "used_percent": float(vm.percent),
+        "cgroup": cgroup,
+        "headroom_bytes": headroom,
+        "headroom_limited_by": limited_by,
+        "local_ranks": local_ranks,
+        "local_ranks_source": ranks_source,
+        # DESIGN "Host and disk resources belong to the node".
+        "default_cpu_budget_bytes": int(0.5 * headroom / local_ranks),
+    }
+
+
+def cgroup_memory(
+    proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
+    mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo",
+) -> dict[str, Any] | None:
+    """This process's cgroup memory limit, usage and headroom; None when no memory cgroup shows.
+
+    psutil reads /proc/meminfo, which knows nothing of container limits. The tightest limit of
+    the cgroup and its ancestors applies, so the walk goes up to the mount's root; the headroom
+    is the smallest (limit - usage) on the way. v2 (``memory.max``/``memory.current``) is tried
+    first, then v1 (``memory.limit_in_bytes``/``memory.usage_in_bytes``).
+
+    Returns:
+        ``{"version", "path", "limit_bytes", "usage_bytes", "headroom_bytes"}``; the limit and
+        headroom are None when no level sets a limit.
+    """
+    try:
+        cgroup_lines = Path(proc_cgroup).read_text().splitlines()
+        mount_lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return None
+    v2_path = v1_path = None
+    for line in cgroup_lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2_path = path
+        elif "memory" in controllers.split(","):
+            v1_path = path
+    v2_mounts, v1_mounts = [], []
+    for line in mount_lines:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        root, mount_point = fields[3], fields[4]
+        if tail[0] == "cgroup2":
+            v2_mounts.append((root, mount_point))
+        elif tail[0] == "cgroup" and "memory" in tail[2].split(","):
+            v1_mounts.append((root, mount_point))
+    for version, path, mounts, limit_file, usage_file in (
+        (2, v2_path, v2_mounts, "memory.max", "memory.current"),
+        (1, v1_path, v1_mounts, "memory.limit_in_bytes", "memory.usage_in_bytes"),
+    ):
+        if path is None:
+            continue
+        for root, mount_point in mounts:
+            found = _cgroup_walk(version, path, root, Path(mount_point), limit_file, usage_file)
+            if found is not None:
+                return found
+    return None
+
+
+def _cgroup_walk(
+    version: int, path: str, root: str, mount_point: Path, limit_file: str, usage_file: str
+) -> dict[str, Any] | None:
+    rel = path
+    if root != "/" and (path == root or path.startswith(root.rstrip("/") + "/")):
+        rel = path[len(root) :]
+    leaf = mount_point / rel.lstrip("/")
+    if not leaf.is_dir():
+        # A container without its own cgroup namespace shows the host's path in /proc/self/cgroup
+        # while its own cgroup is mounted at the mount point.
+        leaf = mount_point
+    limit = usage = headroom = None
+    seen = False
+    d = leaf
+    while True:
+        lim, use = _read_cgroup_value(d / limit_file), _read_cgroup_value(d / usage_file)
+        if lim is not None or use is not None:
+            seen = True
+        if usage is None and use is not None:
+            usage = use
+        if lim is not None and lim < _CGROUP_V1_UNLIMITED:
+            limit = lim if limit is None else min(limit, lim)
+            if use is not None:
+                room = max(0, lim - use)
+                headroom = room if headroom is None else min(headroom, room)
+        if d == mount_point or d.parent == d:
+            break
+        d = d.parent
+    if not seen:
+        return None
+    return {
+        "version": version,
+        "path": str(leaf),
+        "limit_bytes": limit,
+        "usage_bytes": usage,
+        "headroom_bytes": headroom,
+    }
+
+
+def _read_cgroup_value(path: Path) -> int | None:
+    """An integer cgroup file; None when absent, unreadable or ``max`` (no limit)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _nvme_info(directory: Path, nbytes: int, local_ranks: int) -> dict[str, Any]:
+    usage = psutil.disk_usage(str(directory))
+    out: dict[str, Any] = {
+        "path": str(directory),
+        "free_bytes": int(usage.free),
+        "total_bytes": int(usage.total),
+        "filesystem": _filesystem_of(directory),
+        "local_ranks": local_ranks,
+        # Split like host memory (DESIGN "Host and disk resources belong to the node").
+        "default_nvme_bytes": int(0.5 * usage.free / local_ranks),
+    }
+    # Leave the disk at least three quarters of its free space.
+    fit = usage.free // 4 // ALIGN_BYTES * ALIGN_BYTES
+    if fit < nbytes:
+        out["probe_note"] = f"probe shrunk from {format_bytes(nbytes)} to fit the free space"
+        nbytes = fit
+    if nbytes <= 0:
+        out["error"] = "too little free space to write a probe file"
+        return out
+    try:
+        out.update(probe_disk(directory, nbytes))
+    except OSError as e:
+        out["error"] = f"disk probe failed: {e.strerror or e}"
+    return out
+
+
+def _filesystem_of(directory: Path) -> dict[str, str] | None:
+    """The mount holding ``directory`` (the longest mount point that is a prefix of it)."""
+    try:
+        parts = psutil.disk_partitions(all=True)
+    except Exception:
+        return None
+    target = str(directory)
+
+    def holds(mountpoint: str) -> bool:
+        mp = mountpoint.rstrip("/")
+        return mp == "" or target == mp or target.startswith(mp + "/")
+
+    candidates = [p for p in parts if holds(p.mountpoint)]
+    if not candidates:
+        return None
+    best = max(candidates, key=lambda p: len(p.mountpoint.rstrip("/")))
+    return {"type": best.fstype, "device": best.device, "mountpoint": best.mountpoint}
+
+
+def probe_disk(
+    directory: str | os.PathLike[str],
+    nbytes: int,
+    *,
+    direct: bool = True,
+    threads: int = DISK_IO_THREADS,
+) -> dict[str, Any]:
+    """Write ``nbytes`` to a new file in ``directory``, fsync, read it back; time both.
+
+    With ``direct`` the file is opened with O_DIRECT and written from 4 KiB-aligned buffers
+    (anonymous mmaps are page aligned), so the page cache flatters neither direction. Where the
+    file system refuses O_DIRECT (tmpfs, some network and overlay file systems) it falls back to
+    buffered I/O, fsync, and ``posix_fadvise(DONTNEED)`` before the read, and says so in
+    ``io_mode``. ``threads`` workers move 16 MiB chunks in parallel, like the NVMe tier's I/O
+    pool. The file is private (0600) and removed afterwards, also on error.
+
+    Returns:
+        ``{"io_mode", "o_direct", "o_direct_note", "probe_bytes", "io_threads",
+        "write_gb_per_s", "read_gb_per_s"}`` (GB = 1e9 bytes).
+
+    Raises:
+        OSError: the write or read failed (ENOSPC, EIO, ...).
+    """
+    nbytes = _round_up(max(1, int(nbytes)), ALIGN_BYTES)
+    chunk = min(nbytes, DISK_CHUNK_BYTES)
+    threads = max(1, min(int(threads), -(-nbytes // chunk)))
+    fd, path = tempfile.mkstemp(prefix=".offload-info-probe-", dir=directory)
+    os.close(fd)
+    note = None
+    try:
+        use_direct = direct and hasattr(os, "O_DIRECT")
+        if not direct:
+            note = "not tried"
+        elif not use_direct:
+            note = "not available on this platform"
+        write_s = None
+        if use_direct:
+            try:
+                write_s = _timed_io(path, nbytes, chunk, threads, write=True, direct=True)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                use_direct = False
+                note = f"refused by the file system ({e.strerror})"
+        if write_s is None:
+            write_s = _timed_io(path, nbytes, chunk, threads, write=True, direct=False)
+            _drop_page_cache(path)
+        read_s = _timed_io(path, nbytes, chunk, threads, write=False, direct=use_direct)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return {
+        "io_mode": "O_DIRECT" if use_direct else "buffered + fsync + fadvise(DONTNEED)",
+        "o_direct": use_direct,
+        "o_direct_note": note,
+        "probe_bytes": nbytes,
+        "io_threads": threads,
+        "write_gb_per_s": nbytes / write_s / 1e9,
+        "read_gb_per_s": nbytes / read_s / 1e9,
+    }
+
+
+def _drop_page_cache(path: str) -> None:
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # Pages must be clean to be dropped: the write path fsynced already.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _timed_io(
+    path: str, nbytes: int, chunk: int, threads: int, *, write: bool, direct: bool
+) -> float:
+    """Seconds to move ``nbytes`` between ``path`` and memory (fsync included for writes)."""
+    flags = (os.O_WRONLY if write else os.O_RDONLY) | (os.O_DIRECT if direct else 0)
+    offsets = list(range(0, nbytes, chunk))
+    # One buffer per worker; anonymous mmaps are page aligned, as O_DIRECT needs.
+    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
+    try:
+        if write:
+            block = os.urandom(min(chunk, 1 << 20))  # incompressible
+            for buf in bufs:
+                for at in range(0, chunk, len(block)):
+                    buf[at : at + len(block)] = block[: chunk - at]
+        fd = os.open(path, flags)
+        try:
+
+            def worker(k: int) -> int:
+                # Worker k moves chunks k, k + threads, ... through its own buffer.
+                moved = 0
+                with memoryview(bufs[k]) as view:
+                    for off in offsets[k::threads]:
+                        n = min(chunk, nbytes - off)
+                        done = 0
+                        while done < n:
+                            with view[done:n] as part:
+                                got = (
+                                    os.pwrite(fd, part, off + done)
+                                    if write
+                                    else os.preadv(fd, [part], off + done)
+                                )
+                            if got <= 0:
+                                what = "write" if write else "read"
+                                raise OSError(errno.EIO, f"short {what} at offset {off + done}")
+                            done += got
+                        moved += n
+                return moved
+
+            t0 = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(
+                threads, thread_name_prefix="offload-info-io"
+            ) as ex:
+                moved = sum(ex.map(worker, range(threads)))
+            if write:
+                os.fsync(fd)
+            elapsed = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    finally:
+        for buf in bufs:
+            buf.close()
+    if moved != nbytes:
+        raise OSError(errno.EIO, f"moved {moved} of {nbytes} bytes")
+    return max(elapsed, 1e-9)
+
+
+def _kvikio_info(cuda_available: bool) -> dict[str, Any]:
+    cuda = torch.version.cuda
+    major = int(cuda.split(".")[0]) if cuda else None
+    extra = {12: "gds-cu12", 13: "gds-cu13"}.get(major) if major is not None else None
+    python_ok = sys.version_info >= (3, 11)
+    if cuda is None:
+        extra_note = "none: this torch is a CPU build, and kvikio needs CUDA"
+    elif extra is None:
+        extra_note = f"none: no extra for CUDA {cuda} (gds-cu12 and gds-cu13 exist)"
+    elif not python_ok:
+        extra_note = f"{extra}, but it needs Python >= 3.11 (this is {platform.python_version()})"
+    else:
+        extra_note = f"{extra}: pip install 'offload[{extra}]' (needs Python >= 3.11)"
+    out: dict[str, Any] = {
+        "importable": False,
+        "version": None,
+        "usable": False,
+        "gds_available": None,
+        "compat_mode": None,
+        "error": None,
+        "extra": extra,
+        "extra_note": extra_note,
+        "python_ok": python_ok,
+    }
+    try:
+        import kvikio
+    except Exception as e:  # not installed, or libcufile missing (DynamicLibNotFoundError)
+        out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    out["importable"] = True
+    out["version"] = str(getattr(kvikio, "__version__", "unknown"))
+    # Reads and writes need the CUDA driver even in compat mode (notes/integration-facts.md 1.2).
+    out["usable"] = cuda_available
+    try:
+        out["gds_available"] = bool(kvikio.cufile_driver.get("is_gds_available"))
+    except Exception as e:
+        out["gds_available_error"] = f"{type(e).__name__}: {e}"
+    with contextlib.suppress(Exception):
+        out["compat_mode"] = str(kvikio.defaults.get("compat_mode"))
+    return out
+
+
+def _startup(info: dict[str, Any]) -> dict[str, Any]:
+    budget = info["host_memory"]["default_cpu_budget_bytes"]
+    measured = info["pcie_measured"].get("pinned_alloc_s_per_gib")
+    per_gib = measured if measured is not None else PINNED_ALLOC_S_PER_GIB_REFERENCE
+    return {
+        "pinned_alloc_s_per_gib_reference": PINNED_ALLOC_S_PER_GIB_REFERENCE,
+        "pinned_alloc_reference": "measured on an H200 host",
+        "pinned_alloc_s_per_gib_measured": measured,
+        "default_pool_alloc_s": per_gib * budget / _GIB,
+        "notes": [
+            "The pinned pool is allocated once, at first use (a log line says so), in "
+            "power-of-two slabs; a pool as large as the default budget would take about "
+            f"{per_gib * budget / _GIB:.1f} s.",
+            "The first step of each new input signature is a profile step: it runs in "
+            "min-memory mode (everything eligible is offloaded, in-flight copies bounded) and is "
+            "slower than a normal step; the plan is refined once from the next steps.",
+            "probe_hardware() measures the PCIe link once per process (cached) unless a "
+            "HardwareModel is given.",
+        ],
+    }
+
+
+def _warnings(info: dict[str, Any]) -> list[str]:
+    out = []
+    host = info["host_memory"]
+    budget = host["default_cpu_budget_bytes"]
+    if budget < SMALL_CPU_BUDGET_BYTES:
+        out.append(
+            f"the default pinned-pool budget is only {format_bytes(budget)} per rank "
+            f"({host['headroom_limited_by']}, {host['local_ranks']} local rank(s)): little can "
+            "wait in host memory; free host memory, raise the container's limit, or add the "
+            "'nvme' tier"
+        )
+    if host["local_ranks_source"] not in ("LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE unset"):
+        out.append(f"{host['local_ranks_source']}; the offloader refuses such a value")
+    if host["used_percent"] > 60:
+        out.append(f"host memory is {host['used_percent']:.0f}% used before any pinning")
+    nvme = info["nvme"]
+    if nvme is not None:
+        if "error" in nvme:
+            out.append(f"NVMe probe in {nvme['path']}: {nvme['error']}")
+        elif not nvme.get("o_direct"):
+            out.append(
+                f"O_DIRECT {nvme.get('o_direct_note')} in {nvme['path']}: bandwidth was "
+                "measured through the page cache"
+            )
+    kv = info["kvikio"]
+    if kv["error"] and "No module named" not in kv["error"]:
+        out.append(f"kvikio is installed but does not import: {kv['error']}")
+    pcie = info["pcie_measured"]
+    if "error" in pcie:
+        out.append(f"PCIe measurement on {pcie['device']} failed: {pcie['error']}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+
+
+def _gb(x: float | None) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f} GB/s"
+
+
+def _link(generation: int | None, width: int | None) -> str:
+    return f"Gen{generation or '?'} x{width or '?'}"
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """The dict from :func:`collect_info` as an aligned two-column table."""
+    rows: list[tuple[str, str] | str] = []
+
+    def section(title: str) -> None:
+        rows.append(title)
+
+    def row(label: str, value: object) -> None:
+        rows.append((label, str(value)))
+
+    section("Software")
+    row("python", info["python"])
+    row("torch", info["torch"])
+    row("CUDA build", info["cuda_build"] or "none (CPU build of torch)")
+    row("CUDA available", "yes" if info["cuda_available"] else "no")
+    nvml = info["nvml"]
+    if nvml.get("available"):
+        driver = nvml.get("driver_version")
+        if nvml.get("driver_cuda_version"):
+            driver = f"{driver} (CUDA {nvml['driver_cuda_version']})"
+        row("NVIDIA driver", driver)
+
+    section("GPUs")
+    if info["gpus"]:
+        for g in info["gpus"]:
+            row(
+                f"cuda:{g['index']}",
+                f"{g['name']}, {format_bytes(g['total_memory_bytes'])}, sm {g['capability']}",
+            )
+    else:
+        row("devices", info.get("gpus_error") or "none visible to torch")
+        if nvml.get("available") and nvml.get("devices"):
+            row("NVML sees", f"{len(nvml['devices'])} GPU(s), which this torch cannot use")
+
+    section("PCIe link (NVML)")
+    if not nvml.get("available"):
+        row("link", f"no NVML ({nvml.get('error')})")
+    else:
+        devices = nvml.get("devices", [])
+        if not devices:
+            row("link", "no devices")
+        for i, d in enumerate(devices):
+            label = f"cuda:{i}" if info["gpus"] else f"nvml:{i}"
+            p = d.get("pcie")
+            if p is None:
+                row(label, d.get("error", "unknown"))
+                continue
+            row(
+                label,
+                f"{_link(p['current_generation'], p['current_width'])} now, "
+                f"{_link(p['max_generation'], p['max_width'])} max: "
+                f"{_gb(p['max_theoretical_gb_per_s'])} per direction (theoretical)",
+            )
+
+    section("PCIe measured (pinned copies)")
+    m = info["pcie_measured"]
+    if "skipped" in m:
+        row("copies", f"not measured: {m['skipped']}")
+    elif "error" in m:
+        row(m["device"], f"failed: {m['error']}")
+    else:
+        row("device", f"{m['device']}, {format_bytes(m['probe_bytes'])} best of {m['repeats']}")
+        row("host -> device", _gb(m["h2d_gb_per_s"]))
+        row("device -> host", _gb(m["d2h_gb_per_s"]))
+        row("both at once", f"{_gb(m['both_gb_per_s'])} total")
+
+    section("Host memory")
+    h = info["host_memory"]
+    row("total", format_bytes(h["total_bytes"]))
+    row("available", f"{format_bytes(h['available_bytes'])} ({h['used_percent']:.0f}% used)")
+    cg = h["cgroup"]
+    if cg is None:
+        row("cgroup", "none found")
+    else:
+        limit = (
+            "no limit" if cg["limit_bytes"] is None else f"limit {format_bytes(cg['limit_bytes'])}"
+        )
+        usage = "" if cg["usage_bytes"] is None else f", usage {format_bytes(cg['usage_bytes'])}"
+        row("cgroup", f"v{cg['version']} {limit}{usage}")
+    row("local ranks", f"{h['local_ranks']} ({h['local_ranks_source']})")
+    row(
+        "pinned pool budget",
+        f"{format_bytes(h['default_cpu_budget_bytes'])} per rank "
+        "(0.5 x min(available, cgroup headroom) / local ranks)",
+    )
+
+    section("NVMe directory")
+    n = info["nvme"]
+    if n is None:
+        row("disk", "not measured (pass --nvme-dir DIR to measure free space and bandwidth)")
+    else:
+        row("path", n["path"])
+        fs = n.get("filesystem")
+        if fs:
+            row("file system", f"{fs['type']} on {fs['device']} ({fs['mountpoint']})")
+        row("free", f"{format_bytes(n['free_bytes'])} of {format_bytes(n['total_bytes'])}")
+        row(
+            "default budget",
+            f"{format_bytes(n['default_nvme_bytes'])} per rank (0.5 x free / local ranks)",
+        )
+        if "probe_note" in n:
+            row("probe", n["probe_note"])
+        if "error" in n:
+            row("bandwidth", n["error"])
+        else:
+            od = "yes" if n["o_direct"] else f"no, {n['o_direct_note']}"
+            row("O_DIRECT", od)
+            row(
+                "write",
+                f"{_gb(n['write_gb_per_s'])} ({format_bytes(n['probe_bytes'])}, {n['io_mode']}, "
+                f"{n['io_threads']} threads)",
+            )
+            row("read", _gb(n["read_gb_per_s"]))
+
+    section("kvikio (GPU-direct storage)")
+    kv = info["kvikio"]
+    if kv["importable"]:
+        row("installed", f"yes, {kv['version']}")
+        row("usable", "yes" if kv["usable"] else "no: CUDA is not available")
+        gds = kv["gds_available"]
+        row("GDS available", "unknown" if gds is None else ("yes" if gds else "no (compat mode)"))
+        if kv.get("compat_mode"):
+            row("compat mode", kv["compat_mode"])
+    else:
+        err = kv["error"] or ""
+        row("installed", "no" if "No module named" in err else f"no: {err}")
+    row("extra that fits", kv["extra_note"])
+
+    section("Start-up costs to expect")
+    s = info["startup"]
+    pin = f"about {s['pinned_alloc_s_per_gib_reference']} s per GiB ({s['pinned_alloc_reference']})"
+    if s["pinned_alloc_s_per_gib_measured"] is not None:
+        pin += f"; {s['pinned_alloc_s_per_gib_measured']:.2f} s per GiB here"
+    row("pinned pool", pin)
+    row("default pool", f"about {s['default_pool_alloc_s']:.1f} s to pin the whole default budget")
+    row("profile step", "each new input signature's first step is slower (min-memory mode)")
+
+    if info["warnings"]:
+        section("Warnings")
+        for w in info["warnings"]:
+            rows.append(f"  ! {w}")
+
+    width = max(len(r[0]) for r in rows if isinstance(r, tuple)) + 2
+    lines = []
+    for r in rows:
+        if isinstance(r, tuple):
+            lines.append(f"  {r[0]:<{width}}{r[1]}")
+        else:
+            if lines and not r.startswith("  "):
+                lines.append("")
+            lines.append(r)
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""``offload profile`` end to end, in a subprocess, on the example training script."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lifecycle import Trace
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "train_gpt.py"
+
+
+def offload_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run(
+        [sys.executable, "-m", "offload", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def test_profile_example_script(tmp_path: Path) -> None:
+    out = tmp_path / "prof"
+    r = offload_cli(
+        "profile", "--steps", "2", "--out", str(out), str(TRAIN), "--steps", "6", "--layers", "2"
+    )
+    assert r.returncode == 0, r.stderr
+    for name in ("trace.json", "trace.perfetto.json", "memory.png"):
+        assert (out / name).is_file(), name
+    trace = Trace.load(out / "trace.json")
+    assert trace.steps == 2
+    assert trace.metadata["source"] == "offload profile"
+    mods = {r.module for r in trace.records}
+    assert {"GPT.blocks.0.attn", "GPT.blocks.1.mlp.fc1"} <= mods
+    per_step = [[r.key for r in trace.records if r.step == s] for s in (0, 1)]
+    assert per_step[0] == per_step[1] and per_step[0]
+    assert "peak live saved bytes" in r.stdout
+    assert "recorded step 2/2" in r.stderr
+    # The script stopped after the recorded steps: it asked for 6, the profiler needed 3.
+    assert "step     6" not in r.stdout
+
+
+def test_script_args_after_double_dash(tmp_path: Path) -> None:
+    r = offload_cli(
+        "profile", "--warmup", "0", "--out", str(tmp_path), str(TRAIN), "--", "--steps", "1"
+    )
+    assert r.returncode == 0, r.stderr
+    assert Trace.load(tmp_path / "trace.json").steps == 1
+
+
+def test_missing_script(tmp_path: Path) -> None:
+    r = offload_cli("profile", "--out", str(tmp_path), str(tmp_path / "nope.py"))
+    assert r.returncode == 2
+    assert "nope.py" in r.stderr and "not found" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unwritable_output_dir(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = offload_cli("profile", "--out", str(blocker / "sub"), str(TRAIN))
+    assert r.returncode == 2
+    assert "output directory" in r.stderr and str(blocker) in r.stderr
+
+
+def test_bad_step_counts(tmp_path: Path) -> None:
+    r = offload_cli("profile", "--steps", "0", "--out", str(tmp_path), str(TRAIN))
+    assert r.returncode == 2 and "--steps" in r.stderr
+    r = offload_cli("profile", "--warmup", "-1", "--out", str(tmp_path), str(TRAIN))
+    assert r.returncode == 2 and "--warmup" in r.stderr
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "script.py"
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def test_script_that_raises_keeps_completed_steps(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        for i in range(10):
+            if i == 3:
+                m(torch.randn(4, 32))  # a forward of the broken step
+                raise ValueError("broken batch")
+            m(torch.randn(4, 32)).sum().backward()
+        """,
+    )
+    out = tmp_path / "out"
+    r = offload_cli("profile", "--warmup", "1", "--steps", "5", "--out", str(out), str(script))
+    assert r.returncode == 1
+    assert "broken batch" in r.stderr and "2 completed step" in r.stderr
+    trace = Trace.load(out / "trace.json")
+    assert trace.steps == 2
+    # The broken step's forward was thrown away.
+    assert {r.step for r in trace.records} == {0, 1}
+
+
+def test_script_without_backward(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import torch
+        m = torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            m(torch.randn(2, 8))
+        print("inference done")
+        """,
+    )
+    r = offload_cli("profile", "--out", str(tmp_path / "o"), str(script))
+    assert r.returncode == 1
+    assert "no backward pass ran" in r.stderr
+    assert not (tmp_path / "o" / "trace.json").exists()
+
+
+def test_script_sys_exit_zero_is_success(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import sys, torch
+        m = torch.nn.Linear(8, 8)
+        for _ in range(3):
+            m(torch.randn(2, 8)).sum().backward()
+        sys.exit(0)
+        """,
+    )
+    r = offload_cli("profile", "--steps", "5", "--out", str(tmp_path / "o"), str(script))
+    assert r.returncode == 0, r.stderr
+    assert Trace.load(tmp_path / "o" / "trace.json").steps == 2  # 3 backward passes, 1 warm-up
+
+
+@pytest.mark.parametrize(
+    "entry", [["-m", "offload"], ["-c", "from offload._cli import main; raise SystemExit(main())"]]
+)
+def test_help(entry: list[str]) -> None:
+    r = subprocess.run(
+        [sys.executable, *entry, "profile", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert r.returncode == 0
+    assert "SCRIPT" in r.stdout or "script" in r.stdout

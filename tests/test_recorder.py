@@ -1,0 +1,333 @@
+"""The lifecycle recorder against an oracle: identity hooks that keep every saved tensor alive.
+
+While every packed tensor is kept alive no address can be reused, so the oracle may group alias
+families by ``data_ptr`` and measure spans from real addresses: an implementation independent of
+the recorder's storage-object keys and its span arithmetic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import ALL_MODELS, ModelCase, checkpointed, gpt_block, lstm, mlp, views_model
+from torch import nn
+
+import offload
+from lifecycle import EventKind, Recorder, Trace
+
+
+class Oracle:
+    """saved_tensors_hooks that keep every packed tensor and log unpacks by pack index."""
+
+    def __init__(self) -> None:
+        self.packed: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        self.unpacks: list[int] = []
+
+    def pack(self, t: torch.Tensor) -> int:
+        self.packed.append(t.detach())
+        self.versions.append(t._version)
+        return len(self.packed) - 1
+
+    def unpack(self, i: int) -> torch.Tensor:
+        self.unpacks.append(i)
+        return self.packed[i]
+
+    def run(self, case: ModelCase) -> Oracle:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            case.step()
+        return self
+
+    def family_keys(self) -> list[tuple[int, int]]:
+        return [
+            (t.untyped_storage().data_ptr(), v)
+            for t, v in zip(self.packed, self.versions, strict=True)
+        ]
+
+    def span_bytes(self, members: list[torch.Tensor]) -> int:
+        lo = min(t.data_ptr() for t in members if t.numel())
+        hi = max(
+            t.data_ptr()
+            + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)))
+            * t.element_size()
+            for t in members
+            if t.numel()
+        )
+        return hi - lo
+
+
+def param_ptrs(model: nn.Module) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
+
+
+def record_case(case: ModelCase, **kwargs) -> Trace:
+    return offload.profile(case.step, case.model, warmup_steps=0, **kwargs)
+
+
+REQUIRED = ["mlp", "gpt_block", "conv_net", "lstm"]
+
+
+@pytest.mark.parametrize("name", sorted(ALL_MODELS))
+def test_records_match_oracle(name: str) -> None:
+    trace = record_case(ALL_MODELS[name](seed=0))
+    case = ALL_MODELS[name](seed=0)
+    oracle = Oracle().run(case)
+    recs = trace.records
+    assert len(recs) == len(oracle.packed) > 0
+    params = param_ptrs(case.model)
+    for r, t in zip(recs, oracle.packed, strict=True):
+        assert r.shape == tuple(t.shape)
+        assert r.stride == tuple(t.stride())
+        assert r.storage_offset == t.storage_offset()
+        assert r.dtype == str(t.dtype)
+        assert r.nbytes == t.numel() * t.element_size()
+        assert r.storage_nbytes == t.untyped_storage().nbytes()
+        assert r.is_parameter == (t.untyped_storage().data_ptr() in params), r
+    # Unpacks: the same records, in the same order.
+    unpack_order = [e.record for e in trace.events if e.kind is EventKind.UNPACK]
+    assert unpack_order == oracle.unpacks
+    # Alias families: the same partition of records.
+    keys = oracle.family_keys()
+    by_oracle: dict[tuple[int, int], set[int]] = {}
+    for i, k in enumerate(keys):
+        by_oracle.setdefault(k, set()).add(i)
+    by_trace = {f.family: set(f.records) for f in trace.families()}
+    assert sorted(map(sorted, by_trace.values())) == sorted(map(sorted, by_oracle.values()))
+    # Bytes: each activation storage once, as the span its members cover (from real addresses).
+    expected = 0
+    for idxs in by_oracle.values():
+        members = [oracle.packed[i] for i in idxs]
+        if members[0].untyped_storage().data_ptr() not in params:
+            expected += oracle.span_bytes(members)
+    assert trace.saved_bytes == expected
+
+
+@pytest.mark.parametrize("name", sorted(ALL_MODELS))
+def test_lifetimes_consistent(name: str) -> None:
+    trace = record_case(ALL_MODELS[name](seed=0))
+    events = trace.events
+    first_unpack = min((e.index for e in events if e.kind is EventKind.UNPACK), default=len(events))
+    prev = -1
+    for r in trace.records:
+        assert events[r.pack_event].kind is EventKind.PACK and events[r.pack_event].record == r.seq
+        assert r.pack_event > prev  # packs in forward order
+        prev = r.pack_event
+        if not r.in_backward:
+            assert r.pack_event < first_unpack  # every forward pack comes before backward
+        assert list(r.unpack_events) == sorted(r.unpack_events)
+        for u, ts in zip(r.unpack_events, r.unpack_times_s, strict=True):
+            assert u > r.pack_event
+            assert ts >= r.pack_time_s
+            assert events[u].kind is EventKind.UNPACK and events[u].record == r.seq
+        assert r.lifetime_s >= 0
+    times = [e.time_s for e in events]
+    assert times == sorted(times) and times[0] == 0.0
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_recording_leaves_gradients_bitwise_equal(name: str) -> None:
+    ref = ALL_MODELS[name](seed=0)
+    ref.step()
+    case = ALL_MODELS[name](seed=0)
+    record_case(case)
+    got, want = case.grads(), ref.grads()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_mlp_module_attribution_and_transposed_weights() -> None:
+    case = mlp(seed=0)
+    x, y = case.batch()
+    x.requires_grad_(True)  # so the first Linear also saves weight.t()
+    names = {n for n, _ in case.model.named_modules()}
+
+    def step() -> None:
+        case.model.zero_grad()
+        nn.functional.cross_entropy(case.model(x), y).backward()
+
+    trace = offload.profile(step, case.model, warmup_steps=0)
+    linears = [n for n, m in case.model.named_modules() if isinstance(m, nn.Linear)]
+    weight_views = [r for r in trace.records if r.is_parameter]
+    # Every Linear saves its weight transposed (a view, not the Parameter object): all flagged.
+    assert sorted(r.module for r in weight_views) == sorted(linears)
+    assert all(r.grad_fn == "TBackward0" for r in weight_views)
+    for r in trace.records:
+        assert r.module in names or r.module == "<outside>"
+    # key = (module, call index, ordinal) is unique within a step
+    assert len({r.key for r in trace.records}) == len(trace.records)
+
+
+def test_views_share_one_family() -> None:
+    trace = record_case(views_model(seed=0))
+    counts = trace.alias_counts()
+    assert max(counts.values()) >= 3, counts
+    fams = {f.family: f for f in trace.families()}
+    for fam, n in counts.items():
+        if n > 1:
+            f = fams[fam]
+            members = [trace.records[s] for s in f.records]
+            assert {m.storage_nbytes for m in members} == {f.storage_nbytes}
+            assert f.span_bytes <= f.storage_nbytes
+    # Counted once: less than the sum over records.
+    assert trace.saved_bytes < sum(r.nbytes for r in trace.activation_records)
+
+
+def test_version_change_starts_new_family() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            a = h * h  # saves h at version 0 (twice: both operands)
+            h.mul_(2)  # a later in-place op changes h's version
+            b = h.sigmoid() * h  # saves h at version 1
+            return a.sum() + b.sum()
+
+    m = M()
+    x = torch.randn(8, 32)
+    trace = offload.profile(lambda: m(x).backward(), m, warmup_steps=0)
+    h_records = [r for r in trace.activation_records if r.shape == (8, 32) and r.module == ""]
+    fams = [r.family for r in h_records]
+    assert len(set(fams)) >= 2  # same storage, two versions: two families
+
+
+def test_retain_graph_logs_every_unpack() -> None:
+    case = mlp(seed=0)
+
+    def step() -> None:
+        loss = case.loss(case.batch())
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    trace = offload.profile(step, case.model, warmup_steps=0)
+    used = [r for r in trace.records if r.unpack_events]
+    assert used and all(len(r.unpack_events) == 2 for r in used)
+
+
+def test_double_backward_packs_flagged() -> None:
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def step() -> None:
+        y = torch.tanh(lin(x)).pow(2).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        g.pow(2).sum().backward()
+
+    trace = offload.profile(step, lin, warmup_steps=0)
+    assert any(r.in_backward for r in trace.records)
+    assert any(not r.in_backward for r in trace.records)
+
+
+def test_checkpoint_region_shows_only_its_inputs() -> None:
+    plain = record_case(checkpointed(seed=0))
+    case = checkpointed(seed=0)
+    # The same model with no block checkpointed saves more.
+    for m in case.model.modules():
+        if hasattr(m, "checkpointed"):
+            m.checkpointed = ()
+    full = record_case(case)
+    assert len(plain.records) < len(full.records)
+
+
+def test_warmup_steps_are_discarded_and_steps_recorded() -> None:
+    case = gpt_block(seed=0)
+    one = record_case(gpt_block(seed=0))
+    trace = offload.profile(case.step, case.model, warmup_steps=2, steps=3)
+    assert trace.steps == 3
+    per_step = [sum(1 for r in trace.records if r.step == s) for s in range(3)]
+    assert per_step == [len(one.records)] * 3
+    assert [e.step for e in trace.events if e.kind is EventKind.STEP_START] == [0, 1, 2]
+    # Keys repeat step after step (what a plan is matched on).
+    keys = [[r.key for r in trace.records if r.step == s] for s in range(3)]
+    assert keys[0] == keys[1] == keys[2]
+
+
+def test_module_spans_forward_and_backward() -> None:
+    trace = record_case(gpt_block(seed=0))
+    spans = trace.module_spans()
+    fwd = {(s.module, s.call_index) for s in spans if s.phase == "forward"}
+    bwd = {(s.module, s.call_index) for s in spans if s.phase == "backward"}
+    assert ("", 0) in fwd
+    assert bwd and bwd <= fwd
+    for s in spans:
+        assert s.duration_s >= 0
+        assert s.start_event < s.end_event
+
+
+def test_lstm_records_and_unpacks() -> None:
+    trace = record_case(lstm(seed=0))
+    assert trace.activation_records
+    assert all(r.unpack_events for r in trace.activation_records if r.nbytes >= 4096)
+
+
+def test_live_saved_bytes_and_memory_curve_on_cpu() -> None:
+    trace = record_case(mlp(seed=0))
+    live = trace.live_saved_bytes()
+    assert live[0][1] == 0 and live[-1][1] == 0
+    assert trace.peak_saved_bytes == max(b for _, b in live) > 0
+    # On CPU the memory probe is the live saved curve itself.
+    assert [e.memory_bytes for e in trace.events] == [b for _, b in live]
+    # Forward only grows the curve; backward only shrinks it.
+    first_unpack = next(e.index for e in trace.events if e.kind is EventKind.UNPACK)
+    fwd = [b for i, b in live if i < first_unpack]
+    assert fwd == sorted(fwd)
+    assert trace.peak_saved_bytes <= trace.saved_bytes
+
+
+def test_injected_clock_and_memory_probe() -> None:
+    ticks = iter(range(10_000))
+
+    class Clock:
+        def stamp(self) -> int:
+            return next(ticks)
+
+        def seconds(self, stamps):
+            return [float(s - stamps[0]) for s in stamps]
+
+    calls = []
+
+    def probe() -> int:
+        calls.append(1)
+        return 1000 + len(calls)
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    rec = Recorder(clock=Clock(), memory_probe=probe)
+    with rec.attach(model), rec.hooks():
+        rec.begin_step()
+        model(torch.randn(2, 8)).sum().backward()
+        rec.end_step()
+    trace = rec.trace()
+    assert [e.time_s for e in trace.events] == [float(i) for i in range(len(trace.events))]
+    assert [e.memory_bytes for e in trace.events] == list(range(1001, 1001 + len(trace.events)))
+    assert trace.metadata["memory_probe"] == "probe"
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="step_fn"):
+        offload.profile(3, nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model"):
+        offload.profile(lambda: None, object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="warmup_steps"):
+        offload.profile(lambda: None, nn.Linear(2, 2), warmup_steps=-1)
+    with pytest.raises(ValueError, match="steps"):
+        offload.profile(lambda: None, nn.Linear(2, 2), steps=0)
+    with pytest.raises(ValueError, match="boundary"):
+        Recorder(boundary="sometimes")
+    with pytest.raises(TypeError, match="clock"):
+        Recorder(clock=object())  # type: ignore[arg-type]
+
+
+def test_step_fn_exception_propagates_and_hooks_are_removed() -> None:
+    model = nn.Linear(4, 4)
+
+    def boom() -> None:
+        model(torch.randn(2, 4)).sum()
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        offload.profile(boom, model, warmup_steps=0)
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

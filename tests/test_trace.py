@@ -1,0 +1,193 @@
+"""Trace: JSON round trip, derived facts on a hand-built trace, exports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from models import gpt_block, views_model
+
+import offload
+from lifecycle import (
+    SCHEMA_VERSION,
+    Event,
+    EventKind,
+    TensorRecord,
+    Trace,
+    write_memory_png,
+    write_perfetto,
+)
+
+
+def _rec(
+    seq: int,
+    family: int,
+    nbytes: int,
+    pack: int,
+    unpacks: tuple[int, ...],
+    *,
+    offset: int = 0,
+    param: bool = False,
+    module: str = "m",
+) -> TensorRecord:
+    n = nbytes // 4
+    return TensorRecord(
+        seq=seq,
+        step=0,
+        family=family,
+        module=module,
+        call_index=0,
+        ordinal=seq,
+        nbytes=nbytes,
+        storage_nbytes=4096,
+        storage_offset=offset,
+        shape=(n,),
+        stride=(1,),
+        dtype="torch.float32",
+        device="cpu",
+        is_parameter=param,
+        grad_fn="",
+        in_backward=False,
+        pack_event=pack,
+        pack_time_s=float(pack),
+        unpack_events=unpacks,
+        unpack_times_s=tuple(float(u) for u in unpacks),
+    )
+
+
+def _synthetic() -> Trace:
+    """Timeline 0..9: three families; family 1 has two views (bytes 0-1023 and 512-2047)."""
+    kinds = {
+        0: EventKind.STEP_START,
+        9: EventKind.STEP_END,
+        1: EventKind.PACK,
+        2: EventKind.PACK,
+        3: EventKind.PACK,
+        4: EventKind.PACK,
+    }
+    recs = (
+        _rec(0, 0, 1000, 1, (8,)),
+        _rec(1, 1, 1024, 2, (6,)),
+        _rec(2, 1, 1536, 3, (7,), offset=128),
+        _rec(3, 2, 512, 4, (5,), param=True),
+    )
+    record_of = {1: 0, 2: 1, 3: 2, 4: 3, 5: 3, 6: 1, 7: 2, 8: 0}
+    events = tuple(
+        Event(
+            index=i,
+            kind=kinds.get(i, EventKind.UNPACK),
+            step=0,
+            time_s=float(i),
+            memory_bytes=0,
+            record=record_of.get(i, -1),
+        )
+        for i in range(10)
+    )
+    return Trace(records=recs, events=events, steps=1)
+
+
+def test_derived_facts_by_hand() -> None:
+    t = _synthetic()
+    fams = {f.family: f for f in t.families()}
+    assert fams[1].span_bytes == 128 * 4 + 1536  # views at bytes [0, 1024) and [512, 2048)
+    assert fams[1].records == (1, 2)
+    assert t.saved_bytes == 1000 + 2048  # the parameter family is not an activation
+    live = dict(t.live_saved_bytes())
+    # family 0 lives over events 1..8, family 1 over 2..7
+    assert [live[i] for i in range(10)] == [0, 1000, 3048, 3048, 3048, 3048, 3048, 3048, 1000, 0]
+    assert t.peak_saved_bytes == 3048
+    assert t.alias_counts() == {0: 1, 1: 2}
+    assert t.bytes_by_module() == {"m": 3048}
+    assert sorted(t.lifetimes_s()) == [4.0, 4.0, 7.0]
+
+
+def test_records_must_be_in_order() -> None:
+    t = _synthetic()
+    with pytest.raises(ValueError, match="seq"):
+        Trace(records=tuple(reversed(t.records)), events=t.events)
+
+
+def test_json_round_trip_is_exact(tmp_path) -> None:
+    trace = offload.profile(gpt_block(seed=0).step, gpt_block(seed=0).model, warmup_steps=0)
+    case = views_model(seed=0)
+    trace2 = offload.profile(case.step, case.model, warmup_steps=0, steps=2)
+    for i, t in enumerate((trace, trace2, _synthetic())):
+        p = tmp_path / f"t{i}.json"
+        t.save(p)
+        back = Trace.load(p)
+        assert back == t
+        assert back.summary() == t.summary()
+        assert json.loads(p.read_text())["schema_version"] == SCHEMA_VERSION
+
+
+def test_load_rejects_other_files(tmp_path) -> None:
+    p = tmp_path / "x.json"
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Trace.load(p)
+    p.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not an offload trace"):
+        Trace.load(p)
+    d = _synthetic().to_dict()
+    d["schema_version"] = SCHEMA_VERSION + 1
+    p.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="schema_version"):
+        Trace.load(p)
+    with pytest.raises(FileNotFoundError):
+        Trace.load(tmp_path / "missing.json")
+
+
+def test_summary_names_the_facts() -> None:
+    case = views_model(seed=0)
+    s = offload.profile(case.step, case.model, warmup_steps=0).summary()
+    for needle in (
+        "activation bytes saved per step",
+        "peak live saved bytes",
+        "top modules",
+        "lifetime",
+        "aliasing",
+    ):
+        assert needle in s
+
+
+def test_perfetto_export(tmp_path) -> None:
+    case = gpt_block(seed=0)
+    trace = offload.profile(case.step, case.model, warmup_steps=0)
+    p = tmp_path / "t.perfetto.json"
+    write_perfetto(trace, p)
+    evs = json.loads(p.read_text())["traceEvents"]
+    spans = [e for e in evs if e["ph"] == "X"]
+    counters = [e for e in evs if e["ph"] == "C"]
+    assert len(spans) == len(trace.module_spans())
+    assert {e["cat"] for e in spans} == {"forward", "backward"}
+    assert len(counters) == 2 * len(trace.events)
+    assert (
+        max(e["args"]["bytes"] for e in counters if e["name"] == "live saved bytes")
+        == trace.peak_saved_bytes
+    )
+
+
+def test_png_export(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    case = gpt_block(seed=0)
+    trace = offload.profile(case.step, case.model, warmup_steps=0)
+    p = tmp_path / "m.png"
+    write_memory_png(trace, p)
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_png_without_matplotlib_names_the_extra(tmp_path) -> None:
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.figure'] = None\n"
+        "from lifecycle import Trace, write_memory_png\n"
+        "try:\n"
+        "    write_memory_png(Trace(records=(), events=()), 'x.png')\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
+    assert "offload[plot]" in out.stdout
