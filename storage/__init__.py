@@ -1,0 +1,48 @@
+"""storage: where bytes live off the GPU.
+
+A pinned (or, without CUDA, plain) host memory pool carved into 4 KiB-aligned regions, an NVMe
+tier that keeps records in a private, unlinked, checksummed spill file, and the small interface
+both implement (:class:`Tier`, returning :class:`Transfer` handles whose ``.wait()`` is the only
+synchronisation). Knows nothing about autograd; never imports ``offload`` or ``lifecycle``.
+Importing it starts no thread, touches no file and creates no CUDA context.
+"""
+
+from storage._bandwidth import measure_disk_bandwidth
+from storage._budget import default_cpu_budget_bytes, default_nvme_budget_bytes, local_world_size
+from storage._errors import ChecksumError, StorageError, StorageFullError
+from storage._host_tier import HostTier
+from storage._kvikio import kvikio_available
+from storage._nvme import NvmeTier
+from storage._pool import HostPool, HostRegion, shared_host_pool
+from storage._tier import StoredHandle, Tier
+from storage._transfer import CopyEngine, Transfer, byte_view
+from storage._units import ALIGNMENT_BYTES, CHECKSUM_CHUNK_BYTES
+
+__all__ = [
+    # host memory
+    "HostPool",
+    "HostRegion",
+    "shared_host_pool",
+    # tiers
+    "HostTier",
+    "NvmeTier",
+    "StoredHandle",
+    "Tier",
+    # transfers
+    "CopyEngine",
+    "Transfer",
+    "byte_view",
+    # budgets and measurements
+    "default_cpu_budget_bytes",
+    "default_nvme_budget_bytes",
+    "kvikio_available",
+    "local_world_size",
+    "measure_disk_bandwidth",
+    # constants
+    "ALIGNMENT_BYTES",
+    "CHECKSUM_CHUNK_BYTES",
+    # errors
+    "ChecksumError",
+    "StorageError",
+    "StorageFullError",
+]

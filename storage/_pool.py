@@ -1,0 +1,448 @@
+"""The host memory pool: fixed power-of-two slabs, sub-allocated in 4 KiB-aligned regions."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from storage._budget import default_cpu_budget_bytes
+from storage._errors import StorageError, StorageFullError
+from storage._extents import ExtentAllocator
+from storage._units import ALIGNMENT_BYTES, format_bytes, next_pow2, prev_pow2, round_up
+
+logger = logging.getLogger("storage")
+
+_DEFAULT_SLAB_BYTES = 256 << 20
+
+# NOTE [ Host region reuse ]
+# A region's bytes may be read or written by work the pool cannot see: a D2H or H2D copy on a CUDA
+# stream, a file write on an I/O thread, a checksum. The pool therefore never decides when a region
+# is free; its owner does, by calling ``release()`` only after the last event or future that
+# touches the region has completed (DESIGN, NOTE [ Stream ordering ] rule 4). The pool's part:
+#   * a range is handed out again only after ``release()``, never while a region covers it;
+#   * ``release()`` is idempotent, so an error path and a finalizer may both call it;
+#   * with ``poison_on_release`` the bytes are overwritten with 0xFF before the range is reused,
+#     so a reader that skipped its ``.wait()`` sees garbage in tests instead of plausible data;
+#   * slabs are never returned before ``close()``: once the working set fits, a step allocates
+#     nothing from the host (``host_allocations`` stays constant).
+# Slabs are powers of two because torch's pinned host allocator rounds every request up to one
+# (768 MiB pinned 1 GiB); asking for powers of two means the cap is what is really pinned.
+
+
+@dataclass(eq=False)
+class _Slab:
+    memory: torch.Tensor  # the whole allocation, uint8
+    base: int  # first 4 KiB-aligned byte of ``memory`` (align by data_ptr, not by index)
+    allocator: ExtentAllocator  # offsets relative to ``base``
+
+
+class HostRegion:
+    """A 4 KiB-aligned piece of a :class:`HostPool` slab, owned until :meth:`release`.
+
+    ``tensor`` is a uint8 view of exactly ``nbytes`` bytes; ``span`` covers the region's whole
+    aligned capacity (``nbytes`` rounded up to 4 KiB), which is what O_DIRECT file I/O moves.
+
+    Example:
+        >>> pool = HostPool(1 << 20, slab_bytes=1 << 20)
+        >>> region = pool.allocate(100)
+        >>> region.tensor.numel(), region.capacity_bytes, region.data_ptr() % 4096
+        (100, 4096, 0)
+        >>> region.release(); region.release()  # idempotent
+        >>> pool.close()
+    """
+
+    __slots__ = ("_nbytes", "_offset", "_pool", "_released", "_slab", "_span", "_tensor")
+
+    def __init__(
+        self, pool: HostPool, slab: _Slab | None, offset: int, span: torch.Tensor, nbytes: int
+    ) -> None:
+        self._pool = pool
+        self._slab = slab
+        self._offset = offset
+        self._span = span
+        self._tensor = span[:nbytes]
+        self._nbytes = nbytes
+        self._released = False
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes asked for."""
+        return self._nbytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The bytes reserved: ``nbytes`` rounded up to 4 KiB."""
+        return self._span.numel()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """A 1-D uint8 view of the first ``nbytes`` bytes.
+
+        Raises:
+            StorageError: the region was released (its bytes may already belong to someone else).
+        """
+        self._check_live()
+        return self._tensor
+
+    @property
+    def span(self) -> torch.Tensor:
+        """A 1-D uint8 view of all ``capacity_bytes`` bytes (4 KiB-aligned start and length)."""
+        self._check_live()
+        return self._span
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the bytes are page-locked (CUDA pinned host memory)."""
+        return self._pool.pinned
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def data_ptr(self) -> int:
+        """Address of the first byte (a multiple of 4096)."""
+        return self._span.data_ptr()
+
+    def release(self) -> None:
+        """Give the bytes back to the pool; calling it again does nothing.
+
+        See NOTE [ Host region reuse ]: call it only after every copy and I/O that touches the
+        region has completed.
+        """
+        self._pool._release(self)
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise StorageError(
+                f"{self!r} was released; its bytes may belong to another record now. Keep the "
+                "region until every copy that uses it has completed."
+            )
+
+    def __enter__(self) -> HostRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "live"
+        return f"HostRegion(nbytes={self._nbytes}, capacity_bytes={self.capacity_bytes}, {state})"
+
+
+class HostPool:
+    """A capped pool of host memory carved into 4 KiB-aligned regions.
+
+    Memory comes in power-of-two slabs allocated at first use (one log line per slab, with bytes
+    and seconds) and kept until :meth:`close`; regions are carved from them best-fit, and released
+    regions merge with free neighbours, so fragmentation does not force new slabs. The pool grows
+    slab by slab up to ``capacity_bytes`` and then raises :class:`StorageFullError`, so the caller
+    can fall back to another tier. Thread-safe.
+
+    Args:
+        capacity_bytes: the most host memory the pool may hold (slabs included in full).
+        pin_memory: page-lock the slabs; honoured only when ``torch.cuda.is_available()``, so the
+            same code runs with plain memory on CPU-only machines.
+        slab_bytes: the size of a regular slab (a power of two, at least 4 KiB). Larger requests
+            get a slab of their own, rounded up to a power of two.
+        poison_on_release: fill released regions with 0xFF (for tests of ordering; see NOTE
+            [ Host region reuse ]).
+
+    Raises:
+        ValueError: ``capacity_bytes`` is negative or ``slab_bytes`` is not a power of two >= 4096.
+
+    Example:
+        >>> pool = HostPool(8 << 20, slab_bytes=4 << 20)
+        >>> a = pool.allocate(3 << 20)
+        >>> pool.host_allocations, pool.used_bytes == 3 << 20
+        (1, True)
+        >>> a.release()
+        >>> pool.close()
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        pin_memory: bool = False,
+        slab_bytes: int = _DEFAULT_SLAB_BYTES,
+        poison_on_release: bool = False,
+    ) -> None:
+        _check_bytes("capacity_bytes", capacity_bytes)
+        _check_bytes("slab_bytes", slab_bytes)
+        if slab_bytes < ALIGNMENT_BYTES or slab_bytes & (slab_bytes - 1):
+            raise ValueError(
+                f"slab_bytes must be a power of two >= {ALIGNMENT_BYTES}; got {slab_bytes}"
+            )
+        self._capacity = capacity_bytes
+        self._pin_requested = bool(pin_memory)
+        self._pinned: bool | None = None  # decided at the first slab, not at construction
+        self._slab_bytes = slab_bytes
+        self._poison = bool(poison_on_release)
+        self._lock = threading.Lock()
+        self._slabs: list[_Slab] = []
+        self._reserved = 0
+        self._used = 0
+        self._host_allocations = 0
+        self._closed = False
+        self._ever_pinned = False
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The cap on :attr:`reserved_bytes`."""
+        return self._capacity
+
+    def set_capacity_bytes(self, capacity_bytes: int) -> None:
+        """Change the cap. Lowering it below :attr:`reserved_bytes` stops growth; it frees nothing."""
+        _check_bytes("capacity_bytes", capacity_bytes)
+        with self._lock:
+            self._capacity = capacity_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes held in slabs (what the host really gave the pool)."""
+        return self._reserved
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in live regions, each counted at its aligned capacity."""
+        return self._used
+
+    @property
+    def host_allocations(self) -> int:
+        """How many slabs were ever allocated; constant once the working set fits."""
+        return self._host_allocations
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the slabs are (or will be) page-locked."""
+        if self._pinned is None:
+            return self._pin_requested and torch.cuda.is_available()
+        return self._pinned
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def largest_free_bytes(self) -> int:
+        """The largest region that fits without growing."""
+        with self._lock:
+            return max((s.allocator.largest_free() for s in self._slabs), default=0)
+
+    # -- allocation -------------------------------------------------------------------------------
+
+    def allocate(self, nbytes: int) -> HostRegion:
+        """A region of ``nbytes`` bytes, 4 KiB-aligned, owned by the caller until released.
+
+        Raises:
+            StorageFullError: it fits neither in free space nor in a new slab under the cap.
+            StorageError: the pool is closed.
+            ValueError: ``nbytes`` is negative.
+        """
+        _check_bytes("nbytes", nbytes)
+        if nbytes == 0:
+            self._check_open()
+            return HostRegion(self, None, 0, torch.empty(0, dtype=torch.uint8), 0)
+        capacity = round_up(nbytes)
+        with self._lock:
+            self._check_open()
+            placed = self._place(capacity)
+            if placed is None:
+                self._grow(capacity, reason=f"a {format_bytes(nbytes)} region")
+                placed = self._place(capacity)
+                if placed is None:  # pragma: no cover - _grow guarantees room
+                    raise StorageError("host pool grew but the region still does not fit")
+            slab, offset = placed
+            self._used += capacity
+        start = slab.base + offset
+        return HostRegion(self, slab, offset, slab.memory[start : start + capacity], nbytes)
+
+    def reserve(self, nbytes: int) -> None:
+        """Grow now (not at the first allocation) until at least ``nbytes`` are held in slabs.
+
+        Lets a caller that knows its working set pay the allocation once, up front.
+
+        Raises:
+            StorageFullError: ``nbytes`` exceeds the cap.
+        """
+        _check_bytes("nbytes", nbytes)
+        with self._lock:
+            self._check_open()
+            while self._reserved < nbytes:
+                want = min(round_up(nbytes - self._reserved), self._slab_bytes)
+                self._grow(want, reason=f"a reservation of {format_bytes(nbytes)}")
+
+    def _place(self, capacity: int) -> tuple[_Slab, int] | None:
+        best: _Slab | None = None
+        for slab in self._slabs:
+            largest = slab.allocator.largest_free()
+            if largest >= capacity and (best is None or largest < best.allocator.largest_free()):
+                best = slab
+        if best is None:
+            return None
+        offset = best.allocator.allocate(capacity)
+        return (best, offset) if offset is not None else None
+
+    def _grow(self, need: int, *, reason: str) -> None:
+        remaining = self._capacity - self._reserved
+        size = min(self._slab_bytes, prev_pow2(remaining))
+        if size < need:
+            size = next_pow2(need)
+        if size > remaining:
+            raise StorageFullError(
+                f"host pool is full: {reason} needs a new {format_bytes(size)} slab but only "
+                f"{format_bytes(max(remaining, 0))} of its {format_bytes(self._capacity)} cap "
+                f"is left ({format_bytes(self._used)} in use). Raise cpu_budget, or let the "
+                "record go to another tier.",
+                bytes_needed=need,
+            )
+        slab = self._new_slab(size)
+        if slab.allocator.largest_free() < need:
+            # The base was not page-aligned, so alignment cost a page; one size up always fits.
+            self._drop_slab(slab)
+            size = next_pow2(need + ALIGNMENT_BYTES)
+            if size > remaining:
+                raise StorageFullError(
+                    f"host pool is full: {reason} does not fit under the "
+                    f"{format_bytes(self._capacity)} cap once aligned to 4 KiB",
+                    bytes_needed=need,
+                )
+            slab = self._new_slab(size)
+
+    def _new_slab(self, size: int) -> _Slab:
+        if self._pinned is None:
+            self._pinned = self._pin_requested and torch.cuda.is_available()
+        start = time.perf_counter()
+        memory = _allocate_host(size, pinned=self._pinned)
+        seconds = time.perf_counter() - start
+        misalign = memory.data_ptr() % ALIGNMENT_BYTES
+        base = (ALIGNMENT_BYTES - misalign) % ALIGNMENT_BYTES
+        allocator = ExtentAllocator(alignment=ALIGNMENT_BYTES)
+        usable = (size - base) // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+        if usable:
+            allocator.add(0, usable)
+        slab = _Slab(memory, base, allocator)
+        self._slabs.append(slab)
+        self._reserved += size
+        self._host_allocations += 1
+        self._ever_pinned |= self._pinned
+        logger.info(
+            "storage::host_pool allocated a %s %s slab in %.3f s (%s of %s cap reserved)",
+            format_bytes(size),
+            "pinned" if self._pinned else "plain",
+            seconds,
+            format_bytes(self._reserved),
+            format_bytes(self._capacity),
+        )
+        return slab
+
+    def _drop_slab(self, slab: _Slab) -> None:
+        self._slabs.remove(slab)
+        self._reserved -= slab.memory.numel()
+
+    def _release(self, region: HostRegion) -> None:
+        if region._released:
+            return
+        if self._poison and region._slab is not None and not self._closed:
+            region._span.fill_(0xFF)  # before the range can be handed out again
+        with self._lock:
+            if region._released:
+                return
+            region._released = True
+            if region._slab is None or self._closed:
+                return
+            region._slab.allocator.free(region._offset, region._span.numel())
+            self._used -= region._span.numel()
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop every slab (regions still live become released) and, for pinned slabs, return the
+        memory to the driver. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._slabs.clear()
+            self._reserved = 0
+            self._used = 0
+            ever_pinned = self._ever_pinned
+        if ever_pinned:
+            _empty_host_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError("the host pool is closed; create a new one (or shared_host_pool())")
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "pinned" if self.pinned else "plain"
+        return (
+            f"HostPool({kind}, used={format_bytes(self._used)}, "
+            f"reserved={format_bytes(self._reserved)}, cap={format_bytes(self._capacity)})"
+        )
+
+
+def _allocate_host(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # Anonymous mmap is page-aligned, and its pages are committed on first touch only.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
+def _empty_host_cache() -> None:
+    # torch.accelerator.empty_host_cache is missing from torch 2.11; feature-detect both spellings.
+    accelerator = getattr(torch, "accelerator", None)
+    fn = getattr(accelerator, "empty_host_cache", None) or getattr(
+        torch.cuda, "empty_host_cache", None
+    )
+    if fn is not None:
+        fn()
+
+
+def _check_bytes(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of bytes; got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 bytes; got {value}")
+
+
+_shared_lock = threading.Lock()
+_shared_pools: dict[bool, HostPool] = {}
+
+
+def shared_host_pool(capacity_bytes: int | None = None, *, pin_memory: bool = True) -> HostPool:
+    """The process-wide pool, so several managers share one set of slabs.
+
+    One pool per kind (pinned or plain). The first call creates it (``capacity_bytes=None``
+    means :func:`default_cpu_budget_bytes`); a later call with a larger ``capacity_bytes`` raises
+    its cap, since the host memory belongs to all of them. A closed pool is replaced.
+
+    Example:
+        >>> pool = shared_host_pool(pin_memory=False)  # nothing is allocated until first use
+        >>> pool is shared_host_pool(pin_memory=False)
+        True
+    """
+    if capacity_bytes is not None:
+        _check_bytes("capacity_bytes", capacity_bytes)
+    pinned = bool(pin_memory) and torch.cuda.is_available()
+    with _shared_lock:
+        pool = _shared_pools.get(pinned)
+        if pool is None or pool.closed:
+            cap = default_cpu_budget_bytes() if capacity_bytes is None else capacity_bytes
+            pool = HostPool(cap, pin_memory=pinned)
+            _shared_pools[pinned] = pool
+        elif capacity_bytes is not None and capacity_bytes > pool.capacity_bytes:
+            pool.set_capacity_bytes(capacity_bytes)
+        return pool

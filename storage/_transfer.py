@@ -1,0 +1,313 @@
+"""Transfers (a future with ``.wait()``) and the engine that runs copies between host buffers."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+# NOTE [ Transfer ordering ]
+# storage knows nothing about CUDA streams. Ordering crosses its boundary in two ways only:
+#   * ``after=`` on a write: any object with ``.synchronize()`` (a CUDA event recorded after the
+#     D2H copy into the region) or ``.wait()`` (a Transfer). The worker that first reads the source
+#     calls it, so a file write or checksum never reads a region before its D2H finished (DESIGN,
+#     NOTE [ Stream ordering ] rule 4), and no hook ever blocks on the disk.
+#   * the Transfer a call returns: ``.wait()`` is the only synchronisation a caller may rely on.
+#     In deferred mode (``CopyEngine(deferred=True)``) every copy and every file I/O runs on a
+#     worker thread after a random delay and released regions are poisoned with 0xFF, so a caller
+#     that reads a destination, or releases a source, before ``.wait()`` sees garbage in CPU tests.
+# Inside a tier: a read of a record starts only after the record's write completed (chained on its
+# future, never by blocking a worker), and a record's region or file range is released only after
+# every transfer that touches it completed, even when ``free()`` came first. The Transfer completes
+# after that cleanup, so when ``.wait()`` returns (or raises) nothing is left in flight.
+
+
+class Transfer:
+    """The completion of one copy or file I/O.
+
+    ``.wait()`` returns once the bytes are where they were sent, or re-raises the error that
+    stopped them (:class:`~storage.StorageError` and its subclasses for I/O). It is the only
+    synchronisation a caller may rely on (see NOTE [ Transfer ordering ]).
+
+    Example:
+        >>> t = Transfer.completed("copy")
+        >>> t.done()
+        True
+        >>> t.wait()
+    """
+
+    __slots__ = ("_future", "label")
+
+    def __init__(self, future: Future[Any], label: str = "transfer") -> None:
+        self._future = future
+        self.label = label
+
+    @classmethod
+    def completed(cls, label: str = "transfer") -> Transfer:
+        """A transfer that has already finished successfully."""
+        future: Future[Any] = Future()
+        future.set_result(None)
+        return cls(future, label)
+
+    @classmethod
+    def failed(cls, error: BaseException, label: str = "transfer") -> Transfer:
+        """A transfer that has already failed with ``error``."""
+        future: Future[Any] = Future()
+        future.set_exception(error)
+        return cls(future, label)
+
+    def done(self) -> bool:
+        """Whether it finished (successfully or not); never blocks."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until it finished; re-raise its error.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first (the transfer keeps running).
+        """
+        self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until it finished; return its error instead of raising it (``None`` on success)."""
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[Transfer], object]) -> None:
+        """Call ``fn(self)`` when it finishes (at once if it already has), on the finishing thread."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def synchronize(self) -> None:
+        """Same as :meth:`wait`, so a Transfer can be the ``after=`` of another write."""
+        self.wait()
+
+    def __repr__(self) -> str:
+        if not self._future.done():
+            state = "pending"
+        else:
+            state = "failed" if self._future.exception() is not None else "done"
+        return f"Transfer({self.label!r}, {state})"
+
+
+class CopyEngine:
+    """Runs copies between tensors and host regions, and paces a tier's file I/O.
+
+    By default a copy runs at once on the calling thread and file I/O runs as soon as a thread is
+    free. With ``deferred=True`` (for tests, DESIGN "Stream ordering" rule (a)) each copy runs on
+    a worker thread and each file I/O task starts only after a random delay of up to
+    ``max_delay_s``, tiers poison the regions they release with 0xFF, and :meth:`paused` holds all
+    of it back, so a test can show that a caller which did not ``.wait()`` sees garbage.
+
+    Args:
+        deferred: run copies late, on a worker thread.
+        max_delay_s: the longest random delay before a deferred copy or I/O task.
+        seed: seed of the delays, for reproducible interleavings.
+
+    Example:
+        >>> engine = CopyEngine(deferred=True, max_delay_s=0.001, seed=0)
+        >>> src, dst = torch.arange(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+        >>> t = engine.copy(dst, src)
+        >>> t.wait(); dst.tolist()
+        [0, 1, 2, 3]
+        >>> engine.close()
+    """
+
+    def __init__(
+        self, *, deferred: bool = False, max_delay_s: float = 0.002, seed: int | None = None
+    ):
+        if max_delay_s < 0:
+            raise ValueError(f"max_delay_s must be >= 0 seconds; got {max_delay_s}")
+        self._deferred = bool(deferred)
+        self._max_delay_s = float(max_delay_s)
+        self._random = random.Random(seed)
+        self._random_lock = threading.Lock()
+        self._gate = threading.Event()
+        self._gate.set()
+        self._worker: ThreadPoolExecutor | None = None
+        self._worker_lock = threading.Lock()
+
+    @property
+    def deferred(self) -> bool:
+        return self._deferred
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, after: object = None) -> Transfer:
+        """Copy ``src`` into ``dst`` (same number of bytes) once ``after`` completed."""
+
+        def run() -> None:
+            wait_for(after)
+            dst.copy_(src)
+
+        return Transfer(self.submit(run), "copy")
+
+    def submit(self, fn: Callable[[], object]) -> Future[Any]:
+        """Run ``fn`` at once (returning its finished future) or, when deferred, on the worker."""
+        if not self._deferred:
+            return run_now(fn)
+        with self._worker_lock:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="storage-copy")
+            worker = self._worker
+
+        def late() -> object:
+            self.delay()
+            return fn()
+
+        return worker.submit(late)
+
+    def delay(self) -> None:
+        """In deferred mode: wait while paused, then sleep a random time. Otherwise nothing."""
+        if not self._deferred:
+            return
+        self._gate.wait()
+        with self._random_lock:
+            seconds = self._random.uniform(0.0, self._max_delay_s)
+        time.sleep(seconds)
+
+    def poison(self, span: torch.Tensor) -> None:
+        """In deferred mode, overwrite bytes that are about to be released with 0xFF."""
+        if self._deferred and span.numel():
+            span.fill_(0xFF)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold back every deferred copy and I/O task until the block exits.
+
+        Raises:
+            ValueError: the engine is not deferred (nothing could be held back).
+        """
+        if not self._deferred:
+            raise ValueError("paused() needs CopyEngine(deferred=True)")
+        self._gate.clear()
+        try:
+            yield
+        finally:
+            self._gate.set()
+
+    def close(self) -> None:
+        """Finish queued copies and stop the worker thread. Idempotent."""
+        self._gate.set()
+        with self._worker_lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
+
+
+def wait_for(after: object) -> None:
+    """Block until ``after`` completed: ``None``, or anything with ``.synchronize()`` (a CUDA
+    event or stream, a Transfer) or ``.wait()``."""
+    if after is None:
+        return
+    sync = getattr(after, "synchronize", None)
+    if sync is None:
+        sync = getattr(after, "wait", None)
+    if sync is None:
+        raise TypeError(
+            "after= must have .synchronize() (a torch.cuda.Event) or .wait() (a Transfer); "
+            f"got {type(after).__name__}"
+        )
+    sync()
+
+
+def check_waitable(after: object) -> None:
+    """Raise the TypeError of :func:`wait_for` now, at the API boundary, instead of on a worker."""
+    if after is not None and not (hasattr(after, "synchronize") or hasattr(after, "wait")):
+        wait_for(after)
+
+
+def run_now(fn: Callable[[], object]) -> Future[Any]:
+    """Run ``fn`` here; its result or error lands in a finished future."""
+    future: Future[Any] = Future()
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # the error belongs to whoever waits on the future
+        future.set_exception(e)
+    return future
+
+
+def gather(futures: Sequence[Future[Any]]) -> Future[Any]:
+    """A future that finishes when all of ``futures`` have (never earlier, even on an error) and
+    carries the first error by position."""
+    out: Future[Any] = Future()
+    if not futures:
+        out.set_result(None)
+        return out
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            error = next((f.exception() for f in futures if f.exception() is not None), None)
+            if error is None:
+                out.set_result(None)
+            else:
+                out.set_exception(error)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
+
+
+def chain(
+    prerequisite: Future[Any] | None,
+    start: Callable[[], Future[Any]],
+    finish: Callable[[BaseException | None], BaseException | None],
+) -> Future[Any]:
+    """``start()`` once ``prerequisite`` succeeded; then ``finish(error)`` (cleanup, which may
+    replace the error) runs before the returned future finishes. Nothing blocks a thread."""
+    out: Future[Any] = Future()
+
+    def complete(error: BaseException | None) -> None:
+        try:
+            error = finish(error)
+        except BaseException as e:
+            error = e
+        if error is None:
+            out.set_result(None)
+        else:
+            out.set_exception(error)
+
+    def begin(first: Future[Any] | None) -> None:
+        if first is not None and first.exception() is not None:
+            complete(first.exception())
+            return
+        try:
+            inner = start()
+        except BaseException as e:
+            complete(e)
+            return
+        inner.add_done_callback(lambda f: complete(f.exception()))
+
+    if prerequisite is None:
+        begin(None)
+    else:
+        prerequisite.add_done_callback(begin)
+    return out
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes, for any dtype (bf16, bool, fp8, ...).
+
+    Raises:
+        ValueError: the tensor is not contiguous (its bytes are not one range).
+
+    Example:
+        >>> byte_view(torch.ones(2, dtype=torch.bfloat16)).tolist()
+        [128, 63, 128, 63]
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor; got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"tensor of shape {tuple(tensor.shape)} and stride {tensor.stride()} is not "
+            "contiguous; store the span of its storage instead"
+        )
+    flat = tensor.detach().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)

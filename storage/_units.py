@@ -1,0 +1,37 @@
+"""Byte arithmetic shared by the pool, the file store and the tiers."""
+
+from __future__ import annotations
+
+ALIGNMENT_BYTES = 4096
+"""Alignment of every host region and file offset: O_DIRECT needs 4 KiB-aligned buffers, offsets
+and lengths, and a plain torch CPU tensor is only 64-byte aligned."""
+
+CHECKSUM_CHUNK_BYTES = 4 << 20
+"""Records are checksummed (crc32) and moved in pieces of this size, so one large record spreads
+over several I/O threads and a mismatch names a small range of the file."""
+
+
+def round_up(n: int, multiple: int = ALIGNMENT_BYTES) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``n``."""
+    return -(-n // multiple) * multiple
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def prev_pow2(n: int) -> int:
+    """Largest power of two <= ``n`` (0 for ``n < 1``)."""
+    return 0 if n < 1 else 1 << (n.bit_length() - 1)
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``: binary units, for log lines and error messages."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    return f"{sign}{n:.2f} TiB"

@@ -1,0 +1,450 @@
+"""The NVMe tier on real files: round trips, privacy, cleanup, checksums, full disks, errors."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from storage import (
+    ChecksumError,
+    HostPool,
+    NvmeTier,
+    StorageError,
+    StorageFullError,
+    byte_view,
+    kvikio_available,
+)
+from storage._file import storage_error
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [1, 4095, 4096, 10 * MiB + 3]
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+linux_only = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+
+
+@pytest.fixture
+def pool():
+    p = HostPool(64 * MiB, slab_bytes=16 * MiB)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def tier(tmp_path, pool):
+    t = NvmeTier(tmp_path, capacity_bytes=64 * MiB, pool=pool, growth_bytes=4 * MiB)
+    yield t
+    t.close()
+
+
+def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_round_trip_of_random_bytes(tier, pool, n):
+    x = random_bytes(n, seed=n)
+    h = tier.write(x)
+    h.wait()
+    into_region = pool.allocate(n)
+    into_tensor = torch.empty(n, dtype=torch.uint8)
+    tier.read(h, into_region).wait()
+    tier.read(h, into_tensor).wait()
+    assert torch.equal(into_region.tensor, x)
+    assert torch.equal(into_tensor, x)
+    into_region.release()
+    tier.free(h)
+    assert tier.used_bytes == 0 and pool.used_bytes == 0
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_round_trip_from_a_region_source(tier, pool, n):
+    x = random_bytes(n, seed=n + 1)
+    source = pool.allocate(n)
+    source.tensor.copy_(x)
+    h = tier.write(source)
+    h.wait()
+    source.release()  # the caller keeps a region source; once written it may go
+    out = pool.allocate(n)
+    tier.read(h, out).wait()
+    assert torch.equal(out.tensor, x)
+    out.release()
+    tier.free(h)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.randn(257, 3).to(torch.bfloat16),
+        torch.rand(1000) > 0.5,
+        torch.randint(-(2**62), 2**62, (123,), dtype=torch.int64),
+        torch.randint(-128, 127, (4097,), dtype=torch.int8),
+        torch.randn(5, 7, dtype=torch.float64),
+        torch.tensor(3.5),
+    ],
+    ids=["bf16", "bool", "int64", "int8", "f64", "scalar"],
+)
+def test_dtypes_round_trip_through_byte_views(tier, value):
+    h = tier.write(value)
+    out = torch.empty_like(value)
+    tier.read(h, out).wait()
+    assert torch.equal(byte_view(out), byte_view(value))
+    tier.free(h)
+
+
+def test_write_stores_only_nbytes_and_read_touches_only_nbytes(tier):
+    x = random_bytes(10_000)
+    h = tier.write(x, 6000)
+    out = torch.full((10_000,), 7, dtype=torch.uint8)
+    tier.read(h, out).wait()
+    assert torch.equal(out[:6000], x[:6000])
+    assert bool((out[6000:] == 7).all())
+    with pytest.raises(ValueError, match="nbytes"):
+        tier.write(x, 20_000)
+    with pytest.raises(ValueError, match="needs 6000"):
+        tier.read(h, torch.empty(100, dtype=torch.uint8))
+    tier.free(h)
+
+
+def test_zero_bytes(tier):
+    h = tier.write(torch.empty(0))
+    h.wait()
+    tier.read(h, torch.empty(0)).wait()
+    tier.free(h)
+    assert tier.file_bytes == 0
+
+
+@linux_only
+def test_private_directory_and_file_permissions(tmp_path, pool, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with NvmeTier(tmp_path, capacity_bytes=MiB, pool=pool) as tier:
+        private = tier.private_directory
+        assert os.path.dirname(private) == str(tmp_path)
+        assert os.path.basename(private).startswith(f"offload-rank3-local1-pid{os.getpid()}-")
+        assert os.stat(private).st_mode & 0o777 == 0o700
+        for fd in (tier._file.fd, tier._file.direct_fd):
+            if fd is not None:
+                assert os.fstat(fd).st_mode & 0o777 == 0o600
+                assert os.readlink(f"/proc/self/fd/{fd}").endswith("(deleted)")
+        h = tier.write(random_bytes(5000))
+        h.wait()
+        assert os.listdir(private) == []  # unlinked at once: nothing to find, even with data
+        tier.free(h)
+
+
+@linux_only
+def test_close_removes_the_directory_and_closes_every_fd(tmp_path, pool):
+    before = fd_count()
+    tier = NvmeTier(tmp_path, capacity_bytes=32 * MiB, pool=pool)
+    handles = [tier.write(random_bytes(n)) for n in (100, 5 * MiB)]
+    for h in handles:
+        h.wait()
+    assert fd_count() > before
+    private = tier.private_directory
+    tier.close()  # with records still live: they are released
+    tier.close()
+    assert not os.path.exists(private)
+    assert os.listdir(tmp_path) == []
+    assert fd_count() == before
+    assert pool.used_bytes == 0
+    with pytest.raises(StorageError, match="closed"):
+        tier.write(random_bytes(10))
+
+
+def test_corrupted_record_raises_checksum_error_naming_the_range(tier, pool):
+    x = random_bytes(9 * MiB)  # three checksum chunks; corrupt the middle one
+    h = tier.write(x)
+    h.wait()
+    offset = h._offset + 5 * MiB + 17
+    os.pwrite(tier._file.fd, b"\x00\xff\x00", offset)
+    out = pool.allocate(x.numel())
+    with pytest.raises(ChecksumError) as info:
+        tier.read(h, out).wait()
+    err = info.value
+    assert isinstance(err, StorageError)
+    assert err.file_offset == h._offset + 4 * MiB and err.nbytes == 4 * MiB
+    assert err.path == tier.private_directory and "crc32" in str(err)
+    # The record stays unreadable (never wrong bytes) and nothing leaks.
+    with pytest.raises(ChecksumError):
+        tier.read(h, torch.empty(x.numel(), dtype=torch.uint8)).wait()
+    out.release()
+    tier.free(h)
+    assert tier.used_bytes == 0 and pool.used_bytes == 0
+
+
+def test_capacity_cap_raises_storage_full_and_leaks_nothing(tmp_path, pool):
+    with NvmeTier(tmp_path, capacity_bytes=1 * MiB, pool=pool, growth_bytes=256 * KiB) as tier:
+        kept = tier.write(random_bytes(700 * KiB))
+        with pytest.raises(StorageFullError) as info:
+            tier.write(random_bytes(400 * KiB))
+        err = info.value
+        assert err.directory == str(tmp_path) and err.bytes_needed == 400 * KiB
+        assert str(tmp_path) in str(err)
+        kept.wait()
+        assert tier.used_bytes == 700 * KiB
+        assert pool.used_bytes == 0  # the staging region of the refused record went back
+        tier.free(kept)
+        h = tier.write(random_bytes(1 * MiB))  # the freed space is reusable in full
+        h.wait()
+        tier.free(h)
+        assert tier.file_bytes == 1 * MiB
+
+
+def test_error_mapping_of_real_oserrors():
+    # A real ENOSPC is also produced on a tmpfs below when mounting is allowed; this checks the
+    # mapping itself for every errno it distinguishes, with genuine OSError instances.
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        err = storage_error(
+            OSError(code, os.strerror(code)), action="writing", directory="/d", bytes_needed=99
+        )
+        assert type(err) is StorageFullError
+        assert (err.errno, err.directory, err.bytes_needed) == (code, "/d", 99)
+        assert "/d is full" in str(err)
+    err = storage_error(
+        OSError(errno.EIO, "I/O error"), action="reading", directory="/d", bytes_needed=None
+    )
+    assert type(err) is StorageError and err.errno == errno.EIO
+    assert "reading in /d failed" in str(err)
+
+
+def test_an_io_error_on_the_io_thread_releases_everything(tier, pool):
+    """Swap the spill file's descriptors for read-only ones: the kernel then fails every write
+    with EBADF on the I/O thread."""
+    ok = tier.write(random_bytes(10_000, seed=1))
+    room = tier.write(
+        random_bytes(6 * MiB)
+    )  # grow the file now, so the failing write needs no growth
+    room.wait()
+    tier.free(room)
+    readonly = os.open(os.devnull, os.O_RDONLY)
+    try:
+        for fd in (tier._file.fd, tier._file.direct_fd):
+            if fd is not None:
+                os.dup2(readonly, fd)
+    finally:
+        os.close(readonly)
+    used = tier.used_bytes
+    h = tier.write(random_bytes(6 * MiB))
+    with pytest.raises(StorageError) as info:
+        h.wait()
+    assert info.value.errno == errno.EBADF
+    assert isinstance(info.value.__cause__, OSError)
+    assert tier.used_bytes == used and pool.used_bytes == 0  # file range and staging released
+    with pytest.raises(StorageError, match="freed"):
+        tier.read(h, torch.empty(6 * MiB, dtype=torch.uint8))
+    tier.free(h)  # a no-op on a failed record
+    tier.free(ok)
+
+
+def _mount_tmpfs(path, size):
+    path.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+    )
+    return result.returncode == 0
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A real 1 MiB file system (needs CAP_SYS_ADMIN; skipped elsewhere)."""
+    if sys.platform != "linux":
+        pytest.skip("tmpfs is Linux")
+    mount = tmp_path / "tiny"
+    try:
+        mounted = _mount_tmpfs(mount, "1m")
+    except OSError:
+        mounted = False
+    if not mounted:
+        pytest.skip("cannot mount a tmpfs here (not root / no CAP_SYS_ADMIN)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_real_enospc_at_growth_is_storage_full(tiny_tmpfs, pool):
+    with NvmeTier(tiny_tmpfs, capacity_bytes=64 * MiB, pool=pool, growth_bytes=256 * KiB) as tier:
+        handles = []
+        with pytest.raises(StorageFullError) as info:
+            for _ in range(10):
+                handles.append(tier.write(random_bytes(200 * KiB)))
+        err = info.value
+        assert err.errno == errno.ENOSPC
+        assert err.directory == str(tiny_tmpfs) and err.bytes_needed == 200 * KiB
+        assert 0 < len(handles) < 10
+        for h in handles:  # what fit is intact
+            h.wait()
+            out = torch.empty(h.nbytes, dtype=torch.uint8)
+            tier.read(h, out).wait()
+            assert torch.equal(out, random_bytes(200 * KiB))
+            tier.free(h)
+        assert pool.used_bytes == 0
+
+
+def test_real_enospc_during_a_sparse_write_is_storage_full(tiny_tmpfs, pool):
+    with NvmeTier(
+        tiny_tmpfs, capacity_bytes=64 * MiB, pool=pool, growth_bytes=8 * MiB, preallocate=False
+    ) as tier:
+        h = tier.write(random_bytes(4 * MiB))  # the sparse file grows; the data does not fit
+        with pytest.raises(StorageFullError) as info:
+            h.wait()
+        assert info.value.errno == errno.ENOSPC
+        assert info.value.bytes_needed == 4 * MiB
+        assert tier.used_bytes == 0 and pool.used_bytes == 0
+
+
+def test_efbig_from_a_file_size_limit_is_storage_full(tmp_path):
+    """RLIMIT_FSIZE makes the kernel refuse growth with EFBIG (Python ignores SIGXFSZ)."""
+    script = textwrap.dedent(
+        f"""
+        import errno, resource
+        import torch
+        from storage import HostPool, NvmeTier, StorageFullError
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        with HostPool(8 << 20) as pool, NvmeTier({str(tmp_path)!r}, capacity_bytes=64 << 20,
+                                                  pool=pool) as tier:
+            try:
+                tier.write(torch.zeros(2 << 20, dtype=torch.uint8))
+            except StorageFullError as e:
+                assert e.errno == errno.EFBIG, e.errno
+                assert tier.used_bytes == 0 and pool.used_bytes == 0
+                print("EFBIG OK")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "EFBIG OK" in result.stdout
+
+
+@linux_only
+def test_200_cycles_grow_neither_file_nor_fds_nor_pool(tmp_path, pool):
+    sizes = [1, 4095, 4096, 100_000, 300_000]
+    data = [random_bytes(n, seed=n) for n in sizes]
+    with NvmeTier(tmp_path, capacity_bytes=16 * MiB, pool=pool, growth_bytes=1 * MiB) as tier:
+
+        def cycle() -> None:
+            handles = [tier.write(x) for x in data]
+            outs = [pool.allocate(x.numel()) for x in data]
+            reads = [tier.read(h, o) for h, o in zip(handles, outs, strict=True)]
+            for t in reads:
+                t.wait()
+            for x, o in zip(data, outs, strict=True):
+                assert torch.equal(o.tensor, x)
+                o.release()
+            for h in reversed(handles):
+                tier.free(h)
+
+        cycle()
+        file_bytes, allocations, fds = tier.file_bytes, pool.host_allocations, fd_count()
+        for _ in range(200):
+            cycle()
+        assert tier.file_bytes == file_bytes
+        assert pool.host_allocations == allocations
+        assert fd_count() == fds
+        assert tier.used_bytes == 0 and pool.used_bytes == 0
+
+
+def test_free_while_a_read_is_in_flight_releases_after_it(tier, pool):
+    x = random_bytes(12 * MiB)
+    h = tier.write(x)
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    t = tier.read(h, out)  # chained after the write, which may still be running
+    tier.free(h)
+    tier.free(h)
+    t.wait()
+    assert torch.equal(out, x)
+    assert tier.used_bytes == 0 and pool.used_bytes == 0
+    with pytest.raises(StorageError, match="freed"):
+        tier.read(h, out)
+
+
+def test_concurrent_writers_and_readers(tier):
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(20):
+                x = random_bytes(1000 + 37_000 * ((seed + i) % 5), seed=seed * 100 + i)
+                h = tier.write(x)
+                out = torch.empty_like(x)
+                tier.read(h, out).wait()
+                assert torch.equal(out, x)
+                tier.free(h)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert tier.used_bytes == 0
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_buffered_and_direct_paths_agree(tmp_path, pool, direct_io):
+    with NvmeTier(tmp_path, capacity_bytes=16 * MiB, pool=pool, direct_io=direct_io) as tier:
+        assert tier.direct_io in (direct_io, False)
+        x = random_bytes(5 * MiB + 1)
+        h = tier.write(x)
+        out = pool.allocate(x.numel())
+        tier.read(h, out).wait()
+        assert torch.equal(out.tensor, x)
+        out.release()
+        tier.free(h)
+
+
+def test_bad_arguments(tmp_path, pool):
+    with pytest.raises(ValueError, match="does not exist"):
+        NvmeTier(tmp_path / "missing", capacity_bytes=MiB, pool=pool)
+    with pytest.raises(ValueError, match="backend"):
+        NvmeTier(tmp_path, capacity_bytes=MiB, backend="gds")
+    with pytest.raises(ValueError, match="io_threads"):
+        NvmeTier(tmp_path, capacity_bytes=MiB, io_threads=0)
+    with NvmeTier(tmp_path, capacity_bytes=MiB, pool=pool) as tier:
+        with pytest.raises(TypeError, match=r"HostRegion or a torch\.Tensor"):
+            tier.write(b"bytes")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="contiguous"):
+            tier.write(torch.zeros(4, 4).t())
+        with pytest.raises(TypeError, match="after="):
+            tier.write(torch.zeros(4), after=object())
+    assert os.listdir(tmp_path) == []  # failed constructions left nothing behind
+
+
+def test_default_capacity_is_a_share_of_free_space(tmp_path, pool):
+    with NvmeTier(tmp_path, pool=pool) as tier:
+        assert tier.capacity_bytes > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not kvikio_available(), reason="needs kvikio and a CUDA device")
+def test_kvikio_round_trip_of_a_cuda_tensor(tmp_path, pool):
+    with NvmeTier(tmp_path, capacity_bytes=64 * MiB, pool=pool, backend="kvikio") as tier:
+        x = torch.randn(3 * MiB + 5, device="cuda").to(torch.bfloat16)
+        event = torch.cuda.Event()
+        event.record()
+        h = tier.write(x, after=event)
+        out = torch.empty_like(x)
+        tier.read(h, out).wait()
+        assert torch.equal(out, x)
+        host = tier.write(x.cpu())  # host bytes still take the checksummed path
+        back = torch.empty_like(x, device="cpu")
+        tier.read(host, back).wait()
+        assert torch.equal(back, x.cpu())
+        tier.free(h)
+        tier.free(host)

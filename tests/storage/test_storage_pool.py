@@ -1,0 +1,267 @@
+"""The host pool: alignment, coalescing, the cap, steady state, close."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import random
+import threading
+import weakref
+
+import pytest
+import torch
+
+import storage._pool
+from storage import (
+    ALIGNMENT_BYTES,
+    HostPool,
+    StorageError,
+    StorageFullError,
+    shared_host_pool,
+)
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def test_every_region_is_4k_aligned_and_padded():
+    with HostPool(64 * MiB, slab_bytes=4 * MiB) as pool:
+        regions = [pool.allocate(n) for n in (1, 63, 64, 4095, 4096, 4097, 100_000, 3 * MiB + 1)]
+        for r in regions:
+            assert r.data_ptr() % ALIGNMENT_BYTES == 0
+            assert r.tensor.data_ptr() == r.data_ptr()
+            assert r.tensor.dtype == torch.uint8 and r.tensor.numel() == r.nbytes
+            assert r.capacity_bytes % ALIGNMENT_BYTES == 0 and r.capacity_bytes >= r.nbytes
+            assert r.span.numel() == r.capacity_bytes
+
+
+def test_regions_never_overlap_and_accounting_balances():
+    rng = random.Random(0)
+    with HostPool(16 * MiB, slab_bytes=2 * MiB) as pool:
+        live = []
+        for _ in range(2000):
+            if live and (rng.random() < 0.5 or pool.used_bytes > 12 * MiB):
+                live.pop(rng.randrange(len(live))).release()
+            else:
+                live.append(pool.allocate(rng.choice([1, 5000, 40_000, 300_000])))
+            spans = sorted((r.data_ptr(), r.data_ptr() + r.capacity_bytes) for r in live)
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+            assert pool.used_bytes == sum(r.capacity_bytes for r in live)
+        for r in live:
+            r.release()
+        assert pool.used_bytes == 0
+
+
+def test_fragmented_slab_coalesces_into_one_large_region():
+    with HostPool(1 * MiB, slab_bytes=1 * MiB) as pool:
+        small = [pool.allocate(4 * KiB) for _ in range(256)]  # fills the only slab
+        assert pool.host_allocations == 1
+        with pytest.raises(StorageFullError):
+            pool.allocate(1)
+        odd, even = small[1::2], small[0::2]
+        for r in odd:
+            r.release()
+        # Half the slab is free, but in 4 KiB holes: a 8 KiB region does not fit, and the cap
+        # forbids a second slab.
+        assert pool.largest_free_bytes() == 4 * KiB
+        with pytest.raises(StorageFullError):
+            pool.allocate(8 * KiB)
+        random.Random(1).shuffle(even)
+        for r in even:
+            r.release()
+        big = pool.allocate(1 * MiB)  # the whole slab again: every hole merged
+        assert big.capacity_bytes == 1 * MiB
+        assert pool.host_allocations == 1
+
+
+def test_cap_raises_storage_full_with_bytes_needed():
+    with HostPool(2 * MiB, slab_bytes=1 * MiB) as pool:
+        a = pool.allocate(1 * MiB)
+        b = pool.allocate(1 * MiB)
+        with pytest.raises(StorageFullError) as info:
+            pool.allocate(10)
+        assert info.value.bytes_needed == 4 * KiB
+        assert info.value.directory is None
+        assert "cap" in str(info.value)
+        assert isinstance(info.value, OSError)
+        with pytest.raises(StorageFullError):
+            HostPool(1 * MiB).allocate(2 * MiB)
+        a.release()
+        b.release()
+        assert pool.reserved_bytes == 2 * MiB
+
+
+def test_slabs_are_powers_of_two_and_grow_up_to_the_cap():
+    with HostPool(10 * MiB, slab_bytes=4 * MiB) as pool:
+        pool.allocate(3 * MiB)
+        pool.allocate(3 * MiB)
+        # 2 MiB of cap left: a third 4 MiB slab does not fit and a 2 MiB one cannot hold 3 MiB,
+        with pytest.raises(StorageFullError):
+            pool.allocate(3 * MiB)
+        pool.allocate(2 * MiB)  # but the last 2 MiB become a slab of their own.
+        assert [s.memory.numel() for s in pool._slabs] == [4 * MiB, 4 * MiB, 2 * MiB]
+        assert pool.reserved_bytes == pool.capacity_bytes
+    with HostPool(16 * MiB, slab_bytes=1 * MiB) as pool:
+        r = pool.allocate(5 * MiB)  # larger than a slab: a slab of its own, 8 MiB
+        assert [s.memory.numel() for s in pool._slabs] == [8 * MiB]
+        r.release()
+
+
+def test_steady_state_allocates_nothing_over_200_cycles():
+    sizes = [1, 4096, 10_000, 300_000, 2 * MiB + 5]
+    with HostPool(32 * MiB, slab_bytes=4 * MiB) as pool:
+        for r in [pool.allocate(n) for n in sizes]:
+            r.release()
+        allocations, reserved = pool.host_allocations, pool.reserved_bytes
+        rng = random.Random(2)
+        for _ in range(200):
+            order = sizes[:]
+            rng.shuffle(order)
+            regions = [pool.allocate(n) for n in order]
+            rng.shuffle(regions)
+            for r in regions:
+                r.release()
+        assert pool.host_allocations == allocations
+        assert pool.reserved_bytes == reserved
+        assert pool.used_bytes == 0
+
+
+def test_reserve_allocates_up_front():
+    with HostPool(8 * MiB, slab_bytes=2 * MiB) as pool:
+        pool.reserve(5 * MiB)
+        assert pool.reserved_bytes >= 5 * MiB
+        count = pool.host_allocations
+        regions = [pool.allocate(1 * MiB) for _ in range(5)]
+        assert pool.host_allocations == count
+        for r in regions:
+            r.release()
+        with pytest.raises(StorageFullError):
+            pool.reserve(9 * MiB)
+
+
+def test_release_is_idempotent_and_released_region_refuses_access():
+    with HostPool(1 * MiB, slab_bytes=1 * MiB) as pool:
+        r = pool.allocate(100)
+        r.release()
+        r.release()
+        assert r.released and pool.used_bytes == 0
+        with pytest.raises(StorageError, match="released"):
+            _ = r.tensor
+        with pool.allocate(10) as scoped:
+            assert not scoped.released
+        assert scoped.released
+
+
+def test_poison_on_release_fills_0xff_before_reuse():
+    with HostPool(1 * MiB, slab_bytes=1 * MiB, poison_on_release=True) as pool:
+        r = pool.allocate(8192)
+        r.tensor.zero_()
+        address = r.data_ptr()
+        r.release()
+        again = pool.allocate(8192)
+        assert again.data_ptr() == address
+        assert bool((again.tensor == 0xFF).all())
+
+
+def test_zero_byte_region():
+    with HostPool(1 * MiB) as pool:
+        r = pool.allocate(0)
+        assert r.nbytes == 0 and r.tensor.numel() == 0
+        r.release()
+        assert pool.host_allocations == 0
+
+
+def test_close_releases_everything():
+    pool = HostPool(4 * MiB, slab_bytes=1 * MiB)
+    r = pool.allocate(1000)
+    slab_ref = weakref.ref(pool._slabs[0].memory)
+    r.release()
+    del r
+    pool.close()
+    pool.close()  # idempotent
+    gc.collect()
+    assert slab_ref() is None  # the slab's memory went back to the host
+    assert pool.reserved_bytes == 0 and pool.used_bytes == 0
+    with pytest.raises(StorageError, match="closed"):
+        pool.allocate(1)
+
+
+def test_region_released_after_close_is_a_no_op():
+    pool = HostPool(1 * MiB, slab_bytes=1 * MiB)
+    r = pool.allocate(10)
+    pool.close()
+    r.release()
+    assert pool.used_bytes == 0
+
+
+def test_concurrent_allocate_and_release_from_threads():
+    pool = HostPool(16 * MiB, slab_bytes=4 * MiB)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                r = pool.allocate(rng.choice([100, 5000, 70_000]))
+                r.tensor.fill_(seed)
+                assert bool((r.tensor == seed).all())  # nobody else wrote into it
+                r.release()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert pool.used_bytes == 0
+    pool.close()
+
+
+def test_without_cuda_pin_memory_falls_back_to_plain_memory():
+    with HostPool(1 * MiB, pin_memory=True, slab_bytes=1 * MiB) as pool:
+        r = pool.allocate(10)
+        assert pool.pinned == torch.cuda.is_available()
+        assert r.pinned == pool.pinned
+        r.release()
+
+
+def test_invalid_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="slab_bytes"):
+        HostPool(1 * MiB, slab_bytes=3000)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        HostPool(-1)
+    with pytest.raises(TypeError, match="capacity_bytes"):
+        HostPool("1GiB")  # type: ignore[arg-type]
+    with HostPool(1 * MiB) as pool, pytest.raises(ValueError, match="nbytes"):
+        pool.allocate(-5)
+
+
+def test_shared_host_pool_is_one_per_process_and_raises_its_cap(monkeypatch):
+    # A private registry: the process-wide pool other tests (and managers) use stays untouched.
+    monkeypatch.setattr(storage._pool, "_shared_pools", {})
+    a = shared_host_pool(1 * MiB, pin_memory=False)
+    try:
+        b = shared_host_pool(2 * MiB, pin_memory=False)
+        assert a is b and a.capacity_bytes >= 2 * MiB
+        assert shared_host_pool(pin_memory=False) is a
+    finally:
+        a.close()
+    c = shared_host_pool(1 * MiB, pin_memory=False)
+    assert c is not a and not c.closed
+    c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_slabs_are_pinned_aligned_and_returned_on_close():
+    pool = HostPool(64 * MiB, pin_memory=True, slab_bytes=32 * MiB)
+    r = pool.allocate(3 * MiB + 1)
+    assert r.tensor.is_pinned()
+    assert r.data_ptr() % ALIGNMENT_BYTES == 0
+    dev = torch.arange(r.nbytes, device="cuda").to(torch.uint8)
+    r.tensor.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(r.tensor.cuda(), dev)
+    r.release()
+    pool.close()
