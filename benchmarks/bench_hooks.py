@@ -1,7 +1,7 @@
 """Per-saved-tensor overhead of the lifecycle recorder, against an identity saved-tensor hook pair.
 
 Run:
-    python benchmarks/bench_hooks.py [--tensors 2000] [--repeats 15] [--out benchmarks/results]
+    python benchmarks/bench_hooks.py [--tensors 2000] [--repeats 31] [--out benchmarks/results]
 
 Both variants run in the same process on the same workload: a chain of ``torch.mul`` ops on small
 CPU tensors, each of which saves its two inputs (so packs dominate and compute is tiny). The figure
@@ -66,7 +66,7 @@ def _time(fn, repeats: int) -> list[float]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tensors", type=int, default=2000, help="saved tensors per forward (even)")
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

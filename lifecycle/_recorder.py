@@ -84,9 +84,7 @@ _RECORD_FIELDS = (
     "is_parameter",
     "grad_fn",
     "in_backward",
-    "pack_event",
 )
-_EVENT_FIELDS = ("kind", "step", "memory_bytes", "module", "call_index", "record")
 
 
 # NOTE [ Recorder allocations ]
@@ -98,25 +96,6 @@ _EVENT_FIELDS = ("kind", "step", "memory_bytes", "module", "call_index", "record
 #     that stay tracked are the handle and its detached tensor.
 _KINDS = tuple(EventKind)
 _CODE = {k: i for i, k in enumerate(_KINDS)}
-_PACK, _UNPACK = _CODE[EventKind.PACK], _CODE[EventKind.UNPACK]
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-_DEVICE_NAMES: dict[torch.device, str] = {}
-
-
-def _dtype_name(d: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(d)
-    if name is None:
-        name = _DTYPE_NAMES[d] = str(d)
-    return name
-
-
-def _device_name(d: torch.device) -> str:
-    name = _DEVICE_NAMES.get(d)
-    if name is None:
-        name = _DEVICE_NAMES[d] = str(d)
-    return name
 
 
 class Recorder:
@@ -174,21 +153,27 @@ class Recorder:
             raise ValueError(f"warmup_steps must be an int >= 0; got {warmup_steps!r}")
         self._warmup_left = warmup_steps
         self._clock = clock or MonotonicClock()
+        self._by_backward = self._boundary is StepBoundary.BACKWARD
+        self._stamp = self._clock.stamp
         self._probe = memory_probe
         self._max_steps = max_steps
         self._lock = threading.RLock()
         # Timeline.
-        # Rows in _EVENT_FIELDS / _RECORD_FIELDS order; see NOTE [ Recorder allocations ].
-        self._events: list[tuple[Any, ...]] = []
-        self._stamps: list[object] = []
+        # See NOTE [ Recorder allocations ]. Events are (what, stamp, memory bytes), appended in
+        # one call (atomic under the GIL, so pack, unpack and module hooks need no lock even when
+        # backward runs on the autograd device thread); ``what`` is the record's seq for a pack
+        # (an int >= 0), ~seq for an unpack, else (kind code, module, call_index). Records: rows
+        # in _RECORD_FIELDS order, appended by the forward thread only.
+        self._events: list[tuple[int | tuple[int, str, int], object, int]] = []
         self._records: list[tuple[Any, ...]] = []
         self._steps_done = 0
         self._recording = False
         # Per step.
         # id(detached tensor handed to autograd) -> record seq; see NOTE [ Recorder allocations ].
         self._seq_of: dict[int, int] = {}
-        # (id(storage), version) -> (weak storage, family id, storage bytes).
-        self._family_of: dict[tuple[int, int], tuple[weakref.ref, int, int]] = {}
+        # (id(storage), version) -> weak storage, and -> (family id, storage bytes).
+        self._family_ref: dict[tuple[int, int], weakref.ref] = {}
+        self._family_info: dict[tuple[int, int], tuple[int, int]] = {}
         self._next_family = 0
         self._stack: list[_Call] = []
         self._call_counts: dict[str, int] = {}
@@ -230,7 +215,8 @@ class Recorder:
             self._stack.clear()
             self._call_counts.clear()
             self._outside_packs = 0
-            self._family_of.clear()
+            self._family_ref.clear()
+            self._family_info.clear()
             self._graph_task = None
             self._step_first = (len(self._events), len(self._records))
             self._event(EventKind.STEP_START)
@@ -271,7 +257,7 @@ class Recorder:
 
     def _discard_current(self) -> None:
         n_events, n_records = self._step_first
-        del self._events[n_events:], self._records[n_records:], self._stamps[n_events:]
+        del self._events[n_events:], self._records[n_records:]
         # Handles of thrown-away records must not log unpacks into later steps.
         self._seq_of.clear()
 
@@ -335,12 +321,35 @@ class Recorder:
         else:
             self.end_step()
         with self._lock:
-            seconds = self._clock.seconds(self._stamps)
+            seconds = self._clock.seconds([e[1] for e in self._events])
+            rows = self._records
             events = []
-            for i, (row, t) in enumerate(zip(self._events, seconds, strict=True)):
-                e = dict(zip(_EVENT_FIELDS, row, strict=True))
-                e["kind"] = _KINDS[e["kind"]]
-                events.append(Event(index=i, time_s=t, **e))
+            step = 0
+            pack_event: dict[int, int] = {}
+            for i, ((ev, _, mem), t) in enumerate(zip(self._events, seconds, strict=True)):
+                if isinstance(ev, int):
+                    seq = ev if ev >= 0 else ~ev
+                    kind = EventKind.PACK if ev >= 0 else EventKind.UNPACK
+                    module, call_index = rows[seq][3], rows[seq][4]
+                    if ev >= 0:
+                        pack_event[seq] = i
+                else:
+                    seq = -1
+                    kind, module, call_index = _KINDS[ev[0]], ev[1], ev[2]
+                events.append(
+                    Event(
+                        index=i,
+                        kind=kind,
+                        step=step,
+                        time_s=t,
+                        memory_bytes=mem,
+                        module=module,
+                        call_index=call_index,
+                        record=seq,
+                    )
+                )
+                if kind is EventKind.STEP_END:
+                    step += 1
             unpacks: dict[int, list[int]] = {}
             for e in events:
                 if e.kind is EventKind.UNPACK:
@@ -348,6 +357,8 @@ class Recorder:
             records = []
             for row in self._records:
                 f = dict(zip(_RECORD_FIELDS, row, strict=True))
+                f["dtype"], f["device"] = str(f["dtype"]), str(f["device"])
+                f["pack_event"] = pack_event[f["seq"]]
                 used = unpacks.get(f["seq"], ())
                 records.append(
                     TensorRecord(
@@ -382,14 +393,11 @@ class Recorder:
 
     # -- events ------------------------------------------------------------------------------
 
-    def _event(
-        self, kind: EventKind, module: str = "", call_index: int = -1, record: int = -1
-    ) -> int:
+    def _event(self, kind: EventKind, module: str = "", call_index: int = -1) -> int:
         # Caller holds the lock. Plain tuples: this runs for every pack and unpack.
-        self._stamps.append(self._clock.stamp())
-        mem = self._probe() if self._probe is not None else 0
-        self._events.append((_CODE[kind], self._steps_done, mem, module, call_index, record))
-        return len(self._stamps) - 1
+        self._events.append(
+            ((_CODE[kind], module, call_index), self._stamp(), self._probe() if self._probe else 0)
+        )
 
     # -- module hooks ------------------------------------------------------------------------
 
@@ -473,77 +481,65 @@ class Recorder:
         version = local._version
         backward = _current_graph_task_id is not None and _current_graph_task_id() != -1
         fn = t.grad_fn
-        with self._lock:
-            is_param = self._is_param(local, sid, storage)
-            # See NOTE [ Alias families ].
-            fam = self._family_of.get((sid, version))
-            if fam is None or fam[0]() is not storage:
-                fam = (weakref.ref(storage), self._next_family, storage.nbytes())
-                self._next_family += 1
-                self._family_of[(sid, version)] = fam
-            if self._stack:
-                call = self._stack[-1]
-                module, call_index, ordinal = call.module, call.call_index, call.packs
-                call.packs = ordinal + 1
-            else:
-                module, call_index, ordinal = OUTSIDE, 0, self._outside_packs
-                self._outside_packs = ordinal + 1
-            seq = len(self._records)
-            self._seq_of[id(d)] = seq
-            self._stamps.append(self._clock.stamp())
-            self._events.append(
-                (
-                    _PACK,
-                    self._steps_done,
-                    self._probe() if self._probe is not None else 0,
-                    module,
-                    call_index,
-                    seq,
-                )
+        # Parameters and buffers by storage; FSDP2 and ``weight.t()`` hand over views whose base
+        # is the Parameter.
+        ref = self._param_storages.get(sid)
+        if ref is not None and ref() is storage:
+            is_param = True
+        else:
+            base = local._base
+            is_param = _is_parameter(local) or (base is not None and _is_parameter(base))
+        # See NOTE [ Alias families ].
+        key = (sid, version)
+        ref = self._family_ref.get(key)
+        if ref is None or ref() is not storage:
+            # Two dicts, so that only the weak reference stays tracked by the GC.
+            self._family_ref[key] = weakref.ref(storage)
+            fam = self._family_info[key] = (self._next_family, storage.nbytes())
+            self._next_family += 1
+        else:
+            fam = self._family_info[key]
+        if self._stack:
+            call = self._stack[-1]
+            module, call_index, ordinal = call.module, call.call_index, call.packs
+            call.packs = ordinal + 1
+        else:
+            module, call_index, ordinal = OUTSIDE, 0, self._outside_packs
+            self._outside_packs = ordinal + 1
+        seq = len(self._records)
+        self._seq_of[id(d)] = seq
+        self._events.append((seq, self._stamp(), self._probe() if self._probe else 0))
+        self._records.append(
+            (
+                seq,
+                self._steps_done,
+                fam[0],
+                module,
+                call_index,
+                ordinal,
+                local.nbytes,
+                fam[1],
+                local.storage_offset(),
+                tuple(local.shape),
+                local.stride(),
+                local.dtype,  # named at trace(): a dtype is a singleton, a str costs a lookup
+                local.device,
+                is_param,
+                type(fn).__name__ if fn is not None else "",
+                backward,
             )
-            self._records.append(
-                (
-                    seq,
-                    self._steps_done,
-                    fam[1],
-                    module,
-                    call_index,
-                    ordinal,
-                    local.numel() * local.element_size(),
-                    fam[2],
-                    local.storage_offset(),
-                    tuple(local.shape),
-                    tuple(local.stride()),
-                    _dtype_name(local.dtype),
-                    _device_name(local.device),
-                    is_param,
-                    type(fn).__name__ if fn is not None else "",
-                    backward,
-                    len(self._events) - 1,
-                )
-            )
+        )
         return d
 
     def _unpack(self, d: torch.Tensor) -> torch.Tensor:
+        # Hot path, like _pack.
         if self._recording:
             seq = self._seq_of.get(id(d))
             if seq is not None:
-                with self._lock:
-                    row = self._records[seq]
-                    self._event(EventKind.UNPACK, row[3], row[4], seq)
-                self._backward_signal()
+                self._events.append((~seq, self._stamp(), self._probe() if self._probe else 0))
+                if self._by_backward:
+                    self._backward_signal()
         return d
-
-    def _is_param(self, t: torch.Tensor, sid: int, storage: Any) -> bool:
-        ref = self._param_storages.get(sid)
-        if ref is not None and ref() is storage:
-            return True
-        # FSDP2 and ``weight.t()`` hand over views whose base is the Parameter. ``_is_param`` is
-        # what ``isinstance(x, nn.Parameter)`` checks, without the metaclass call (10x cheaper).
-        if getattr(t, "_is_param", False):
-            return True
-        base = t._base
-        return base is not None and getattr(base, "_is_param", False)
 
 
 class _BackwardStart:
@@ -575,6 +571,13 @@ class _BackwardEnd:
             with rec._lock:
                 rec._event(EventKind.BACKWARD_END, self.module, self.call_index)
         return None
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    # ``isinstance(t, nn.Parameter)`` goes through a metaclass hook and a failed attribute lookup
+    # (an exception) for plain tensors: several microseconds per pack. Plain tensors answer first.
+    tt = type(t)
+    return tt is not torch.Tensor and (tt is nn.Parameter or isinstance(t, nn.Parameter))
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:
