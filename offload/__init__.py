@@ -16,12 +16,19 @@ from lifecycle import (
     write_memory_png,
     write_perfetto,
 )
-from offload._errors import OffloadError
+from offload._errors import ChecksumError, OffloadError, StorageError, StorageFullError
+from offload._offloader import ActivationOffloader, activations
 from offload._profile import profile
+from offload._stats import OffloadStats, StepStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # offloading
+    "ActivationOffloader",
+    "activations",
+    "OffloadStats",
+    "StepStats",
     # profiling
     "Recorder",
     "profile",
@@ -37,4 +44,7 @@ __all__ = [
     "write_perfetto",
     # errors
     "OffloadError",
+    "StorageError",
+    "ChecksumError",
+    "StorageFullError",
 ]

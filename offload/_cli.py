@@ -7,7 +7,9 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="offload", description="Activation memory manager for PyTorch training.")
+    p = argparse.ArgumentParser(
+        prog="offload", description="Activation memory manager for PyTorch training."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     from offload import _cli_info, _cli_profile
 

@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
             "host memory and the default pinned-pool budget (psutil and cgroups), NVMe free "
             "space and bandwidth (with --nvme-dir), which gds extra fits, and the start-up costs "
             "to expect. Works without a GPU. Exit status: 0 on success, 1 when a requested disk "
-            "measurement failed, 2 for bad arguments."
+            "measurement failed, 2 for bad arguments or a bad LOCAL_WORLD_SIZE."
         ),
     )
     p.add_argument(
@@ -63,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         info = collect_info(nvme_dir=args.nvme_dir, probe_bytes=args.probe_bytes)
     except NvmeDirError as e:
         print(f"offload info: error: --nvme-dir {e.path}: {e.problem}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # LOCAL_WORLD_SIZE that is not a positive integer
+        print(f"offload info: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(info, indent=2))

@@ -1,7 +1,46 @@
-"""The exceptions users can catch."""
+"""The exceptions users can catch.
+
+``storage`` cannot import ``offload`` (the import direction), so its errors derive from
+``OSError`` only. The classes here derive from both :class:`OffloadError` and the matching
+``storage`` class, and the executor re-raises storage errors as these (``raise ... from e``):
+``except offload.OffloadError`` catches every one, and ``except storage.StorageError`` still works.
+"""
 
 from __future__ import annotations
 
+import storage
 
-class OffloadError(RuntimeError):
-    """Base class of every error offload raises on purpose."""
+
+class OffloadError(Exception):
+    """Base class of every error offload raises on purpose.
+
+    Example:
+        >>> issubclass(StorageFullError, OffloadError), issubclass(StorageFullError, OSError)
+        (True, True)
+    """
+
+
+class StorageError(OffloadError, storage.StorageError):
+    """Bytes could not be stored or brought back (I/O error, closed store)."""
+
+
+class ChecksumError(StorageError, storage.ChecksumError):
+    """Bytes read back from NVMe differ from those written; they are never returned."""
+
+
+class StorageFullError(StorageError, storage.StorageFullError):
+    """No allowed tier has room: ``.directory`` (for NVMe) and ``.bytes_needed`` say what failed."""
+
+
+def from_storage(e: BaseException, context: str) -> BaseException:
+    """The offload-level error for a storage error ``e`` (others are returned unchanged)."""
+    if isinstance(e, OffloadError) or not isinstance(e, storage.StorageError):
+        return e
+    msg = f"{context}: {e.message}" if context else e.message
+    if isinstance(e, storage.StorageFullError):
+        return StorageFullError(
+            msg, directory=e.directory, bytes_needed=e.bytes_needed, errno=e.errno
+        )
+    if isinstance(e, storage.ChecksumError):
+        return ChecksumError(msg, path=e.path, file_offset=e.file_offset, nbytes=e.nbytes)
+    return StorageError(msg, errno=e.errno)

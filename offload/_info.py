@@ -8,11 +8,9 @@ measured only in a directory the caller names, with one probe file that is remov
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import errno
+import dataclasses
 import math
-import mmap
 import os
 import platform
 import sys
@@ -25,21 +23,21 @@ import psutil
 import torch
 
 from lifecycle._units import format_bytes, parse_bytes
+from storage import (
+    ALIGNMENT_BYTES,
+    cgroup_memory,
+    local_world_size,
+    measure_disk_bandwidth,
+    rank_share_bytes,
+)
 
 SCHEMA_VERSION = 1
 DEFAULT_PROBE_BYTES = 256 << 20
 PCIE_REPEATS = 3
-DISK_IO_THREADS = 4
-DISK_CHUNK_BYTES = 16 << 20
-# O_DIRECT needs buffer address, file offset and length aligned to the logical block size; 4 KiB
-# covers every NVMe drive we know of.
-ALIGN_BYTES = 4096
 # Pinned (page-locked) host allocation cost, measured on an H200 host (notes/design-review.md).
 PINNED_ALLOC_S_PER_GIB_REFERENCE = 0.4
 SMALL_CPU_BUDGET_BYTES = 4 << 30
 _GIB = 1 << 30
-# cgroup v1 writes "no limit" as a huge page-rounded number (PAGE_COUNTER_MAX * page size).
-_CGROUP_V1_UNLIMITED = 1 << 60
 
 # PCIe raw rate per lane in GT/s and line-code efficiency, by generation: 8b/10b for Gen1-2,
 # 128b/130b for Gen3-5, FLIT mode (242 of 256 bytes carry data) for Gen6.
@@ -118,7 +116,8 @@ def collect_info(
 
     Raises:
         NvmeDirError: ``nvme_dir`` does not exist, is not a directory or is not writable.
-        ValueError: ``probe_bytes`` is not a positive size.
+        ValueError: ``probe_bytes`` is not a positive size, or ``LOCAL_WORLD_SIZE`` is set but is
+            not a positive integer (the offloader would refuse it too).
 
     Example:
         >>> info = collect_info()
@@ -128,8 +127,13 @@ def collect_info(
     nbytes = parse_bytes(probe_bytes, name="probe_bytes")
     if nbytes <= 0:
         raise ValueError(f"probe_bytes must be a positive size like '64MiB'; got {probe_bytes!r}")
-    nbytes = _round_up(nbytes, ALIGN_BYTES)
+    nbytes = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES  # as the disk probe rounds it
     directory = check_nvme_dir(nvme_dir) if nvme_dir is not None else None
+    # Read before anything is measured: a bad value fails fast, as it would in the offloader.
+    local_ranks = local_world_size()
+    ranks_source = (
+        "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in os.environ else "LOCAL_WORLD_SIZE unset"
+    )
 
     # torch.cuda.is_available() asks the driver for a device count; it creates no context and
     # leaves torch.cuda.is_initialized() False. Everything else CUDA waits for a True here.
@@ -161,17 +165,12 @@ def collect_info(
         "nvml": _nvml_info([g["uuid"] for g in gpus] if gpus else None),
         "pcie_measured": pcie,
     }
-    local_ranks, ranks_source = _local_ranks()
     info["host_memory"] = _host_memory(local_ranks, ranks_source)
     info["nvme"] = _nvme_info(directory, nbytes, local_ranks) if directory is not None else None
     info["kvikio"] = _kvikio_info(cuda_available)
     info["startup"] = _startup(info)
     info["warnings"] = _warnings(info)
     return info
-
-
-def _round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
 
 
 def _torch_gpus() -> list[dict[str, Any]]:
@@ -347,145 +346,31 @@ def _measure_pcie_unchecked(device_index: int, nbytes: int) -> dict[str, Any]:
     }
 
 
-def _local_ranks() -> tuple[int, str]:
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
-    if raw is None:
-        return 1, "LOCAL_WORLD_SIZE unset"
-    try:
-        n = int(raw)
-    except ValueError:
-        return 1, f"LOCAL_WORLD_SIZE={raw!r} is not an integer; counting 1"
-    if n < 1:
-        return 1, f"LOCAL_WORLD_SIZE={raw!r} is not positive; counting 1"
-    return n, "LOCAL_WORLD_SIZE"
-
-
 def _host_memory(local_ranks: int, ranks_source: str) -> dict[str, Any]:
     vm = psutil.virtual_memory()
     cgroup = cgroup_memory()
+    # The same min as storage.default_cpu_budget_bytes, on the numbers shown next to it.
     headroom = int(vm.available)
     limited_by = "available RAM"
-    if cgroup is not None and cgroup.get("headroom_bytes") is not None:
-        if cgroup["headroom_bytes"] < headroom:
-            limited_by = "cgroup limit - usage"
-        headroom = min(headroom, cgroup["headroom_bytes"])
+    if (
+        cgroup is not None
+        and cgroup.headroom_bytes is not None
+        and cgroup.headroom_bytes < headroom
+    ):
+        headroom = cgroup.headroom_bytes
+        limited_by = "cgroup limit - usage"
     return {
         "total_bytes": int(vm.total),
         "available_bytes": int(vm.available),
         "used_percent": float(vm.percent),
-        "cgroup": cgroup,
+        "cgroup": None if cgroup is None else dataclasses.asdict(cgroup),
         "headroom_bytes": headroom,
         "headroom_limited_by": limited_by,
         "local_ranks": local_ranks,
         "local_ranks_source": ranks_source,
         # DESIGN "Host and disk resources belong to the node".
-        "default_cpu_budget_bytes": int(0.5 * headroom / local_ranks),
+        "default_cpu_budget_bytes": rank_share_bytes(headroom, local_ranks),
     }
-
-
-def cgroup_memory(
-    proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
-    mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo",
-) -> dict[str, Any] | None:
-    """This process's cgroup memory limit, usage and headroom; None when no memory cgroup shows.
-
-    psutil reads /proc/meminfo, which knows nothing of container limits. The tightest limit of
-    the cgroup and its ancestors applies, so the walk goes up to the mount's root; the headroom
-    is the smallest (limit - usage) on the way. v2 (``memory.max``/``memory.current``) is tried
-    first, then v1 (``memory.limit_in_bytes``/``memory.usage_in_bytes``).
-
-    Returns:
-        ``{"version", "path", "limit_bytes", "usage_bytes", "headroom_bytes"}``; the limit and
-        headroom are None when no level sets a limit.
-    """
-    try:
-        cgroup_lines = Path(proc_cgroup).read_text().splitlines()
-        mount_lines = Path(mountinfo).read_text().splitlines()
-    except OSError:
-        return None
-    v2_path = v1_path = None
-    for line in cgroup_lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, controllers, path = parts
-        if hid == "0" and controllers == "":
-            v2_path = path
-        elif "memory" in controllers.split(","):
-            v1_path = path
-    v2_mounts, v1_mounts = [], []
-    for line in mount_lines:
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 3:
-            continue
-        root, mount_point = fields[3], fields[4]
-        if tail[0] == "cgroup2":
-            v2_mounts.append((root, mount_point))
-        elif tail[0] == "cgroup" and "memory" in tail[2].split(","):
-            v1_mounts.append((root, mount_point))
-    for version, path, mounts, limit_file, usage_file in (
-        (2, v2_path, v2_mounts, "memory.max", "memory.current"),
-        (1, v1_path, v1_mounts, "memory.limit_in_bytes", "memory.usage_in_bytes"),
-    ):
-        if path is None:
-            continue
-        for root, mount_point in mounts:
-            found = _cgroup_walk(version, path, root, Path(mount_point), limit_file, usage_file)
-            if found is not None:
-                return found
-    return None
-
-
-def _cgroup_walk(
-    version: int, path: str, root: str, mount_point: Path, limit_file: str, usage_file: str
-) -> dict[str, Any] | None:
-    rel = path
-    if root != "/" and (path == root or path.startswith(root.rstrip("/") + "/")):
-        rel = path[len(root) :]
-    leaf = mount_point / rel.lstrip("/")
-    if not leaf.is_dir():
-        # A container without its own cgroup namespace shows the host's path in /proc/self/cgroup
-        # while its own cgroup is mounted at the mount point.
-        leaf = mount_point
-    limit = usage = headroom = None
-    seen = False
-    d = leaf
-    while True:
-        lim, use = _read_cgroup_value(d / limit_file), _read_cgroup_value(d / usage_file)
-        if lim is not None or use is not None:
-            seen = True
-        if usage is None and use is not None:
-            usage = use
-        if lim is not None and lim < _CGROUP_V1_UNLIMITED:
-            limit = lim if limit is None else min(limit, lim)
-            if use is not None:
-                room = max(0, lim - use)
-                headroom = room if headroom is None else min(headroom, room)
-        if d == mount_point or d.parent == d:
-            break
-        d = d.parent
-    if not seen:
-        return None
-    return {
-        "version": version,
-        "path": str(leaf),
-        "limit_bytes": limit,
-        "usage_bytes": usage,
-        "headroom_bytes": headroom,
-    }
-
-
-def _read_cgroup_value(path: Path) -> int | None:
-    """An integer cgroup file; None when absent, unreadable or ``max`` (no limit)."""
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return None
 
 
 def _nvme_info(directory: Path, nbytes: int, local_ranks: int) -> dict[str, Any]:
@@ -497,20 +382,26 @@ def _nvme_info(directory: Path, nbytes: int, local_ranks: int) -> dict[str, Any]
         "filesystem": _filesystem_of(directory),
         "local_ranks": local_ranks,
         # Split like host memory (DESIGN "Host and disk resources belong to the node").
-        "default_nvme_bytes": int(0.5 * usage.free / local_ranks),
+        "default_nvme_bytes": rank_share_bytes(usage.free, local_ranks),
     }
-    # Leave the disk at least three quarters of its free space.
-    fit = usage.free // 4 // ALIGN_BYTES * ALIGN_BYTES
-    if fit < nbytes:
-        out["probe_note"] = f"probe shrunk from {format_bytes(nbytes)} to fit the free space"
-        nbytes = fit
-    if nbytes <= 0:
-        out["error"] = "too little free space to write a probe file"
-        return out
     try:
-        out.update(probe_disk(directory, nbytes))
-    except OSError as e:
+        r = measure_disk_bandwidth(directory, nbytes)
+    except OSError as e:  # StorageFullError (too little free space), EIO, ...
         out["error"] = f"disk probe failed: {e.strerror or e}"
+        return out
+    if r["nbytes"] < r["requested_nbytes"]:
+        out["probe_note"] = (
+            f"probe shrunk from {format_bytes(r['requested_nbytes'])} to fit the free space"
+        )
+    out.update(
+        io_mode=r["io_mode"],
+        o_direct=r["direct_io"],
+        o_direct_note=r["direct_io_note"],
+        probe_bytes=r["nbytes"],
+        io_threads=r["threads"],
+        write_gb_per_s=r["write_gbps"],
+        read_gb_per_s=r["read_gbps"],
+    )
     return out
 
 
@@ -531,135 +422,6 @@ def _filesystem_of(directory: Path) -> dict[str, str] | None:
         return None
     best = max(candidates, key=lambda p: len(p.mountpoint.rstrip("/")))
     return {"type": best.fstype, "device": best.device, "mountpoint": best.mountpoint}
-
-
-def probe_disk(
-    directory: str | os.PathLike[str],
-    nbytes: int,
-    *,
-    direct: bool = True,
-    threads: int = DISK_IO_THREADS,
-) -> dict[str, Any]:
-    """Write ``nbytes`` to a new file in ``directory``, fsync, read it back; time both.
-
-    With ``direct`` the file is opened with O_DIRECT and written from 4 KiB-aligned buffers
-    (anonymous mmaps are page aligned), so the page cache flatters neither direction. Where the
-    file system refuses O_DIRECT (tmpfs, some network and overlay file systems) it falls back to
-    buffered I/O, fsync, and ``posix_fadvise(DONTNEED)`` before the read, and says so in
-    ``io_mode``. ``threads`` workers move 16 MiB chunks in parallel, like the NVMe tier's I/O
-    pool. The file is private (0600) and removed afterwards, also on error.
-
-    Returns:
-        ``{"io_mode", "o_direct", "o_direct_note", "probe_bytes", "io_threads",
-        "write_gb_per_s", "read_gb_per_s"}`` (GB = 1e9 bytes).
-
-    Raises:
-        OSError: the write or read failed (ENOSPC, EIO, ...).
-    """
-    nbytes = _round_up(max(1, int(nbytes)), ALIGN_BYTES)
-    chunk = min(nbytes, DISK_CHUNK_BYTES)
-    threads = max(1, min(int(threads), -(-nbytes // chunk)))
-    fd, path = tempfile.mkstemp(prefix=".offload-info-probe-", dir=directory)
-    os.close(fd)
-    note = None
-    try:
-        use_direct = direct and hasattr(os, "O_DIRECT")
-        if not direct:
-            note = "not tried"
-        elif not use_direct:
-            note = "not available on this platform"
-        write_s = None
-        if use_direct:
-            try:
-                write_s = _timed_io(path, nbytes, chunk, threads, write=True, direct=True)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                use_direct = False
-                note = f"refused by the file system ({e.strerror})"
-        if write_s is None:
-            write_s = _timed_io(path, nbytes, chunk, threads, write=True, direct=False)
-            _drop_page_cache(path)
-        read_s = _timed_io(path, nbytes, chunk, threads, write=False, direct=use_direct)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    return {
-        "io_mode": "O_DIRECT" if use_direct else "buffered + fsync + fadvise(DONTNEED)",
-        "o_direct": use_direct,
-        "o_direct_note": note,
-        "probe_bytes": nbytes,
-        "io_threads": threads,
-        "write_gb_per_s": nbytes / write_s / 1e9,
-        "read_gb_per_s": nbytes / read_s / 1e9,
-    }
-
-
-def _drop_page_cache(path: str) -> None:
-    if not hasattr(os, "posix_fadvise"):
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        # Pages must be clean to be dropped: the write path fsynced already.
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _timed_io(
-    path: str, nbytes: int, chunk: int, threads: int, *, write: bool, direct: bool
-) -> float:
-    """Seconds to move ``nbytes`` between ``path`` and memory (fsync included for writes)."""
-    flags = (os.O_WRONLY if write else os.O_RDONLY) | (os.O_DIRECT if direct else 0)
-    offsets = list(range(0, nbytes, chunk))
-    # One buffer per worker; anonymous mmaps are page aligned, as O_DIRECT needs.
-    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
-    try:
-        if write:
-            block = os.urandom(min(chunk, 1 << 20))  # incompressible
-            for buf in bufs:
-                for at in range(0, chunk, len(block)):
-                    buf[at : at + len(block)] = block[: chunk - at]
-        fd = os.open(path, flags)
-        try:
-
-            def worker(k: int) -> int:
-                # Worker k moves chunks k, k + threads, ... through its own buffer.
-                moved = 0
-                with memoryview(bufs[k]) as view:
-                    for off in offsets[k::threads]:
-                        n = min(chunk, nbytes - off)
-                        done = 0
-                        while done < n:
-                            with view[done:n] as part:
-                                got = (
-                                    os.pwrite(fd, part, off + done)
-                                    if write
-                                    else os.preadv(fd, [part], off + done)
-                                )
-                            if got <= 0:
-                                what = "write" if write else "read"
-                                raise OSError(errno.EIO, f"short {what} at offset {off + done}")
-                            done += got
-                        moved += n
-                return moved
-
-            t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(
-                threads, thread_name_prefix="offload-info-io"
-            ) as ex:
-                moved = sum(ex.map(worker, range(threads)))
-            if write:
-                os.fsync(fd)
-            elapsed = time.perf_counter() - t0
-        finally:
-            os.close(fd)
-    finally:
-        for buf in bufs:
-            buf.close()
-    if moved != nbytes:
-        raise OSError(errno.EIO, f"moved {moved} of {nbytes} bytes")
-    return max(elapsed, 1e-9)
 
 
 def _kvikio_info(cuda_available: bool) -> dict[str, Any]:
@@ -737,8 +499,6 @@ def _warnings(info: dict[str, Any]) -> list[str]:
             "wait in host memory; free host memory, raise the container's limit, or add the "
             "'nvme' tier"
         )
-    if host["local_ranks_source"] not in ("LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE unset"):
-        out.append(f"{host['local_ranks_source']}; the offloader refuses such a value")
     if host["used_percent"] > 60:
         out.append(f"host memory is {host['used_percent']:.0f}% used before any pinning")
     nvme = info["nvme"]

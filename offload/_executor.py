@@ -1,0 +1,588 @@
+"""The executor: moves alias families off the compute device and back, in the stream order below.
+
+It knows families, tiers, streams and events; the manager (``_offloader.py``) decides which saved
+tensors come here and when backward is about to need them.
+
+NOTE [ Stream ordering ]
+    These rules and no others (DESIGN.md; each was a silent wrong gradient when broken):
+    1. Offload: pack records event P on the current stream; the D2H stream waits on P, copies into
+       a host region, records D. The family keeps its source (``t.detach()``'s bytes) until D is
+       seen complete (polled at every pack and module boundary); sources get no record_stream.
+    2. Back-pressure: bytes of copies not yet seen complete never exceed ``max_inflight_bytes``;
+       beyond it pack waits on the oldest D.
+    3. Reload: the destination is allocated on the current (compute) stream, because the caching
+       allocator reuses a block only on the stream that allocated it; the H2D stream waits on an
+       event recorded right after that allocation and on D, copies, records R; unpack makes the
+       current stream wait on R. While the source is still held, unpack returns views of it and
+       nothing is copied.
+    4. Host regions and file ranges are freed only after the last event that read or wrote them
+       (D, R, or the tier's own transfer) completed; CPU code never reads a region before D.
+    5. On CUDA, unpack and backward pre-hooks run on the autograd device thread; on CPU in the
+       caller's. All executor state sits behind one lock; nothing is thread-local.
+    On a CPU-only machine the "device" is the CPU: copies go through ``storage``'s copy engine
+    (synchronous, or deferred with random delays in tests) and ``.wait()`` is the only ordering.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import storage
+from offload._errors import OffloadError, from_storage
+from offload._family import Family, Life, aligned_buffer, rebuild, span_of, storage_bytes
+from offload._stats import StepStats
+
+log = logging.getLogger("offload")
+
+
+class _Member:
+    """What pack returns for an offloaded tensor: its family and how to rebuild the view.
+
+    Dropping it (autograd freed the saved variable, or the graph died) releases the family's bytes
+    once no member is left.
+    """
+
+    __slots__ = ("dtensor", "dtype", "executor", "family", "offset_bytes", "size", "stride")
+
+    def __init__(self, executor: Executor, family: Family, t: torch.Tensor, dtensor: Any) -> None:
+        self.executor = executor
+        self.family = family
+        self.dtype = t.dtype
+        self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+        self.offset_bytes = t.storage_offset() * t.element_size()
+        self.dtensor = dtensor  # (mesh, placements, shape, stride) of a DTensor, else None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.executor.release(self.family)
+
+
+class _StepState:
+    """The families of one step, in pack order, and what is in flight."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.families: list[Family] = []
+        self.by_storage: dict[int, list[Family]] = {}
+        self.inflight: deque[Family] = deque()  # copies out not yet seen complete, oldest first
+        self.inflight_bytes = 0
+        self.prefetch_next = -1  # highest family order whose reload has not been started
+        self.stats = StepStats(steps=1)
+        self.started_s = time.perf_counter()
+        self.failed = False
+
+
+class Executor:
+    """Offload and reload alias families for one manager.
+
+    Args:
+        device: the compute device (CPU on a CPU-only machine).
+        tiers: ``storage`` tiers in spill order.
+        cpu_budget_bytes: the most bytes this manager keeps in the host tier.
+        max_inflight_bytes: back-pressure bound on copies out in flight.
+        prefetch_bytes: how many reloaded-but-unused bytes backward may run ahead by.
+        pool: host regions for D2H copies and NVMe staging (GPU paths).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        tiers: Sequence[storage.Tier],
+        cpu_budget_bytes: int,
+        max_inflight_bytes: int,
+        prefetch_bytes: int,
+        pool: storage.HostPool,
+    ) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.tiers = list(tiers)
+        self.cpu_budget_bytes = cpu_budget_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self.prefetch_bytes = prefetch_bytes
+        self.pool = pool
+        self.lock = threading.RLock()
+        self.step: _StepState | None = None
+        self.host_bytes = 0  # this manager's bytes in the host tier
+        self._next_fid = 0
+        self._pending_free: list[Family] = []  # GPU: freed families waiting for D / R
+        self._pending_regions: list[tuple[Any, Any]] = []  # GPU: staging waiting for R
+        self._d2h: Any = None
+        self._h2d: Any = None
+        self._live: weakref.WeakSet[Family] = weakref.WeakSet()
+        if self.cuda:
+            # Created here, never at import: see "Importing is free".
+            self._d2h = torch.cuda.Stream(device)
+            self._h2d = torch.cuda.Stream(device)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def begin_step(self, index: int) -> StepStats:
+        with self.lock:
+            self.step = _StepState(index)
+            self._collect_pending()
+            return self.step.stats
+
+    def fail_step(self) -> None:
+        """The step's block raised: drop every family of the step now (their handles may live on
+        in a traceback) and release their bytes. A later unpack raises ``OffloadError``."""
+        with self.lock:
+            step = self.step
+            if step is None:
+                return
+            step.failed = True
+            if self.cuda:
+                self._d2h.synchronize()
+                self._h2d.synchronize()
+            for fam in step.families:
+                if fam.life is not Life.FREED:
+                    fam.error = OffloadError(
+                        f"the step that saved this tensor (step {step.index}) raised; its offloaded "
+                        "activations were released. Run forward again."
+                    )
+                    self._wait_transfers(fam)
+                    self._free(fam)
+            step.inflight.clear()
+            step.inflight_bytes = 0
+
+    def live_families(self) -> int:
+        with self.lock:
+            return sum(1 for f in self._live if f.life is not Life.FREED)
+
+    # -- offload -----------------------------------------------------------------------------
+
+    def offload(self, t: torch.Tensor, module: str, dtensor: Any) -> _Member:
+        """Store ``t``'s family (once per family) and return the member handle."""
+        st = t.untyped_storage()
+        version = t._version
+        start, end = span_of(t)
+        with self.lock:
+            step = self.step
+            assert step is not None, "offload outside a step"
+            self.poll()
+            fam = None
+            for f in step.by_storage.get(id(st), ()):
+                # See NOTE [ Alias handling ].
+                if (
+                    f.storage_ref() is st
+                    and f.version == version
+                    and f.covers(start, end)
+                    and f.life is not Life.FREED
+                ):
+                    fam = f
+                    break
+            step.stats.records += 1
+            if fam is None:
+                fam = self._new_family(step, t, st, version, start, end, module)
+            else:
+                step.stats.records_deduplicated += 1
+            fam.members += 1
+            return _Member(self, fam, t, dtensor)
+
+    def _new_family(
+        self,
+        step: _StepState,
+        t: torch.Tensor,
+        st: torch.UntypedStorage,
+        version: int,
+        start: int,
+        end: int,
+        module: str,
+    ) -> Family:
+        fam = Family(
+            fid=self._next_fid,
+            storage=st,
+            version=version,
+            span_start=start,
+            nbytes=end - start,
+            storage_ptr=st.data_ptr(),
+            device=t.device,
+            module=module,
+            order=len(step.families),
+        )
+        self._next_fid += 1
+        source = storage_bytes(st, t.device)[start:end]
+        self._store(step, fam, source)
+        step.families.append(fam)
+        step.by_storage.setdefault(id(st), []).append(fam)
+        step.prefetch_next = fam.order
+        self._live.add(fam)
+        return fam
+
+    def _store(self, step: _StepState, fam: Family, source: torch.Tensor) -> None:
+        """Start the copy out into the first tier with room (NOTE [ Stream ordering ] rule 1)."""
+        n = fam.nbytes
+        self._backpressure(step, n)
+        region = None
+        event = None
+        if self.cuda:
+            # The D2H copy lands in a pinned region; for NVMe that region is staging.
+            try:
+                region = self.pool.allocate(n)
+            except storage.StorageFullError as e:
+                raise from_storage(
+                    e, "no pinned host memory for a D2H copy (raise cpu_budget)"
+                ) from e
+            packed = torch.cuda.Event()
+            packed.record(torch.cuda.current_stream(self.device))  # P: t is fully computed
+            with torch.cuda.stream(self._d2h):
+                self._d2h.wait_event(packed)  # rule 1: the copy reads t only after P
+                region.tensor[:n].copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._d2h)  # D: the host region holds the bytes
+        last_error: BaseException | None = None
+        for i, tier in enumerate(self.tiers):
+            if tier.name == "host" and self.host_bytes + n > self.cpu_budget_bytes:
+                last_error = storage.StorageFullError(
+                    f"cpu_budget of {self.cpu_budget_bytes} bytes is used up "
+                    f"({self.host_bytes} held); {n} more needed",
+                    bytes_needed=n,
+                )
+                continue
+            try:
+                if region is not None and tier.name == "host":
+                    handle = tier.write(region, n)  # adopts the region; D orders the reads
+                elif region is not None:
+                    # The I/O threads wait for D before reading the staging region.
+                    handle = tier.write(region, n, after=event)
+                    staged = region
+                    handle.written.add_done_callback(lambda _t, r=staged: r.release())
+                else:
+                    handle = tier.write(source)
+            except storage.StorageFullError as e:
+                last_error = e
+                continue
+            if i > 0 or last_error is not None:
+                step.stats.fallbacks += 1
+            break
+        else:
+            if region is not None:
+                region.release()
+            assert last_error is not None
+            raise from_storage(
+                last_error,
+                f"no allowed tier ({', '.join(t.name for t in self.tiers)}) has room for {n} bytes",
+            ) from last_error
+        fam.tier, fam.handle = tier, handle
+        fam.source, fam.source_event = source, event
+        fam.to(Life.COPYING_OUT)
+        if tier.name == "host":
+            self.host_bytes += n
+            step.stats.bytes_offloaded_cpu += n
+            step.stats.records_offloaded_cpu += 1
+        else:
+            step.stats.bytes_offloaded_nvme += n
+            step.stats.records_offloaded_nvme += 1
+        step.inflight.append(fam)
+        step.inflight_bytes += n
+
+    def _backpressure(self, step: _StepState, incoming: int) -> None:
+        # Rule 2: wait on the oldest copies until the new one fits the in-flight bound.
+        while step.inflight and step.inflight_bytes + incoming > self.max_inflight_bytes:
+            oldest = step.inflight[0]
+            step.stats.backpressure_waits += 1
+            self._wait_copy_out(oldest)
+            self.poll()
+
+    def _copy_out_done(self, fam: Family) -> bool:
+        if fam.source_event is not None and not fam.source_event.query():
+            return False
+        return fam.handle.done()
+
+    def _wait_copy_out(self, fam: Family) -> None:
+        if fam.source_event is not None:
+            fam.source_event.synchronize()
+        with contextlib.suppress(storage.StorageError):
+            fam.handle.wait()  # a failure is handled by poll(): next tier, or keep the source
+
+    def poll(self) -> None:
+        """Retire finished copies out (drop their sources) and free what waited for events."""
+        with self.lock:
+            step = self.step
+            if step is not None:
+                while step.inflight and self._copy_out_done(step.inflight[0]):
+                    fam = step.inflight.popleft()
+                    step.inflight_bytes -= fam.nbytes
+                    self._retire(step, fam)
+            self._collect_pending()
+
+    def _retire(self, step: _StepState, fam: Family) -> None:
+        if fam.life is not Life.COPYING_OUT:
+            return
+        error = fam.handle.written.exception(timeout=0)
+        if error is None:
+            fam.source = None  # the device bytes may go now
+            fam.source_event = None
+            fam.to(Life.OFF_DEVICE)
+            return
+        # The write failed after pack returned (EIO, late ENOSPC): try the next tier from the
+        # source, which is still held; with none left, keep the source where it is (its bytes stay
+        # on the device and unpack returns them) and say so once.
+        if fam.tier.name == "host":
+            self.host_bytes -= fam.nbytes
+        # On CUDA the source is device memory, which the host tiers do not take: it stays.
+        later = [] if self.cuda else self.tiers[self.tiers.index(fam.tier) + 1 :]
+        step.stats.fallbacks += 1
+        for tier in later:
+            try:
+                fam.tier, fam.handle = tier, tier.write(fam.source)
+                fam.handle.wait()
+                fam.source = None
+                fam.to(Life.OFF_DEVICE)
+                return
+            except storage.StorageError:
+                continue
+        fam.error = None
+        log.warning(
+            "offload: storing %d bytes of %s failed (%s); they stay on %s",
+            fam.nbytes,
+            fam.module or "<root>",
+            error,
+            self.device,
+        )
+        fam.tier = fam.handle = None
+
+    # -- reload ------------------------------------------------------------------------------
+
+    def prefetch(self, down_to_order: int) -> None:
+        """Start reloads of every family with order >= ``down_to_order`` (backward is about to
+        need them), then of earlier ones while reloaded-but-unused bytes fit the window."""
+        with self.lock:
+            step = self.step
+            if step is None or step.failed:
+                return
+            self.poll()
+            ahead = sum(
+                f.nbytes
+                for f in step.families[step.prefetch_next + 1 :]
+                if f.life in (Life.COPYING_IN, Life.RESIDENT) and f.unpacked == 0
+            )
+            while step.prefetch_next >= 0:
+                fam = step.families[step.prefetch_next]
+                if fam.order < down_to_order and ahead + fam.nbytes > self.prefetch_bytes:
+                    break
+                if fam.life is Life.OFF_DEVICE and fam.members > 0 and not self._reuse(fam):
+                    self._start_reload(fam, step)
+                    ahead += fam.nbytes
+                step.prefetch_next -= 1
+
+    def _reuse(self, fam: Family) -> bool:
+        """A reload whose buffer is still alive (another member holds it): keep using it."""
+        raw = fam.resident_ref() if fam.resident_ref is not None else None
+        if raw is None:
+            return False
+        fam.resident = raw
+        fam.to(Life.COPYING_IN)
+        fam.to(Life.RESIDENT)
+        return True
+
+    def _start_reload(self, fam: Family, step: _StepState | None) -> None:
+        fam.to(Life.COPYING_IN)
+        fam.unpacked = 0
+        fam.reload_started_s = time.perf_counter()
+        raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
+        fam.resident, fam.resident_ref = raw, weakref.ref(raw)
+        dst = raw[off : off + fam.nbytes]
+        if step is not None:
+            step.stats.reloads += 1
+        if not self.cuda:
+            fam.reload = fam.tier.read(fam.handle, dst)
+            return
+        if fam.tier.name == "host":
+            self._h2d_copy(fam, dst, fam.handle.region.tensor)
+        else:
+            # NVMe -> pinned staging (I/O threads) now; staging -> device at unpack.
+            fam.staging = self.pool.allocate(fam.nbytes)
+            fam.reload = fam.tier.read(fam.handle, fam.staging)
+
+    def _h2d_copy(self, fam: Family, dst: torch.Tensor, host: torch.Tensor) -> None:
+        allocated = torch.cuda.Event()
+        allocated.record(torch.cuda.current_stream(self.device))  # rule 3: dst exists
+        with torch.cuda.stream(self._h2d):
+            self._h2d.wait_event(allocated)
+            dst.copy_(host[: fam.nbytes], non_blocking=True)
+            fam.reload_event = torch.cuda.Event()
+            fam.reload_event.record(self._h2d)  # R: the device buffer holds the bytes
+
+    def unpack(self, m: _Member) -> torch.Tensor:
+        """The member's tensor, with the family's bytes on the device."""
+        fam = m.family
+        with self.lock:
+            if fam.error is not None:
+                raise fam.error
+            if fam.life is Life.FREED:
+                raise OffloadError(
+                    f"saved tensor of {fam.module or '<root>'} was already released (the manager "
+                    "was closed, or its step failed); run forward again"
+                )
+            if fam.source is not None and (fam.life is Life.COPYING_OUT or fam.tier is None):
+                # Rule 3: the source is still held (or storing it failed and it stayed): no copy.
+                return self._wrap(m, self._source_view(m))
+            step = self.step
+            stats = step.stats if step is not None else None
+            prefetched = True
+            if fam.life is Life.OFF_DEVICE and not self._reuse(fam):
+                prefetched = False
+                if stats is not None:
+                    stats.stalls += 1
+                self._start_reload(fam, step)
+            if fam.life is Life.COPYING_IN:
+                t0 = time.perf_counter()
+                self._finish_reload(fam)
+                if stats is not None:
+                    stats.stall_s += time.perf_counter() - t0
+                    if prefetched:
+                        stats._leads.append(t0 - fam.reload_started_s)
+            raw = fam.resident
+            assert raw is not None
+            off = (fam.storage_mod - raw.data_ptr()) % 4096
+            out = rebuild(
+                raw,
+                off,
+                fam,
+                dtype=m.dtype,
+                size=m.size,
+                stride=m.stride,
+                offset_bytes=m.offset_bytes,
+            )
+            fam.unpacked += 1
+            if fam.unpacked >= fam.members:
+                # Every live member has its view: drop the strong reference so the buffer dies
+                # with autograd's use of it; a later unpack (retain_graph) reloads or reuses it.
+                fam.resident = None
+                fam.to(Life.OFF_DEVICE)
+            if step is not None:
+                self.prefetch(fam.order)
+            return self._wrap(m, out)
+
+    def _finish_reload(self, fam: Family) -> None:
+        try:
+            if fam.reload is not None:
+                fam.reload.wait()  # CPU copy, or NVMe -> staging on GPU
+        except storage.StorageError as e:
+            fam.resident = None
+            fam.reload = None
+            fam.to(Life.OFF_DEVICE)
+            raise from_storage(e, f"reloading a saved tensor of {fam.module or '<root>'}") from e
+        fam.reload = None
+        if self.cuda:
+            if fam.staging is not None:
+                raw = fam.resident
+                off = (fam.storage_mod - raw.data_ptr()) % 4096
+                self._h2d_copy(fam, raw[off : off + fam.nbytes], fam.staging.tensor)
+                staging, fam.staging = fam.staging, None
+                self._release_after(staging, fam.reload_event)
+            # Rule 3: the consumer runs on the current stream, after R.
+            torch.cuda.current_stream(self.device).wait_event(fam.reload_event)
+        fam.to(Life.RESIDENT)
+
+    def _source_view(self, m: _Member) -> torch.Tensor:
+        fam = m.family
+        item = torch.empty((), dtype=m.dtype).element_size()
+        base = torch.empty(0, dtype=m.dtype, device=fam.device)
+        return base.set_(fam.source.untyped_storage(), m.offset_bytes // item, m.size, m.stride)
+
+    @staticmethod
+    def _wrap(m: _Member, local: torch.Tensor) -> torch.Tensor:
+        if m.dtensor is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = m.dtensor
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+
+    # -- release -----------------------------------------------------------------------------
+
+    def release(self, fam: Family) -> None:
+        """One member handle died; free the family's bytes when it was the last."""
+        with self.lock:
+            fam.members -= 1
+            if fam.members > 0 or fam.life is Life.FREED:
+                return
+            if fam.life is Life.COPYING_OUT:
+                step = self.step
+                if step is not None and fam in step.inflight:
+                    step.inflight.remove(fam)
+                    step.inflight_bytes -= fam.nbytes
+            self._free(fam)
+
+    def _free(self, fam: Family) -> None:
+        # Rule 4: GPU copies that read or write the tier's region must be complete first.
+        if self.cuda and not self._events_done(fam):
+            fam.pending_free = True
+            fam.to(Life.FREED)
+            self._pending_free.append(fam)
+            return
+        if fam.life is not Life.FREED:
+            fam.to(Life.FREED)
+        self._drop(fam)
+
+    def _drop(self, fam: Family) -> None:
+        if fam.tier is not None and fam.handle is not None:
+            if fam.tier.name == "host":
+                self.host_bytes -= fam.nbytes
+            fam.tier.free(fam.handle)
+        if fam.staging is not None:
+            fam.staging.release()
+        fam.handle = fam.staging = fam.source = fam.resident = None
+        fam.source_event = fam.reload_event = fam.reload = None
+        fam.pending_free = False
+
+    def _events_done(self, fam: Family) -> bool:
+        return all(e is None or e.query() for e in (fam.source_event, fam.reload_event))
+
+    def _collect_pending(self) -> None:
+        regions = []
+        for region, event in self._pending_regions:
+            if event.query():
+                region.release()
+            else:
+                regions.append((region, event))
+        self._pending_regions = regions
+        keep = []
+        for fam in self._pending_free:
+            if self._events_done(fam):
+                self._drop(fam)
+            else:
+                keep.append(fam)
+        self._pending_free = keep
+
+    def _release_after(self, region: Any, event: Any) -> None:
+        # Rule 4: the staging region goes back to the pool once the H2D copy reading it is done.
+        self._pending_regions.append((region, event))
+
+    def _wait_transfers(self, fam: Family) -> None:
+        for t in (fam.reload, getattr(fam.handle, "written", None)):
+            if t is not None:
+                with contextlib.suppress(storage.StorageError):
+                    t.wait()
+
+    def close(self) -> None:
+        """Release every family's bytes (later unpacks raise) and wait for copies in flight."""
+        with self.lock:
+            if self.cuda:
+                self._d2h.synchronize()
+                self._h2d.synchronize()
+            for fam in list(self._live):
+                if fam.life is not Life.FREED:
+                    fam.error = OffloadError("the offload manager was closed")
+                    self._wait_transfers(fam)
+                    self._free(fam)
+            for fam in self._pending_free:
+                self._drop(fam)
+            for region, _ in self._pending_regions:
+                region.release()
+            self._pending_free, self._pending_regions = [], []
+            self.step = None

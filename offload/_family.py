@@ -1,0 +1,183 @@
+"""One alias family's life off the device: its state machine, its bytes, and how views come back.
+
+NOTE [ Alias handling ]
+    A family is one live storage at one version, keyed on the storage's Python object (held
+    weakly) plus ``t._version`` and never on ``data_ptr()``: once an offloaded tensor is freed, the
+    allocator hands its address to the next tensor of the step (keying on the address gave
+    gradients off by 8.0). The family is copied once, as the byte span of the storage that its
+    first member covers, from ``t.detach()`` taken inside pack (a later ``out.data = ...`` must not
+    change what is copied). A later member inside that span reuses the copy; one reaching outside
+    it, or packed at a newer version, starts a new family. Members come back as ``as_strided``
+    views over one reloaded buffer whose address is congruent to the original modulo 4096 bytes,
+    so every member keeps its original alignment (kernels choose code paths by alignment: a
+    compact rebuild changed a ``dot`` result).
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Any
+
+import torch
+
+from offload._errors import OffloadError
+
+ALIGN_BYTES = 4096
+
+
+class Life(enum.Enum):
+    """Where a family's bytes are. See ``_NEXT`` for the legal transitions."""
+
+    ON_DEVICE = "on device"  # packed; the copy out has not started
+    COPYING_OUT = "copying out"  # the copy out is in flight; the source is still held
+    OFF_DEVICE = "off device"  # stored in a tier only
+    COPYING_IN = "copying in"  # a reload is in flight
+    RESIDENT = "resident"  # reloaded; the device buffer is held for the members' unpacks
+    FREED = "freed"  # every member is gone, or the step failed: the tier bytes are released
+
+
+_NEXT: dict[Life, frozenset[Life]] = {
+    Life.ON_DEVICE: frozenset({Life.COPYING_OUT, Life.FREED}),
+    Life.COPYING_OUT: frozenset({Life.OFF_DEVICE, Life.FREED}),
+    Life.OFF_DEVICE: frozenset({Life.COPYING_IN, Life.FREED}),
+    Life.COPYING_IN: frozenset({Life.RESIDENT, Life.OFF_DEVICE, Life.FREED}),
+    Life.RESIDENT: frozenset({Life.OFF_DEVICE, Life.FREED}),
+    Life.FREED: frozenset(),
+}
+
+
+class IllegalTransition(OffloadError):
+    """A family was asked to move to a state its current state does not lead to (a bug)."""
+
+
+class Family:
+    """The bytes of one alias family and their state. All fields are guarded by the executor's
+    lock; this class only checks transitions and does arithmetic."""
+
+    __slots__ = (
+        "__weakref__",
+        "device",
+        "error",
+        "fid",
+        "handle",
+        "life",
+        "members",
+        "module",
+        "nbytes",
+        "order",
+        "pending_free",
+        "reload",
+        "reload_event",
+        "reload_started_s",
+        "resident",
+        "resident_ref",
+        "source",
+        "source_event",
+        "span_start",
+        "staging",
+        "storage_mod",
+        "storage_ref",
+        "tier",
+        "unpacked",
+        "version",
+    )
+
+    def __init__(
+        self,
+        *,
+        fid: int,
+        storage: torch.UntypedStorage,
+        version: int,
+        span_start: int,
+        nbytes: int,
+        storage_ptr: int,
+        device: torch.device,
+        module: str,
+        order: int,
+    ) -> None:
+        self.fid = fid
+        self.storage_ref = weakref.ref(storage)
+        self.version = version
+        self.span_start = span_start  # byte offset of the copied span in the storage
+        self.nbytes = nbytes  # bytes of the copied span
+        # Address of the span's first byte modulo ALIGN_BYTES; see NOTE [ Alias handling ].
+        self.storage_mod = (storage_ptr + span_start) % ALIGN_BYTES
+        self.device = device
+        self.module = module  # module path of the first member (for prefetch order and stats)
+        self.order = order  # position among the step's offloaded families (pack order)
+        self.life = Life.ON_DEVICE
+        self.members = 0  # live packed handles
+        self.unpacked = 0  # unpacks since the last reload
+        self.source: torch.Tensor | None = None  # uint8 view of the span, held until copied
+        self.source_event: Any = None  # CUDA event D (copy out done), or None on CPU
+        self.staging: Any = None  # host region holding the bytes in flight (GPU paths)
+        self.tier: Any = None
+        self.handle: Any = None  # storage.StoredHandle
+        self.reload: Any = None  # storage Transfer of a reload in flight
+        self.reload_event: Any = None  # CUDA event R (copy in done)
+        self.reload_started_s = 0.0
+        self.resident: torch.Tensor | None = None  # raw uint8 device buffer of a reload
+        self.resident_ref: weakref.ref | None = None
+        self.pending_free = False
+        self.error: BaseException | None = None
+
+    def to(self, new: Life) -> None:
+        """Move to ``new``; an illegal move raises naming the family, its state and the legal ones."""
+        if new not in _NEXT[self.life]:
+            allowed = ", ".join(sorted(s.value for s in _NEXT[self.life])) or "none"
+            raise IllegalTransition(
+                f"alias family {self.fid} ({self.module or '<root>'}, {self.nbytes} bytes) cannot go "
+                f"from '{self.life.value}' to '{new.value}'; allowed next: {allowed}"
+            )
+        self.life = new
+
+    def covers(self, start: int, end: int) -> bool:
+        return self.span_start <= start and end <= self.span_start + self.nbytes
+
+
+def span_of(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range ``[start, end)`` of ``t``'s storage that its elements touch."""
+    item = t.element_size()
+    start = t.storage_offset() * item
+    if t.numel() == 0:
+        return start, start
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if n > 0)
+    return start, start + extent * item
+
+
+def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over every byte of ``storage`` (keeps the storage alive)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def aligned_buffer(nbytes: int, mod: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """A uint8 device buffer and the offset in it whose address is ``mod`` modulo ALIGN_BYTES."""
+    raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8, device=device)
+    off = (mod - raw.data_ptr()) % ALIGN_BYTES
+    return raw, off
+
+
+def rebuild(
+    raw: torch.Tensor,
+    off: int,
+    fam: Family,
+    *,
+    dtype: torch.dtype,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    offset_bytes: int,
+) -> torch.Tensor:
+    """One member as a view over a reloaded buffer; see NOTE [ Alias handling ]."""
+    item = torch.empty((), dtype=dtype).element_size()
+    start = off + offset_bytes - fam.span_start  # byte position of the member's element 0
+    # ``raw`` is uint8 with storage offset 0; view it whole as ``dtype`` when lengths allow,
+    # else view the piece starting at the member's first element.
+    if start % item:
+        raise OffloadError(
+            f"internal: member of family {fam.fid} starts at byte {start}, not a multiple of its "
+            f"itemsize {item}"
+        )
+    usable = (raw.numel() // item) * item
+    typed = raw[:usable].view(dtype)
+    return typed.as_strided(size, stride, start // item)

@@ -1,0 +1,112 @@
+"""What the offloader did: per step and in total."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class StepStats:
+    """Counters of one step (``last``) or summed over all steps (``total``).
+
+    Byte and time fields carry their unit in the name. Peaks are maxima, not sums, in ``total``.
+
+    Attributes:
+        steps: steps counted (1 for ``last``).
+        records: saved tensors seen by pack (every member of an alias family).
+        records_kept: saved tensors left where they were (parameters, small, ``keep=``, other
+            device, packed during backward, paused).
+        records_deduplicated: saved tensors that shared an already-stored alias family.
+        records_offloaded_cpu / records_offloaded_nvme: alias families stored in each tier.
+        bytes_offloaded_cpu / bytes_offloaded_nvme: bytes stored in each tier.
+        bytes_recomputed: bytes rebuilt by recomputation instead of stored (planner; 0 here).
+        reloads: family reloads started (prefetched or not).
+        stalls: unpacks that found no reload started and had to load synchronously.
+        stall_s: seconds unpack spent waiting for bytes (stalls and late prefetches).
+        prefetch_lead_s_p50: median seconds between a prefetch starting and its unpack.
+        backpressure_waits: packs that waited for older copies (``max_inflight_bytes``).
+        fallbacks: records that went to a later tier because an earlier one was full or failed.
+        host_allocations: new host pool slabs allocated during the step.
+        peak_allocated_bytes / peak_reserved_bytes: CUDA allocator peaks over the step (0 on CPU).
+        predicted_peak_bytes / predicted_step_s: the plan's predictions (0 without a plan).
+        step_s: wall seconds from the step's start to the end of its backward.
+        unplanned_records: records no plan entry matched (0 without a plan).
+    """
+
+    steps: int = 0
+    records: int = 0
+    records_kept: int = 0
+    records_deduplicated: int = 0
+    records_offloaded_cpu: int = 0
+    records_offloaded_nvme: int = 0
+    bytes_offloaded_cpu: int = 0
+    bytes_offloaded_nvme: int = 0
+    bytes_recomputed: int = 0
+    reloads: int = 0
+    stalls: int = 0
+    stall_s: float = 0.0
+    prefetch_lead_s_p50: float = 0.0
+    backpressure_waits: int = 0
+    fallbacks: int = 0
+    host_allocations: int = 0
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    predicted_peak_bytes: int = 0
+    predicted_step_s: float = 0.0
+    step_s: float = 0.0
+    unplanned_records: int = 0
+    _leads: list[float] = field(default_factory=list, repr=False)
+
+    _PEAKS = ("peak_allocated_bytes", "peak_reserved_bytes", "predicted_peak_bytes")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict of the public fields (JSON-ready)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not f.name.startswith("_")
+        }
+
+    def add(self, other: StepStats) -> None:
+        """Accumulate ``other`` (a finished step) into this total."""
+        for f in dataclasses.fields(self):
+            name = f.name
+            if name == "_leads":
+                self._leads.extend(other._leads)
+            elif name == "prefetch_lead_s_p50":
+                continue
+            elif name in self._PEAKS:
+                setattr(self, name, max(getattr(self, name), getattr(other, name)))
+            else:
+                setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.prefetch_lead_s_p50 = _median(self._leads)
+
+    def finish(self) -> None:
+        self.prefetch_lead_s_p50 = _median(self._leads)
+
+
+@dataclass
+class OffloadStats:
+    """``last``: the most recent step; ``total``: every step so far.
+
+    Example:
+        >>> stats = OffloadStats()
+        >>> stats.as_dict()["total"]["steps"]
+        0
+    """
+
+    last: StepStats = field(default_factory=StepStats)
+    total: StepStats = field(default_factory=StepStats)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"last": self.last.as_dict(), "total": self.total.as_dict()}
+
+
+def _median(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
