@@ -181,7 +181,6 @@ class Executor:
                 ):
                     fam = f
                     break
-            step.stats.records += 1
             if fam is None:
                 fam = self._new_family(step, t, st, version, start, end, module)
             else:

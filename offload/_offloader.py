@@ -404,6 +404,7 @@ class ActivationOffloader:
         stats = self._step_stats
         if ex is None or stats is None or self._paused:
             return t.detach()
+        stats.records += 1
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
             stats.records_kept += 1  # packed by a backward (recomputation, double backward)
             return t.detach()

@@ -1,4 +1,8 @@
-"""``offload info``: node facts, disk probe on real files, cgroup parsing, the CLI's exit codes."""
+"""``offload info``: what it collects and how it shows it, and the CLI's exit codes.
+
+The mechanisms it reports on (cgroup parsing, budgets, the disk probe) are tested in
+tests/storage/; here only that ``collect_info`` wires them up and formats the result.
+"""
 
 from __future__ import annotations
 
@@ -14,16 +18,8 @@ import pytest
 import torch
 
 from offload._cli_info import add_parser
-from offload._info import (
-    ALIGN_BYTES,
-    NvmeDirError,
-    cgroup_memory,
-    check_nvme_dir,
-    collect_info,
-    format_info,
-    pcie_gb_per_s,
-    probe_disk,
-)
+from offload._info import NvmeDirError, check_nvme_dir, collect_info, format_info, pcie_gb_per_s
+from storage import rank_share_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -55,10 +51,14 @@ def test_collect_info_measures_the_disk(disk_info: tuple[Path, dict]) -> None:
     nvme = info["nvme"]
     assert nvme["path"] == str(d.resolve())
     assert 0 < nvme["free_bytes"] <= nvme["total_bytes"] == psutil.disk_usage(str(d)).total
-    assert nvme["probe_bytes"] == 8 * MiB
+    assert nvme["probe_bytes"] == 8 * MiB and "probe_note" not in nvme
     assert nvme["write_gb_per_s"] > 0 and nvme["read_gb_per_s"] > 0
-    assert nvme["io_mode"] == ("O_DIRECT" if nvme["o_direct"] else nvme["io_mode"])
-    assert nvme["default_nvme_bytes"] == int(0.5 * nvme["free_bytes"] / nvme["local_ranks"])
+    assert 1 <= nvme["io_threads"] <= 4
+    if nvme["o_direct"]:
+        assert nvme["io_mode"] == "O_DIRECT" and nvme["o_direct_note"] is None
+    else:
+        assert nvme["io_mode"].startswith("buffered + fsync") and nvme["o_direct_note"]
+    assert nvme["default_nvme_bytes"] == rank_share_bytes(nvme["free_bytes"], nvme["local_ranks"])
     assert list(d.iterdir()) == []  # the probe file is gone
     assert json.loads(json.dumps(info)) == info  # plain JSON types only
 
@@ -68,21 +68,44 @@ def test_host_memory_and_default_budget(disk_info: tuple[Path, dict]) -> None:
     assert 0 < host["available_bytes"] <= host["total_bytes"]
     assert host["headroom_bytes"] <= host["available_bytes"]
     cg = host["cgroup"]
-    if cg is not None and cg["headroom_bytes"] is not None:
-        assert host["headroom_bytes"] <= cg["headroom_bytes"]
-    assert host["default_cpu_budget_bytes"] == int(
-        0.5 * host["headroom_bytes"] / host["local_ranks"]
+    if (
+        cg is None
+        or cg["headroom_bytes"] is None
+        or cg["headroom_bytes"] >= host["available_bytes"]
+    ):
+        assert host["headroom_limited_by"] == "available RAM"
+        assert host["headroom_bytes"] == host["available_bytes"]
+    else:
+        assert host["headroom_limited_by"] == "cgroup limit - usage"
+        assert host["headroom_bytes"] == cg["headroom_bytes"]
+    if cg is not None:
+        assert set(cg) == {"version", "path", "limit_bytes", "usage_bytes", "headroom_bytes"}
+    assert host["default_cpu_budget_bytes"] == rank_share_bytes(
+        host["headroom_bytes"], host["local_ranks"]
     )
 
 
 def test_local_ranks_split_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     host = collect_info()["host_memory"]
-    assert host["local_ranks"] == 4
-    assert host["default_cpu_budget_bytes"] == int(0.5 * host["headroom_bytes"] / 4)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
+    assert (host["local_ranks"], host["local_ranks_source"]) == (4, "LOCAL_WORLD_SIZE")
+    assert host["default_cpu_budget_bytes"] == rank_share_bytes(host["headroom_bytes"], 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     host = collect_info()["host_memory"]
-    assert host["local_ranks"] == 1 and "not an integer" in host["local_ranks_source"]
+    assert (host["local_ranks"], host["local_ranks_source"]) == (1, "LOCAL_WORLD_SIZE unset")
+
+
+def test_bad_local_world_size_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The offloader refuses it (storage.local_world_size), so the report does not guess either.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='four'"):
+        collect_info()
+    assert _cli(["info"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("offload info: error: LOCAL_WORLD_SIZE='four' is not a positive")
 
 
 def test_format_info_has_the_key_lines(disk_info: tuple[Path, dict]) -> None:
@@ -130,14 +153,6 @@ def test_kvikio_extra_follows_the_cuda_build() -> None:
         assert kv["error"] and kv["version"] is None
 
 
-def test_probe_disk_buffered_path(tmp_path: Path) -> None:
-    r = probe_disk(tmp_path, MiB + 1, direct=False, threads=2)
-    assert r["probe_bytes"] == MiB + ALIGN_BYTES  # rounded up to the O_DIRECT alignment
-    assert r["o_direct"] is False and r["io_mode"].startswith("buffered")
-    assert r["write_gb_per_s"] > 0 and r["read_gb_per_s"] > 0
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_check_nvme_dir_names_the_problem(tmp_path: Path) -> None:
     assert check_nvme_dir(tmp_path) == tmp_path.resolve()
     with pytest.raises(NvmeDirError, match="does not exist") as e:
@@ -165,47 +180,6 @@ def test_pcie_theoretical_bandwidth() -> None:
     assert round(pcie_gb_per_s(4, 16), 2) == 31.51
     assert pcie_gb_per_s(1, 1) == 0.25  # 2.5 GT/s with 8b/10b
     assert pcie_gb_per_s(None, 16) is None and pcie_gb_per_s(4, None) is None
-
-
-def _write_cgroup(root: Path, rel: str, files: dict[str, str]) -> None:
-    d = root / rel
-    d.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (d / name).write_text(text + "\n")
-
-
-def test_cgroup_v2_tightest_ancestor(tmp_path: Path) -> None:
-    mount = tmp_path / "cg"
-    _write_cgroup(mount, "job", {"memory.max": str(2 << 30), "memory.current": str(1 << 30)})
-    _write_cgroup(mount, "job/step", {"memory.max": "max", "memory.current": str(512 * MiB)})
-    (tmp_path / "cgroup").write_text("0::/job/step\n")
-    (tmp_path / "mountinfo").write_text(
-        f"30 23 0:27 / {mount} rw,nosuid,nodev - cgroup2 cgroup2 rw,nsdelegate\n"
-    )
-    cg = cgroup_memory(tmp_path / "cgroup", tmp_path / "mountinfo")
-    assert cg == {
-        "version": 2,
-        "path": str(mount / "job/step"),
-        "limit_bytes": 2 << 30,
-        "usage_bytes": 512 * MiB,
-        "headroom_bytes": 1 << 30,  # the job's limit minus the job's usage
-    }
-
-
-def test_cgroup_v1_unlimited_and_host_path(tmp_path: Path) -> None:
-    mount = tmp_path / "memory"
-    files = {"memory.limit_in_bytes": "9223372036854771712", "memory.usage_in_bytes": "100"}
-    _write_cgroup(mount, ".", files)
-    # Without a cgroup namespace the process shows the host's path; its cgroup is the mount.
-    (tmp_path / "cgroup").write_text("4:memory:/docker/abc\n1:cpu:/docker/abc\n0::/\n")
-    (tmp_path / "mountinfo").write_text(
-        f"35 31 0:32 / {mount} rw,relatime - cgroup cgroup rw,memory\n"
-    )
-    cg = cgroup_memory(tmp_path / "cgroup", tmp_path / "mountinfo")
-    assert cg is not None and cg["version"] == 1
-    assert cg["limit_bytes"] is None and cg["headroom_bytes"] is None
-    assert cg["usage_bytes"] == 100
-    assert cgroup_memory(tmp_path / "absent", tmp_path / "mountinfo") is None
 
 
 def test_cli_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -247,3 +221,15 @@ def test_import_is_free_and_bad_dir_exits_2(tmp_path: Path) -> None:
     assert r.returncode == 2, r.stderr
     assert str(missing) in r.stderr and "does not exist" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_format_info_shows_a_failed_or_shrunk_disk_probe(disk_info: tuple[Path, dict]) -> None:
+    info = dict(disk_info[1])
+    keep = ("path", "free_bytes", "total_bytes", "filesystem", "local_ranks", "default_nvme_bytes")
+    nvme = {k: info["nvme"][k] for k in keep}
+    info["nvme"] = {**nvme, "error": "disk probe failed: /x has 0 B free"}
+    info["warnings"] = ["NVMe probe in /x: disk probe failed: /x has 0 B free"]
+    text = format_info(info)
+    assert "disk probe failed: /x has 0 B free" in text and "  ! NVMe probe in /x" in text
+    info["nvme"] = {**disk_info[1]["nvme"], "probe_note": "probe shrunk from 8.00 MiB to fit"}
+    assert "probe shrunk from 8.00 MiB to fit" in format_info(info)

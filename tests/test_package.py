@@ -60,6 +60,10 @@ def test_import_direction() -> None:
 def test_public_api_snapshot() -> None:
     # Change these lists deliberately, together with DESIGN.md's API section.
     assert offload.__all__ == [
+        "ActivationOffloader",
+        "activations",
+        "OffloadStats",
+        "StepStats",
         "Recorder",
         "profile",
         "Event",
@@ -71,6 +75,9 @@ def test_public_api_snapshot() -> None:
         "write_memory_png",
         "write_perfetto",
         "OffloadError",
+        "StorageError",
+        "ChecksumError",
+        "StorageFullError",
     ]
     assert lifecycle.__all__ == [
         "Clock",

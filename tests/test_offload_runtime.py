@@ -1,0 +1,388 @@
+"""The runtime's behaviour around exactness: dedupe, skip rules, faults, leaks, files, stats, API."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import stat
+
+import psutil
+import pytest
+import torch
+from models import ALL_MODELS, gpt_block, mlp, views_model
+from torch import nn
+
+import offload
+import storage
+
+
+def step(case, mgr, s: int = 0) -> torch.Tensor:
+    case.model.zero_grad(set_to_none=True)
+    with mgr:
+        loss = case.loss(case.batch(s))
+    loss.backward()
+    return loss.detach()
+
+
+def open_files() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the directory listing's own fd is gone already
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return out
+
+
+def test_alias_families_stored_once() -> None:
+    case = views_model(seed=0)
+    other = views_model(seed=0)
+    trace = offload.profile(other.step, other.model, warmup_steps=0)
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0)
+    try:
+        step(case, mgr)
+        last = mgr.stats.last
+        fams = [f for f in trace.families() if not f.is_parameter]
+        assert last.records_deduplicated == sum(len(f.records) - 1 for f in fams) > 0
+        assert last.records_offloaded_cpu == len(fams)
+        assert last.bytes_offloaded_cpu == trace.saved_bytes
+    finally:
+        mgr.close()
+
+
+def test_skip_rules_parameters_small_and_keep() -> None:
+    case = mlp(seed=0)
+    # Everything >= 1 MiB by default: this model's activations are all smaller.
+    mgr = offload.ActivationOffloader(case.model)
+    try:
+        step(case, mgr)
+        assert mgr.stats.last.bytes_offloaded_cpu == 0
+        assert mgr.stats.last.records_kept == mgr.stats.last.records
+    finally:
+        mgr.close()
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0, keep=("fc2", nn.GELU))
+    try:
+        other = mlp(seed=0)
+        trace = offload.profile(other.step, other.model, warmup_steps=0)
+        step(case, mgr)
+        moved_modules = {"fc1", "act2", "fc3", "<outside>"}
+        expected_kept = [
+            r for r in trace.records if r.is_parameter or r.module not in moved_modules
+        ]
+        assert mgr.stats.last.records_kept == len(expected_kept)
+    finally:
+        mgr.close()
+
+
+def test_exception_mid_forward_releases_everything(tmp_path) -> None:
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model, min_offload_bytes=0, tiers=("cpu", "nvme"), nvme_dir=tmp_path
+    )
+    try:
+        step(case, mgr)  # warm: pool slab and spill file exist
+        pool = mgr._executor.pool
+        nvme = mgr._tiers[1]
+        used0, nvme0 = pool.used_bytes, nvme.used_bytes
+
+        class Boom(Exception):
+            pass
+
+        kept = None
+        with pytest.raises(Boom):
+            with mgr:
+                out = case.loss(case.batch())
+                kept = out  # a reference that outlives the step, like a traceback does
+                raise Boom
+        assert mgr._executor.live_families() == 0
+        assert pool.used_bytes == used0 and nvme.used_bytes == nvme0
+        with pytest.raises(offload.OffloadError, match="raised"):
+            kept.backward()
+        # The manager keeps working.
+        step(case, mgr)
+    finally:
+        mgr.close()
+
+
+def test_dropped_graph_releases() -> None:
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0)
+    try:
+        with mgr:
+            loss = case.loss(case.batch())
+        assert mgr._executor.live_families() > 0
+        del loss
+        gc.collect()
+        assert mgr._executor.live_families() == 0
+        assert mgr._executor.host_bytes == 0
+    finally:
+        mgr.close()
+
+
+def test_nvme_files_private_and_removed(tmp_path) -> None:
+    case = gpt_block(seed=0)
+    fds = open_files()
+    mgr = offload.ActivationOffloader(
+        case.model, min_offload_bytes=0, tiers=("nvme",), nvme_dir=tmp_path
+    )
+    with mgr:
+        loss = case.loss(case.batch())
+    tier = mgr._tiers[0]
+    private = tier.private_directory
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
+    assert os.listdir(private) == []  # the spill file is unlinked once opened
+    assert any(private in p and "(deleted)" in p for p in open_files())
+    loss.backward()
+    mgr.close()
+    assert not os.path.exists(private)
+    assert not any(private in p for p in open_files())
+    assert len(open_files()) <= len(fds)
+
+
+def test_corrupted_nvme_record_raises_checksum_error(tmp_path) -> None:
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model, min_offload_bytes=0, tiers=("nvme",), nvme_dir=tmp_path
+    )
+    try:
+        with mgr:
+            loss = case.loss(case.batch())
+        mgr._executor.poll()
+        fam = max(mgr._executor.step.families, key=lambda f: f.nbytes)
+        handle = fam.handle
+        handle.wait()
+        fd = mgr._tiers[0]._file.fd
+        os.pwrite(fd, b"\x5a" * 64, handle._offset + 8)
+        with pytest.raises(offload.ChecksumError) as info:
+            loss.backward()
+        assert isinstance(info.value, storage.ChecksumError)
+        assert isinstance(info.value, offload.OffloadError)
+    finally:
+        mgr.close()
+
+
+def test_full_cpu_budget_falls_back_to_nvme(tmp_path) -> None:
+    want = ALL_MODELS["gpt_block"](seed=0)
+    want.step()
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model,
+        min_offload_bytes=0,
+        tiers=("cpu", "nvme"),
+        nvme_dir=tmp_path,
+        cpu_budget=64 << 10,
+    )
+    try:
+        step(case, mgr)
+        last = mgr.stats.last
+        assert last.fallbacks > 0
+        assert last.bytes_offloaded_nvme > 0 and last.bytes_offloaded_cpu <= 64 << 10
+        for k, g in want.grads().items():
+            assert torch.equal(case.grads()[k], g), k
+    finally:
+        mgr.close()
+
+
+def test_full_store_without_fallback_raises_and_leaks_nothing() -> None:
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0, cpu_budget=64 << 10)
+    try:
+        with pytest.raises(offload.StorageFullError) as info:
+            with mgr:
+                case.loss(case.batch())
+        assert info.value.bytes_needed > 0
+        assert "cpu_budget" in str(info.value)
+        assert mgr._executor.live_families() == 0
+        assert mgr._executor.host_bytes == 0
+    finally:
+        mgr.close()
+
+
+def test_real_enospc_falls_back_to_cpu(tmp_path) -> None:
+    """A tiny tmpfs as nvme_dir: the disk really fills; records go to the next tier."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=256k tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        want = ALL_MODELS["gpt_block"](seed=0)
+        want.step()
+        case = gpt_block(seed=0)
+        mgr = offload.ActivationOffloader(
+            case.model, min_offload_bytes=0, tiers=("nvme", "cpu"), nvme_dir=mnt
+        )
+        try:
+            step(case, mgr)
+            last = mgr.stats.last
+            assert last.fallbacks > 0 and last.bytes_offloaded_cpu > 0
+            for k, g in want.grads().items():
+                assert torch.equal(case.grads()[k], g), k
+        finally:
+            mgr.close()
+    finally:
+        os.system(f"umount {mnt}")
+
+
+def test_steady_state_no_growth(tmp_path) -> None:
+    case = mlp(seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model,
+        min_offload_bytes=0,
+        tiers=("cpu", "nvme"),
+        nvme_dir=tmp_path,
+        cpu_budget=48 << 10,
+    )
+    proc = psutil.Process()
+    try:
+        for s in range(20):
+            step(case, mgr, s)
+        pool = mgr._executor.pool
+        nvme = mgr._tiers[1]
+        allocs, file_bytes = pool.host_allocations, nvme.file_bytes
+        fds = len(open_files())
+        rss = proc.memory_info().rss
+        for s in range(200):
+            step(case, mgr, s)
+        assert pool.host_allocations == allocs
+        assert nvme.file_bytes == file_bytes
+        assert len(open_files()) == fds
+        assert mgr._executor.live_families() == 0
+        assert mgr.stats.total.steps == 220
+        assert mgr.stats.total.bytes_offloaded_nvme > 0
+        # RSS: allow allocator noise, not per-step growth (200 steps x 100 KiB would be 20 MiB).
+        assert proc.memory_info().rss - rss < 16 << 20
+    finally:
+        mgr.close()
+
+
+def test_stats_fields_and_as_dict() -> None:
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0)
+    try:
+        step(case, mgr)
+        step(case, mgr, 1)
+        st = mgr.stats
+        d = st.as_dict()
+        assert set(d) == {"last", "total"}
+        for key in (
+            "bytes_offloaded_cpu",
+            "bytes_offloaded_nvme",
+            "bytes_recomputed",
+            "records_deduplicated",
+            "stalls",
+            "stall_s",
+            "prefetch_lead_s_p50",
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "predicted_peak_bytes",
+            "step_s",
+            "predicted_step_s",
+            "unplanned_records",
+            "fallbacks",
+            "host_allocations",
+        ):
+            assert key in d["last"]
+        assert st.total.steps == 2 and st.last.steps == 1
+        assert st.total.bytes_offloaded_cpu == 2 * st.last.bytes_offloaded_cpu
+        assert st.last.reloads > 0 and st.last.step_s > 0
+        # Every family came back: prefetched or stalled.
+        assert st.last.reloads == st.last.records_offloaded_cpu
+    finally:
+        mgr.close()
+
+
+def test_prefetch_runs_ahead_of_unpack() -> None:
+    """A deep stack: most reloads start from backward pre-hooks before their unpack."""
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(8)])
+    x = torch.randn(128, 256)
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0, max_inflight_bytes=1 << 20)
+    try:
+        with mgr:
+            loss = model(x).sum()
+        loss.backward()
+        last = mgr.stats.last
+        assert last.reloads == last.records_offloaded_cpu
+        assert last.stalls <= 1  # at most the first unpack, before any module's pre-hook
+    finally:
+        mgr.close()
+
+
+def test_paused_allows_torch_func() -> None:
+    model = nn.Linear(16, 16)
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    x = torch.randn(4, 16)
+    try:
+        with mgr:
+            with mgr.paused():
+                g = torch.func.grad(lambda w: torch.tanh(x @ w).sum())(torch.randn(16, 16))
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        assert g.shape == (16, 16)
+        assert mgr.stats.last.bytes_offloaded_cpu > 0
+    finally:
+        mgr.close()
+
+
+def test_activations_caches_one_manager_per_model_and_settings() -> None:
+    case = mlp(seed=0)
+    a = offload.activations(case.model, min_offload_bytes=0)
+    with offload.activations(case.model, min_offload_bytes=0) as b:
+        loss = case.loss(case.batch())
+    loss.backward()
+    assert a is b
+    assert offload.activations(case.model) is not a
+    a.close()
+    assert offload.activations(case.model, min_offload_bytes=0) is not a
+
+
+def test_close_is_idempotent_and_later_unpack_raises() -> None:
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0)
+    with mgr:
+        loss = case.loss(case.batch())
+    mgr.close()
+    mgr.close()
+    with pytest.raises(offload.OffloadError, match="closed"):
+        loss.backward()
+    with pytest.raises(offload.OffloadError, match="closed"):
+        with mgr:
+            pass
+    assert not case.model._forward_pre_hooks
+
+
+def test_steps_do_not_nest() -> None:
+    mgr = offload.ActivationOffloader(nn.Linear(2, 2))
+    try:
+        with mgr, pytest.raises(offload.OffloadError, match="nest"):
+            with mgr:
+                pass
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"tiers": ("gpu",)}, ValueError, "tiers"),
+        ({"tiers": ()}, ValueError, "tiers"),
+        ({"tiers": ("cpu", "cpu")}, ValueError, "twice"),
+        ({"tiers": ("nvme",)}, ValueError, "nvme_dir"),
+        ({"tiers": ("nvme",), "nvme_dir": "/definitely/not/here"}, ValueError, "nvme_dir"),
+        ({"cpu_budget": "lots"}, ValueError, "cpu_budget"),
+        ({"cpu_budget": 1.5}, TypeError, "cpu_budget"),
+        ({"min_offload_bytes": -1}, ValueError, "min_offload_bytes"),
+        ({"max_inflight_bytes": "2 parsecs"}, ValueError, "max_inflight_bytes"),
+        ({"keep": ("nonexistent",)}, ValueError, "keep"),
+        ({"keep": (3,)}, TypeError, "keep"),
+        ({"on_infeasible": "shrug"}, ValueError, "on_infeasible"),
+        ({"gpu_budget": "8GiB"}, NotImplementedError, "planner"),
+        ({"plan": object()}, NotImplementedError, "planner"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        offload.ActivationOffloader(nn.Linear(2, 2), **kwargs)
+
+
+def test_model_must_be_a_module() -> None:
+    with pytest.raises(TypeError, match="model"):
+        offload.ActivationOffloader(object())  # type: ignore[arg-type]
