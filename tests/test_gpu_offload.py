@@ -1,0 +1,166 @@
+"""The runtime on a CUDA device: streams on, exactness, memory, races (skipped without CUDA).
+
+Run with ``python -m pytest -q -m gpu tests`` (``benchmarks/gpu_check.sh`` does it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from models import ALL_MODELS, gpt_block
+from torch import nn
+
+import offload
+
+pytestmark = pytest.mark.gpu
+
+
+def _grads(case) -> dict[str, torch.Tensor]:
+    return case.grads()
+
+
+def _baseline(name: str) -> dict[str, torch.Tensor]:
+    a = ALL_MODELS[name](seed=0, device="cuda")
+    a.step()
+    b = ALL_MODELS[name](seed=0, device="cuda")
+    b.step()
+    for k, g in a.grads().items():
+        assert torch.equal(g, b.grads()[k]), (
+            f"baseline is not deterministic ({k}); exactness cannot be tested"
+        )
+    return a.grads()
+
+
+def _offloaded(
+    name: str, tmp_path, **kw
+) -> tuple[dict[str, torch.Tensor], offload.ActivationOffloader]:
+    case = ALL_MODELS[name](seed=0, device="cuda")
+    if "nvme" in kw.get("tiers", ()):
+        kw["nvme_dir"] = tmp_path
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0, **kw)
+    case.model.zero_grad(set_to_none=True)
+    with mgr:
+        loss = case.loss(case.batch())
+    loss.backward()
+    torch.cuda.synchronize()
+    return case.grads(), mgr
+
+
+@pytest.mark.parametrize("tiers", [("cpu",), ("nvme",), ("cpu", "nvme")])
+@pytest.mark.parametrize(
+    "name", ["mlp", "gpt_block", "conv_net", "lstm", "views_model", "mixed_dtypes", "checkpointed"]
+)
+def test_bitwise_equal_with_streams(name: str, tiers, tmp_path) -> None:
+    want = _baseline(name)
+    got, mgr = _offloaded(name, tmp_path, tiers=tiers)
+    try:
+        assert mgr.stats.last.bytes_offloaded_cpu + mgr.stats.last.bytes_offloaded_nvme > 0
+        for k, g in want.items():
+            assert torch.equal(got[k], g), k
+    finally:
+        mgr.close()
+
+
+class _Deep(nn.Module):
+    def __init__(self, width: int = 2048, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _peak_of_step(
+    model: nn.Module, x: torch.Tensor, mgr: offload.ActivationOffloader | None
+) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    if mgr is None:
+        loss = model(x).float().pow(2).mean()
+    else:
+        with mgr:
+            loss = model(x).float().pow(2).mean()
+    loss.backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def test_peak_memory_lower_by_offloaded_bytes_minus_window() -> None:
+    torch.manual_seed(0)
+    model = _Deep().cuda()
+    x = torch.randn(8192, 2048, device="cuda", requires_grad=True)
+    window = 128 << 20
+    _peak_of_step(model, x, None)  # warm the allocator
+    model.zero_grad(set_to_none=True)
+    peak_none = _peak_of_step(model, x, None)
+    model.zero_grad(set_to_none=True)
+    mgr = offload.ActivationOffloader(model, max_inflight_bytes=window)
+    try:
+        _peak_of_step(model, x, mgr)
+        model.zero_grad(set_to_none=True)
+        peak_off = _peak_of_step(model, x, mgr)
+        moved = mgr.stats.last.bytes_offloaded_cpu
+        assert moved > 4 * window
+        # In flight out (<= window) plus the reload look-ahead (<= window) may stay on the device.
+        assert peak_off <= peak_none - moved + 2 * window + (64 << 20), (peak_none, peak_off, moved)
+        assert mgr.stats.last.host_allocations == 0  # the pinned pool is reused after step 1
+    finally:
+        mgr.close()
+
+
+def test_reloads_race_a_saturated_compute_stream() -> None:
+    """Reloads run on the H2D stream while the compute stream is busy: gradients stay exact."""
+    want = _baseline("gpt_block")
+    case = gpt_block(seed=0, device="cuda")
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0, max_inflight_bytes=1 << 20)
+    try:
+        case.model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = case.loss(case.batch())
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(30):  # seconds of queued work ahead of backward on the compute stream
+            a = torch.tanh(a @ a)
+        loss.backward()
+        torch.cuda.synchronize()
+        for k, g in want.items():
+            assert torch.equal(case.grads()[k], g), k
+        assert float(a.float().abs().sum()) >= 0
+    finally:
+        mgr.close()
+
+
+def test_clean_under_cuda_sanitizer(tmp_path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from models import gpt_block
+        import offload
+        case = gpt_block(seed=0, device="cuda")
+        mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0)
+        for s in range(2):
+            case.model.zero_grad(set_to_none=True)
+            with mgr:
+                loss = case.loss(case.batch(s))
+            loss.backward()
+        torch.cuda.synchronize()
+        mgr.close()
+        print("done")
+        """
+    )
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "done" in r.stdout
+    assert "CUDASanitizerErrors" not in r.stderr
