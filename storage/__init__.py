@@ -8,7 +8,14 @@ Importing it starts no thread, touches no file and creates no CUDA context.
 """
 
 from storage._bandwidth import measure_disk_bandwidth
-from storage._budget import default_cpu_budget_bytes, default_nvme_budget_bytes, local_world_size
+from storage._budget import (
+    CgroupMemory,
+    cgroup_memory,
+    default_cpu_budget_bytes,
+    default_nvme_budget_bytes,
+    local_world_size,
+    rank_share_bytes,
+)
 from storage._errors import ChecksumError, StorageError, StorageFullError
 from storage._host_tier import HostTier
 from storage._kvikio import kvikio_available
@@ -33,11 +40,14 @@ __all__ = [
     "Transfer",
     "byte_view",
     # budgets and measurements
+    "CgroupMemory",
+    "cgroup_memory",
     "default_cpu_budget_bytes",
     "default_nvme_budget_bytes",
     "kvikio_available",
     "local_world_size",
     "measure_disk_bandwidth",
+    "rank_share_bytes",
     # constants
     "ALIGNMENT_BYTES",
     "CHECKSUM_CHUNK_BYTES",

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from storage._errors import StorageFullError
 from storage._file import SpillFile, storage_error
-from storage._units import ALIGNMENT_BYTES, round_up
+from storage._units import ALIGNMENT_BYTES, format_bytes, round_up
+
+# A probe takes at most 1 / _FREE_SPACE_DIVISOR of the directory's free space: measuring a disk
+# must not fill it (other ranks, or the job itself, may be writing there).
+_FREE_SPACE_DIVISOR = 4
 
 
 def measure_disk_bandwidth(
@@ -20,46 +27,67 @@ def measure_disk_bandwidth(
     *,
     chunk_bytes: int = 16 << 20,
     threads: int = 4,
+    direct_io: bool = True,
 ) -> dict[str, Any]:
     """Write then read ``nbytes`` through a private spill file in ``directory`` and time both.
 
     Uses O_DIRECT where the file system supports it (``direct_io`` in the result says which), so
-    the page cache does not flatter the numbers; otherwise the write includes an ``fsync`` and the
-    cache is dropped (``posix_fadvise``) before the read. The file space is preallocated first, so
-    the write measures data, not block allocation. The data is random, so compressing drives are
-    not flattered either. Small sizes give noisy numbers; use the default for decisions.
+    the page cache does not flatter the numbers; otherwise (tmpfs, some network and overlay file
+    systems, or ``direct_io=False``) the write includes an ``fsync`` and the cache is dropped
+    (``posix_fadvise(DONTNEED)``) before the read; ``io_mode`` and ``direct_io_note`` say what was
+    done and why. The file space is preallocated first, so the write measures data, not block
+    allocation. The data is random, so compressing drives are not flattered either. The probe
+    takes at most a quarter of the free space: a larger ``nbytes`` is shrunk (``requested_nbytes``
+    keeps the ask). Small sizes give noisy numbers; use the default for decisions.
 
     Args:
         directory: an existing directory on the disk to measure.
         nbytes: bytes to move each way (rounded up to 4 KiB).
         chunk_bytes: size of one I/O request.
-        threads: requests in flight at once.
+        threads: requests in flight at once (no more than there are chunks).
+        direct_io: try O_DIRECT; False measures buffered I/O.
 
     Returns:
-        ``{"directory", "nbytes", "direct_io", "threads", "chunk_bytes", "write_s", "read_s",
-        "write_gbps", "read_gbps"}``; bandwidths in GB/s (1e9 bytes per second).
+        ``{"directory", "requested_nbytes", "nbytes", "direct_io", "direct_io_note", "io_mode",
+        "threads", "chunk_bytes", "write_s", "read_s", "write_gbps", "read_gbps"}``; bandwidths in
+        GB/s (1e9 bytes per second). ``direct_io_note`` is None when O_DIRECT was used, else why
+        not (``"not tried"``, ``"not available on this platform"``, ``"refused by the file
+        system"``).
+
+    Raises:
+        ValueError: ``nbytes`` or ``threads`` is not a positive int, or ``directory`` is not a
+            directory.
+        StorageFullError: the directory has too little free space for even a 4 KiB probe, or
+            the file space could not be reserved.
+        OSError: a write or read failed (EIO, ...).
 
     Example:
         >>> import tempfile
         >>> r = measure_disk_bandwidth(tempfile.gettempdir(), nbytes=1 << 20)
         >>> r["write_gbps"] > 0 and r["read_gbps"] > 0
         True
+        >>> r["direct_io"] == (r["direct_io_note"] is None)
+        True
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise ValueError(f"nbytes must be a positive int; got {nbytes!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be an int >= 1; got {threads!r}")
-    total = round_up(nbytes)
-    chunk = min(round_up(max(chunk_bytes, ALIGNMENT_BYTES)), total)
-    spill = SpillFile(directory)
+    where = os.fspath(directory)
+    requested = round_up(nbytes)
+    spill = SpillFile(directory, direct_io=direct_io)  # ValueError if it is no directory
+    direct = spill.direct_io
     try:
+        total = fit_probe_bytes(requested, shutil.disk_usage(where).free, directory=where)
+        chunk = min(round_up(max(chunk_bytes, ALIGNMENT_BYTES)), total)
+        pieces = [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
+        threads = min(threads, len(pieces))
         try:
             spill.grow(total)
         except OSError as e:
             raise storage_error(
-                e, action="measuring bandwidth", directory=os.fspath(directory), bytes_needed=total
+                e, action="measuring bandwidth", directory=where, bytes_needed=total
             ) from e
-        pieces = [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
         # Page-aligned buffers (anonymous mmap). Writes share one source; reads land in a few
         # sinks whose contents nobody looks at, so two reads sharing one does not matter.
         source = np.frombuffer(mmap.mmap(-1, chunk), dtype=np.uint8)
@@ -73,22 +101,38 @@ def measure_disk_bandwidth(
             i, (offset, length) = args
             spill.read_into(sinks[i % threads][:length], offset)
 
+        # Buffered pages must be clean to be dropped: the fsync (timed, as part of the write)
+        # comes first.
+        drop_cache = not direct and hasattr(os, "posix_fadvise")
         with ThreadPoolExecutor(threads, thread_name_prefix="storage-bandwidth") as pool:
             start = time.perf_counter()
             list(pool.map(write, pieces))
             os.fsync(spill.fd)
             write_s = time.perf_counter() - start
-            if not spill.direct_io and hasattr(os, "posix_fadvise"):
+            if drop_cache:
                 os.posix_fadvise(spill.fd, 0, total, os.POSIX_FADV_DONTNEED)
             start = time.perf_counter()
             list(pool.map(read, enumerate(pieces)))
             read_s = time.perf_counter() - start
     finally:
         spill.close()
+    if direct:
+        note, mode = None, "O_DIRECT"
+    else:
+        if not direct_io:
+            note = "not tried"
+        elif not hasattr(os, "O_DIRECT"):
+            note = "not available on this platform"
+        else:
+            note = "refused by the file system"
+        mode = "buffered + fsync" + (" + fadvise(DONTNEED)" if drop_cache else "")
     return {
-        "directory": os.fspath(directory),
+        "directory": where,
+        "requested_nbytes": requested,
         "nbytes": total,
-        "direct_io": spill.direct_io,
+        "direct_io": direct,
+        "direct_io_note": note,
+        "io_mode": mode,
         "threads": threads,
         "chunk_bytes": chunk,
         "write_s": write_s,
@@ -96,3 +140,22 @@ def measure_disk_bandwidth(
         "write_gbps": total / max(write_s, 1e-9) / 1e9,
         "read_gbps": total / max(read_s, 1e-9) / 1e9,
     }
+
+
+def fit_probe_bytes(nbytes: int, free_bytes: int, *, directory: str = "") -> int:
+    """``nbytes``, or less so that a probe takes at most a quarter of ``free_bytes`` (4 KiB steps).
+
+    Raises:
+        StorageFullError: not even 4 KiB fits.
+    """
+    fit = max(0, free_bytes) // _FREE_SPACE_DIVISOR // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+    if fit <= 0:
+        raise StorageFullError(
+            f"{directory} has {format_bytes(max(0, free_bytes))} free: too little for a bandwidth "
+            f"probe, which takes at most a quarter of the free space. Free space there or measure "
+            "another directory.",
+            directory=directory,
+            bytes_needed=ALIGNMENT_BYTES * _FREE_SPACE_DIVISOR,
+            errno=errno.ENOSPC,
+        )
+    return min(nbytes, fit)
