@@ -74,8 +74,6 @@ class _StepState:
         self.index = index
         self.families: list[Family] = []
         self.by_storage: dict[int, list[Family]] = {}
-        self.inflight: deque[Family] = deque()  # copies out not yet seen complete, oldest first
-        self.inflight_bytes = 0
         self.prefetch_next = -1  # highest family order whose reload has not been started
         self.stats = StepStats(steps=1)
         self.started_s = time.perf_counter()
@@ -117,6 +115,12 @@ class Executor:
         self._next_fid = 0
         self._pending_free: list[Family] = []  # GPU: freed families waiting for D / R
         self._pending_regions: list[tuple[Any, Any]] = []  # GPU: staging waiting for R
+        # Copies out not yet seen complete, oldest first, of every step: a step's last copies are
+        # often still in flight when the next step begins (pipelining, two forwards before their
+        # backwards), and they must still be retired (their sources dropped) and counted by
+        # back-pressure.
+        self._inflight: deque[Family] = deque()
+        self._inflight_bytes = 0
         self._d2h: Any = None
         self._h2d: Any = None
         self._live: weakref.WeakSet[Family] = weakref.WeakSet()
@@ -152,8 +156,9 @@ class Executor:
                     )
                     self._wait_transfers(fam)
                     self._free(fam)
-            step.inflight.clear()
-            step.inflight_bytes = 0
+            # Earlier steps' copies stay in flight (their graphs may still run backward).
+            self._inflight = deque(f for f in self._inflight if f.life is Life.COPYING_OUT)
+            self._inflight_bytes = sum(f.nbytes for f in self._inflight)
 
     def live_families(self) -> int:
         with self.lock:
@@ -208,6 +213,7 @@ class Executor:
             device=t.device,
             module=module,
             order=len(step.families),
+            step=step,
         )
         self._next_fid += 1
         source = storage_bytes(st, t.device)[start:end]
@@ -266,6 +272,8 @@ class Executor:
             break
         else:
             if region is not None:
+                # Rule 4: the D2H copy into the region may still be running.
+                event.synchronize()
                 region.release()
             assert last_error is not None
             raise from_storage(
@@ -282,13 +290,13 @@ class Executor:
         else:
             step.stats.bytes_offloaded_nvme += n
             step.stats.records_offloaded_nvme += 1
-        step.inflight.append(fam)
-        step.inflight_bytes += n
+        self._inflight.append(fam)
+        self._inflight_bytes += n
 
     def _backpressure(self, step: _StepState, incoming: int) -> None:
         # Rule 2: wait on the oldest copies until the new one fits the in-flight bound.
-        while step.inflight and step.inflight_bytes + incoming > self.max_inflight_bytes:
-            oldest = step.inflight[0]
+        while self._inflight and self._inflight_bytes + incoming > self.max_inflight_bytes:
+            oldest = self._inflight[0]
             step.stats.backpressure_waits += 1
             self._wait_copy_out(oldest)
             self.poll()
@@ -307,15 +315,13 @@ class Executor:
     def poll(self) -> None:
         """Retire finished copies out (drop their sources) and free what waited for events."""
         with self.lock:
-            step = self.step
-            if step is not None:
-                while step.inflight and self._copy_out_done(step.inflight[0]):
-                    fam = step.inflight.popleft()
-                    step.inflight_bytes -= fam.nbytes
-                    self._retire(step, fam)
+            while self._inflight and self._copy_out_done(self._inflight[0]):
+                fam = self._inflight.popleft()
+                self._inflight_bytes -= fam.nbytes
+                self._retire(fam)
             self._collect_pending()
 
-    def _retire(self, step: _StepState, fam: Family) -> None:
+    def _retire(self, fam: Family) -> None:
         if fam.life is not Life.COPYING_OUT:
             return
         error = fam.handle.written.exception(timeout=0)
@@ -331,16 +337,22 @@ class Executor:
             self.host_bytes -= fam.nbytes
         # On CUDA the source is device memory, which the host tiers do not take: it stays.
         later = [] if self.cuda else self.tiers[self.tiers.index(fam.tier) + 1 :]
-        step.stats.fallbacks += 1
+        if self.step is not None:
+            self.step.stats.fallbacks += 1
         for tier in later:
+            if tier.name == "host" and self.host_bytes + fam.nbytes > self.cpu_budget_bytes:
+                continue
             try:
                 fam.tier, fam.handle = tier, tier.write(fam.source)
                 fam.handle.wait()
-                fam.source = None
-                fam.to(Life.OFF_DEVICE)
-                return
             except storage.StorageError:
-                continue
+                continue  # a failed write released its own space
+            if tier.name == "host":
+                # _drop gives these back; without this, host_bytes went negative.
+                self.host_bytes += fam.nbytes
+            fam.source = None
+            fam.to(Life.OFF_DEVICE)
+            return
         fam.error = None
         log.warning(
             "offload: storing %d bytes of %s failed (%s); they stay on %s",
@@ -353,11 +365,13 @@ class Executor:
 
     # -- reload ------------------------------------------------------------------------------
 
-    def prefetch(self, down_to_order: int) -> None:
-        """Start reloads of every family with order >= ``down_to_order`` (backward is about to
-        need them), then of earlier ones while reloaded-but-unused bytes fit the window."""
+    def prefetch(self, down_to_order: int, step: _StepState | None = None) -> None:
+        """Start reloads of every family of ``step`` (the current one by default) with order >=
+        ``down_to_order`` (backward is about to need them), then of earlier ones while
+        reloaded-but-unused bytes fit the window."""
         with self.lock:
-            step = self.step
+            if step is None:
+                step = self.step
             if step is None or step.failed:
                 return
             self.poll()
@@ -371,7 +385,7 @@ class Executor:
                 if fam.order < down_to_order and ahead + fam.nbytes > self.prefetch_bytes:
                     break
                 if fam.life is Life.OFF_DEVICE and fam.members > 0 and not self._reuse(fam):
-                    self._start_reload(fam, step)
+                    self._start_reload(fam)
                     ahead += fam.nbytes
                 step.prefetch_next -= 1
 
@@ -385,15 +399,17 @@ class Executor:
         fam.to(Life.RESIDENT)
         return True
 
-    def _start_reload(self, fam: Family, step: _StepState | None) -> None:
+    def _start_reload(self, fam: Family) -> None:
         fam.to(Life.COPYING_IN)
         fam.unpacked = 0
         fam.reload_started_s = time.perf_counter()
         raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
         fam.resident, fam.resident_ref = raw, weakref.ref(raw)
         dst = raw[off : off + fam.nbytes]
-        if step is not None:
-            step.stats.reloads += 1
+        if self.step is not None:
+            # Counted in the current step (``stats.last``), like everything backward does; the
+            # step that packed the family may already be folded into the totals.
+            self.step.stats.reloads += 1
         if not self.cuda:
             fam.reload = fam.tier.read(fam.handle, dst)
             return
@@ -427,14 +443,17 @@ class Executor:
             if fam.source is not None and (fam.life is Life.COPYING_OUT or fam.tier is None):
                 # Rule 3: the source is still held (or storing it failed and it stayed): no copy.
                 return self._wrap(m, self._source_view(m))
-            step = self.step
-            stats = step.stats if step is not None else None
+            # Prefetch follows the step that packed the family: with two forwards before their
+            # backwards (pipelining, accumulation) the current step is another one. Counters go
+            # to the current step, which is ``stats.last``.
+            step = fam.step_ref() if fam.step_ref is not None else None
+            stats = self.step.stats if self.step is not None else None
             prefetched = True
             if fam.life is Life.OFF_DEVICE and not self._reuse(fam):
                 prefetched = False
                 if stats is not None:
                     stats.stalls += 1
-                self._start_reload(fam, step)
+                self._start_reload(fam)
             if fam.life is Life.COPYING_IN:
                 t0 = time.perf_counter()
                 self._finish_reload(fam)
@@ -444,6 +463,11 @@ class Executor:
                         stats._leads.append(t0 - fam.reload_started_s)
             raw = fam.resident
             assert raw is not None
+            if self.cuda and fam.reload_event is not None:
+                # Rule 3: the consumer runs on the current stream, after R. Waited at every
+                # unpack, not only the one that finished the reload: a member unpacked later, or
+                # one reusing a live buffer, may run on another stream.
+                torch.cuda.current_stream(self.device).wait_event(fam.reload_event)
             off = (fam.storage_mod - raw.data_ptr()) % 4096
             out = rebuild(
                 raw,
@@ -461,7 +485,7 @@ class Executor:
                 fam.resident = None
                 fam.to(Life.OFF_DEVICE)
             if step is not None:
-                self.prefetch(fam.order)
+                self.prefetch(fam.order, step)
             return self._wrap(m, out)
 
     def _finish_reload(self, fam: Family) -> None:
@@ -471,18 +495,21 @@ class Executor:
         except storage.StorageError as e:
             fam.resident = None
             fam.reload = None
+            if fam.staging is not None:
+                # The failed read has completed, so nothing touches the staging region now; a
+                # retry allocates a new one (keeping this one leaked it until close).
+                staging, fam.staging = fam.staging, None
+                staging.release()
             fam.to(Life.OFF_DEVICE)
             raise from_storage(e, f"reloading a saved tensor of {fam.module or '<root>'}") from e
         fam.reload = None
-        if self.cuda:
-            if fam.staging is not None:
-                raw = fam.resident
-                off = (fam.storage_mod - raw.data_ptr()) % 4096
-                self._h2d_copy(fam, raw[off : off + fam.nbytes], fam.staging.tensor)
-                staging, fam.staging = fam.staging, None
-                self._release_after(staging, fam.reload_event)
-            # Rule 3: the consumer runs on the current stream, after R.
-            torch.cuda.current_stream(self.device).wait_event(fam.reload_event)
+        if self.cuda and fam.staging is not None:
+            # NVMe: the bytes reached pinned staging; now staging -> device on the H2D stream.
+            raw = fam.resident
+            off = (fam.storage_mod - raw.data_ptr()) % 4096
+            self._h2d_copy(fam, raw[off : off + fam.nbytes], fam.staging.tensor)
+            staging, fam.staging = fam.staging, None
+            self._release_after(staging, fam.reload_event)
         fam.to(Life.RESIDENT)
 
     def _source_view(self, m: _Member) -> torch.Tensor:
@@ -510,11 +537,9 @@ class Executor:
             fam.members -= 1
             if fam.members > 0 or fam.life is Life.FREED:
                 return
-            if fam.life is Life.COPYING_OUT:
-                step = self.step
-                if step is not None and fam in step.inflight:
-                    step.inflight.remove(fam)
-                    step.inflight_bytes -= fam.nbytes
+            if fam.life is Life.COPYING_OUT and fam in self._inflight:
+                self._inflight.remove(fam)
+                self._inflight_bytes -= fam.nbytes
             self._free(fam)
 
     def _free(self, fam: Family) -> None:
@@ -540,23 +565,27 @@ class Executor:
         fam.pending_free = False
 
     def _events_done(self, fam: Family) -> bool:
+        # Rule 4 covers the I/O future too: an NVMe read still filling the staging region must
+        # finish before _drop hands that region back to the pool.
+        if fam.reload is not None and not fam.reload.done():
+            return False
         return all(e is None or e.query() for e in (fam.source_event, fam.reload_event))
 
     def _collect_pending(self) -> None:
-        regions = []
-        for region, event in self._pending_regions:
+        # Swap the lists out first: a member's __del__ (gc inside _drop, same thread, re-entering
+        # the RLock) may append to them meanwhile, and rebuilding them from a local copy lost it.
+        regions, self._pending_regions = self._pending_regions, []
+        for region, event in regions:
             if event.query():
                 region.release()
             else:
-                regions.append((region, event))
-        self._pending_regions = regions
-        keep = []
-        for fam in self._pending_free:
+                self._pending_regions.append((region, event))
+        pending, self._pending_free = self._pending_free, []
+        for fam in pending:
             if self._events_done(fam):
                 self._drop(fam)
             else:
-                keep.append(fam)
-        self._pending_free = keep
+                self._pending_free.append(fam)
 
     def _release_after(self, region: Any, event: Any) -> None:
         # Rule 4: the staging region goes back to the pool once the H2D copy reading it is done.

@@ -76,6 +76,7 @@ class Family:
         "source_event",
         "span_start",
         "staging",
+        "step_ref",
         "storage_mod",
         "storage_ref",
         "tier",
@@ -95,6 +96,7 @@ class Family:
         device: torch.device,
         module: str,
         order: int,
+        step: Any = None,
     ) -> None:
         self.fid = fid
         self.storage_ref = weakref.ref(storage)
@@ -106,6 +108,9 @@ class Family:
         self.device = device
         self.module = module  # module path of the first member (for prefetch order and stats)
         self.order = order  # position among the step's offloaded families (pack order)
+        # The executor's state of the step that packed it (for prefetch), held weakly: the step
+        # holds its families, and a cycle would keep freed families until a gc pass.
+        self.step_ref: Any = None if step is None else weakref.ref(step)
         self.life = Life.ON_DEVICE
         self.members = 0  # live packed handles
         self.unpacked = 0  # unpacks since the last reload

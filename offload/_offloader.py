@@ -282,7 +282,10 @@ class ActivationOffloader:
     def paused(self) -> Iterator[None]:
         """Turn the hooks off for a region (``torch.func`` transforms, eval, code to keep)."""
         with self._lock:
-            ours = self._in_step and _top_hooks is not None and _top_hooks(False) is not None
+            # Pop only our own pair: a foreign pair on top shadows ours already (only the
+            # innermost fires), and popping it would take its packs away and leave ours on top.
+            top = _top_hooks(False) if self._in_step and _top_hooks is not None else None
+            ours = top is not None and top[0] is self._pack_fn and _push_hooks is not None
             if ours and _pop_hooks is not None:
                 _pop_hooks()
             self._paused += 1
@@ -437,7 +440,13 @@ class ActivationOffloader:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        if not self._backward_seen and self._step_stats is not None:
+        if (
+            not self._backward_seen
+            and self._step_stats is not None
+            # Unpack also runs outside backward (``grad_fn._saved_self``), where queue_callback
+            # raises "Final callbacks can only be installed during backward pass".
+            and (_current_graph_task_id is None or _current_graph_task_id() != -1)
+        ):
             self._backward_seen = True
             # The end of this backward ends the step's clock.
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -453,10 +462,10 @@ class ActivationOffloader:
         base = t._base
         return _is_parameter(t) or (base is not None and _is_parameter(base))
 
-    def _prefetch_from(self, own_first: int) -> None:
+    def _prefetch_from(self, own_first: int, step: Any = None) -> None:
         ex = self._executor
         if ex is not None and own_first >= 0:
-            ex.prefetch(own_first)
+            ex.prefetch(own_first, step)
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -500,7 +509,7 @@ class _ForwardPost:
         # Backward of this module needs the families it packed itself; start them (and the
         # look-ahead window) from a pre-hook on its outputs' grad_fn, which fires right before
         # the module's backward and leaves the graph alone.
-        trigger = _BackwardTrigger(mgr, first)
+        trigger = _BackwardTrigger(mgr, first, ex.step)
         seen: set[int] = set()
         for t in _tensors(output):
             fn = t.grad_fn
@@ -510,13 +519,15 @@ class _ForwardPost:
 
 
 class _BackwardTrigger:
-    __slots__ = ("first", "mgr")
+    __slots__ = ("first", "mgr", "step")
 
-    def __init__(self, mgr: ActivationOffloader, first: int) -> None:
-        self.mgr, self.first = mgr, first
+    def __init__(self, mgr: ActivationOffloader, first: int, step: Any) -> None:
+        # ``step``: the executor's state of the step whose forward registered this trigger; by
+        # the time its backward runs, another step may have begun.
+        self.mgr, self.first, self.step = mgr, first, step
 
     def __call__(self, grad_outputs: Any) -> None:
-        self.mgr._prefetch_from(self.first)
+        self.mgr._prefetch_from(self.first, self.step)
 
 
 class _StepEnd:
