@@ -604,7 +604,8 @@ def _named_modules_stop_at_compiled(model: nn.Module) -> Iterable[tuple[str, nn.
 
     def walk(prefix: str, mod: nn.Module) -> Iterable[tuple[str, nn.Module]]:
         yield prefix, mod
-        if optimized and isinstance(mod, optimized):
+        # torch.compile(mod) wraps it in an OptimizedModule; mod.compile() sets a compiled call.
+        if (optimized and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None):
             return
         for name, child in mod.named_children():
             yield from walk(f"{prefix}.{name}" if prefix else name, child)

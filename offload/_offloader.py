@@ -325,7 +325,14 @@ class ActivationOffloader:
 
     def _make_executor(self) -> Executor:
         cfg = self.config
-        pool = storage.shared_host_pool(cfg.cpu_budget_bytes, pin_memory=self.device.type == "cuda")
+        inflight = cfg.max_inflight_bytes or 256 << 20
+        # NVMe records pass through pinned staging on their way out and back in: the pool holds
+        # room for that (copies out in flight plus the reload window) beyond the host tier's
+        # cpu_budget, so a full host tier can still spill.
+        staging = 2 * inflight if "nvme" in cfg.tiers else 0
+        pool = storage.shared_host_pool(
+            cfg.cpu_budget_bytes + staging, pin_memory=self.device.type == "cuda"
+        )
         tiers: list[storage.Tier] = []
         for name in cfg.tiers:
             if name == "cpu":
@@ -334,7 +341,6 @@ class ActivationOffloader:
                 assert cfg.nvme_dir is not None
                 tiers.append(storage.NvmeTier(cfg.nvme_dir, pool=pool, copy_engine=self._engine))
         self._tiers = tiers
-        inflight = cfg.max_inflight_bytes or 256 << 20
         ex = Executor(
             device=self.device,
             tiers=tiers,

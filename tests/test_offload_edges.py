@@ -366,11 +366,6 @@ def test_compiled_submodule_is_a_leaf() -> None:
     assert_bitwise(got, want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lifecycle._recorder._named_modules_stop_at_compiled stops at OptimizedModule only; "
-    "nn.Module.compile() (a compiled forward) is walked into and its children get hooks",
-)
 def test_module_compile_method_is_a_leaf() -> None:
     model = three_blocks("method")
     with manager(model):
@@ -654,12 +649,6 @@ def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monke
         assert_nothing_live(mgr)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=offload.StorageFullError,
-    reason="the NVMe tier stages through the same pool the host tier fills: once the host tier "
-    "uses cpu_budget, a spill finds no staging room and pack raises instead of falling back",
-)
 def test_spill_to_nvme_when_the_pool_is_as_big_as_cpu_budget(tmp_path, monkeypatch) -> None:
     """The first manager of a process sizes the shared pool at its ``cpu_budget``."""
     budget = 64 << 10
