@@ -90,6 +90,7 @@ class Executor:
         max_inflight_bytes: back-pressure bound on copies out in flight.
         prefetch_bytes: how many reloaded-but-unused bytes backward may run ahead by.
         pool: host regions for D2H copies and NVMe staging (GPU paths).
+        staging_bytes: the most pinned bytes NVMe writes may hold while the disk catches up.
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class Executor:
         max_inflight_bytes: int,
         prefetch_bytes: int,
         pool: storage.HostPool,
+        staging_bytes: int = 0,
     ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
@@ -121,6 +123,10 @@ class Executor:
         # back-pressure.
         self._inflight: deque[Family] = deque()
         self._inflight_bytes = 0
+        # GPU + NVMe: records whose file write runs from pinned staging, oldest first.
+        self._writing: deque[Family] = deque()
+        self._writing_bytes = 0
+        self.staging_bytes = staging_bytes
         self._d2h: Any = None
         self._h2d: Any = None
         self._live: weakref.WeakSet[Family] = weakref.WeakSet()
@@ -231,6 +237,13 @@ class Executor:
         region = None
         event = None
         if self.cuda:
+            # Pinned staging of NVMe writes is bounded too: disk slower than PCIe must not
+            # exhaust the pool.
+            while self._writing and self._writing_bytes + n > self.staging_bytes:
+                step.stats.backpressure_waits += 1
+                with contextlib.suppress(storage.StorageError):
+                    self._writing[0].handle.wait()
+                self._poll_writes()
             # The D2H copy lands in a pinned region; for NVMe that region is staging.
             try:
                 region = self.pool.allocate(n)
@@ -258,10 +271,10 @@ class Executor:
                 if region is not None and tier.name == "host":
                     handle = tier.write(region, n)  # adopts the region; D orders the reads
                 elif region is not None:
-                    # The I/O threads wait for D before reading the staging region.
+                    # The I/O threads wait for D before reading the staging region, which stays
+                    # the record's copy until the file write completed (see _poll_writes).
                     handle = tier.write(region, n, after=event)
-                    staged = region
-                    handle.written.add_done_callback(lambda _t, r=staged: r.release())
+                    fam.spill = region
                 else:
                     handle = tier.write(source)
             except storage.StorageFullError as e:
@@ -302,8 +315,10 @@ class Executor:
             self.poll()
 
     def _copy_out_done(self, fam: Family) -> bool:
-        if fam.source_event is not None and not fam.source_event.query():
-            return False
+        if self.cuda:
+            # The device copy may go once D completed: the bytes are in pinned memory (the host
+            # tier's region, or NVMe staging whose file write goes on without it).
+            return fam.source_event is None or fam.source_event.query()
         return fam.handle.done()
 
     def _wait_copy_out(self, fam: Family) -> None:
@@ -319,10 +334,51 @@ class Executor:
                 fam = self._inflight.popleft()
                 self._inflight_bytes -= fam.nbytes
                 self._retire(fam)
+            self._poll_writes()
             self._collect_pending()
+
+    def _poll_writes(self) -> None:
+        """GPU + NVMe: release the pinned copy of records whose file write completed; adopt it
+        into the host tier (or keep it) when the write failed, so no byte is lost."""
+        while self._writing and self._writing[0].handle.done():
+            fam = self._writing.popleft()
+            self._writing_bytes -= fam.nbytes
+            region, fam.spill = fam.spill, None
+            if fam.life is Life.FREED or region is None:
+                if region is not None:
+                    self._release_after(region, fam.reload_event)
+                continue
+            error = fam.handle.written.exception(timeout=0)
+            if error is None:
+                # Rule 4: D and the I/O threads are done with it; a reload from it may not be.
+                self._release_after(region, fam.reload_event)
+                continue
+            if self.step is not None:
+                self.step.stats.fallbacks += 1
+            host = next((t for t in self.tiers if t.name == "host"), None)
+            if host is not None and self.host_bytes + fam.nbytes <= self.cpu_budget_bytes:
+                fam.tier, fam.handle = host, host.write(region, fam.nbytes)
+                self.host_bytes += fam.nbytes
+            else:
+                log.warning(
+                    "offload: writing %d bytes of %s to NVMe failed (%s); they stay in pinned memory",
+                    fam.nbytes,
+                    fam.module or "<root>",
+                    error,
+                )
+                fam.tier = fam.handle = None
+                fam.spill = region  # the record's only copy now
 
     def _retire(self, fam: Family) -> None:
         if fam.life is not Life.COPYING_OUT:
+            return
+        if self.cuda:
+            fam.source = None  # rule 1: D completed
+            fam.source_event = None
+            fam.to(Life.OFF_DEVICE)
+            if fam.spill is not None:
+                self._writing.append(fam)
+                self._writing_bytes += fam.nbytes
             return
         error = fam.handle.written.exception(timeout=0)
         if error is None:
@@ -413,7 +469,10 @@ class Executor:
         if not self.cuda:
             fam.reload = fam.tier.read(fam.handle, dst)
             return
-        if fam.tier.name == "host":
+        if fam.spill is not None:
+            # NVMe write still running (or failed): the pinned copy is right here.
+            self._h2d_copy(fam, dst, fam.spill.tensor)
+        elif fam.tier.name == "host":
             self._h2d_copy(fam, dst, fam.handle.region.tensor)
         else:
             # NVMe -> pinned staging (I/O threads) now; staging -> device at unpack.
@@ -560,6 +619,9 @@ class Executor:
             fam.tier.free(fam.handle)
         if fam.staging is not None:
             fam.staging.release()
+        if fam.spill is not None and fam not in self._writing:
+            fam.spill.release()  # a spill still being written is released by _poll_writes
+            fam.spill = None
         fam.handle = fam.staging = fam.source = fam.resident = None
         fam.source_event = fam.reload_event = fam.reload = None
         fam.pending_free = False
@@ -569,6 +631,8 @@ class Executor:
         # finish before _drop hands that region back to the pool.
         if fam.reload is not None and not fam.reload.done():
             return False
+        if fam.spill is not None and fam.handle is not None and not fam.handle.done():
+            return False  # I/O threads still read the pinned copy
         return all(e is None or e.query() for e in (fam.source_event, fam.reload_event))
 
     def _collect_pending(self) -> None:
@@ -588,8 +652,11 @@ class Executor:
                 self._pending_free.append(fam)
 
     def _release_after(self, region: Any, event: Any) -> None:
-        # Rule 4: the staging region goes back to the pool once the H2D copy reading it is done.
-        self._pending_regions.append((region, event))
+        # Rule 4: a staging region goes back to the pool once the H2D copy reading it is done.
+        if event is None or event.query():
+            region.release()
+        else:
+            self._pending_regions.append((region, event))
 
     def _wait_transfers(self, fam: Family) -> None:
         for t in (fam.reload, getattr(fam.handle, "written", None)):
@@ -612,5 +679,14 @@ class Executor:
                 self._drop(fam)
             for region, _ in self._pending_regions:
                 region.release()
+            for fam in self._writing:
+                if fam.handle is not None:
+                    with contextlib.suppress(storage.StorageError):
+                        fam.handle.wait()  # rule 4: the I/O threads read the spill until then
+                if fam.spill is not None:
+                    fam.spill.release()
+                    fam.spill = None
+            self._writing.clear()
+            self._writing_bytes = 0
             self._pending_free, self._pending_regions = [], []
             self.step = None

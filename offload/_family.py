@@ -75,6 +75,7 @@ class Family:
         "source",
         "source_event",
         "span_start",
+        "spill",
         "staging",
         "step_ref",
         "storage_mod",
@@ -116,7 +117,10 @@ class Family:
         self.unpacked = 0  # unpacks since the last reload
         self.source: torch.Tensor | None = None  # uint8 view of the span, held until copied
         self.source_event: Any = None  # CUDA event D (copy out done), or None on CPU
-        self.staging: Any = None  # host region holding the bytes in flight (GPU paths)
+        self.staging: Any = None  # pinned region an NVMe reload lands in (GPU)
+        # GPU + NVMe: the pinned region holding the record while its file write runs (and, if
+        # that write fails, for good); the device copy is dropped as soon as D completes.
+        self.spill: Any = None
         self.tier: Any = None
         self.handle: Any = None  # storage.StoredHandle
         self.reload: Any = None  # storage Transfer of a reload in flight

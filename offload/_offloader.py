@@ -348,6 +348,7 @@ class ActivationOffloader:
             max_inflight_bytes=inflight,
             prefetch_bytes=inflight,
             pool=pool,
+            staging_bytes=staging,
         )
         self._resources[:] = [ex, *tiers]
         return ex
