@@ -393,7 +393,7 @@ class Recorder:
 
     # -- events ------------------------------------------------------------------------------
 
-    def _event(self, kind: EventKind, module: str = "", call_index: int = -1) -> int:
+    def _event(self, kind: EventKind, module: str = "", call_index: int = -1) -> None:
         # Caller holds the lock. Plain tuples: this runs for every pack and unpack.
         self._events.append(
             ((_CODE[kind], module, call_index), self._stamp(), self._probe() if self._probe else 0)

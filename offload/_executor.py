@@ -59,7 +59,7 @@ class _Member:
         self.dtype = t.dtype
         self.size = tuple(t.shape)
         self.stride = tuple(t.stride())
-        self.offset_bytes = t.storage_offset() * t.element_size()
+        self.offset_bytes = int(t.storage_offset()) * t.element_size()
         self.dtensor = dtensor  # (mesh, placements, shape, stride) of a DTensor, else None
 
     def __del__(self) -> None:
@@ -286,6 +286,7 @@ class Executor:
         else:
             if region is not None:
                 # Rule 4: the D2H copy into the region may still be running.
+                assert event is not None
                 event.synchronize()
                 region.release()
             assert last_error is not None
@@ -395,6 +396,7 @@ class Executor:
         later = [] if self.cuda else self.tiers[self.tiers.index(fam.tier) + 1 :]
         if self.step is not None:
             self.step.stats.fallbacks += 1
+        assert fam.source is not None  # held until a copy out succeeds
         for tier in later:
             if tier.name == "host" and self.host_bytes + fam.nbytes > self.cpu_budget_bytes:
                 continue
@@ -565,6 +567,7 @@ class Executor:
         if self.cuda and fam.staging is not None:
             # NVMe: the bytes reached pinned staging; now staging -> device on the H2D stream.
             raw = fam.resident
+            assert raw is not None
             off = (fam.storage_mod - raw.data_ptr()) % 4096
             self._h2d_copy(fam, raw[off : off + fam.nbytes], fam.staging.tensor)
             staging, fam.staging = fam.staging, None
@@ -575,6 +578,7 @@ class Executor:
         fam = m.family
         item = torch.empty((), dtype=m.dtype).element_size()
         base = torch.empty(0, dtype=m.dtype, device=fam.device)
+        assert fam.source is not None
         return base.set_(fam.source.untyped_storage(), m.offset_bytes // item, m.size, m.stride)
 
     @staticmethod

@@ -148,10 +148,10 @@ class Family:
 def span_of(t: torch.Tensor) -> tuple[int, int]:
     """Byte range ``[start, end)`` of ``t``'s storage that its elements touch."""
     item = t.element_size()
-    start = t.storage_offset() * item
+    start = int(t.storage_offset()) * item
     if t.numel() == 0:
         return start, start
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if n > 0)
+    extent = 1 + sum(int(n - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True) if n > 0)
     return start, start + extent * item
 
 

@@ -426,7 +426,7 @@ class ActivationOffloader:
         local = t
         if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):
             local = t._local_tensor
-            dtensor = (t.device_mesh, t.placements, t.shape, t.stride())
+            dtensor = (t.device_mesh, t.placements, t.shape, t.stride())  # type: ignore[attr-defined]
         module, kept = (
             (self._stack[-1][0], self._stack[-1][1]) if self._stack else ("<outside>", False)
         )
