@@ -43,6 +43,8 @@ from offload._stats import StepStats
 
 log = logging.getLogger("offload")
 
+_WHOLE_STORAGE_FACTOR = 4
+
 
 class _Member:
     """What pack returns for an offloaded tensor: its family and how to rebuild the view.
@@ -209,6 +211,12 @@ class Executor:
         end: int,
         module: str,
     ) -> Family:
+        # See NOTE [ Alias handling ]: a member spanning at least a quarter of its storage brings
+        # the whole storage along, so sibling views packed later (q, k and v of one qkv output)
+        # find their bytes already stored; a small slice of a large storage copies only itself.
+        whole = st.nbytes()
+        if whole <= _WHOLE_STORAGE_FACTOR * (end - start):
+            start, end = 0, whole
         fam = Family(
             fid=self._next_fid,
             storage=st,

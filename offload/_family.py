@@ -4,10 +4,11 @@ NOTE [ Alias handling ]
     A family is one live storage at one version, keyed on the storage's Python object (held
     weakly) plus ``t._version`` and never on ``data_ptr()``: once an offloaded tensor is freed, the
     allocator hands its address to the next tensor of the step (keying on the address gave
-    gradients off by 8.0). The family is copied once, as the byte span of the storage that its
-    first member covers, from ``t.detach()`` taken inside pack (a later ``out.data = ...`` must not
-    change what is copied). A later member inside that span reuses the copy; one reaching outside
-    it, or packed at a newer version, starts a new family. Members come back as ``as_strided``
+    gradients off by 8.0). The family is copied once, from ``t.detach()`` taken inside pack (a
+    later ``out.data = ...`` must not change what is copied): the whole storage when the first
+    member spans at least a quarter of it (views packed later, such as q, k and v of one qkv
+    output, are then covered), else just that member's byte span. A later member inside the copy
+    reuses it; one reaching outside it, or packed at a newer version, starts a new family. Members come back as ``as_strided``
     views over one reloaded buffer whose address is congruent to the original modulo 4096 bytes,
     so every member keeps its original alignment (kernels choose code paths by alignment: a
     compact rebuild changed a ``dot`` result).

@@ -190,7 +190,7 @@ class NvmeTier(Tier):
         if n == 0:
             cleanup()
             return handle
-        pieces = _pieces(n, handle._charge)
+        pieces = _pieces(n, handle._charge, self._io_threads)
 
         def start_io() -> Future[Any]:
             io = self._io()
@@ -244,7 +244,8 @@ class NvmeTier(Tier):
         index, start, data_end, io_end = piece
         self._engine.delay()
         wait_for(after)
-        handle._crcs[index] = zlib.crc32(buffer_of(array[start:data_end]))  # type: ignore[index]
+        crcs = _chunk_crcs(array, start, data_end)
+        handle._crcs[index : index + len(crcs)] = crcs  # type: ignore[index]
         self._file.write(array[start:io_end], handle._offset + start)  # type: ignore[operator]
 
     # -- read ---------------------------------------------------------------------------------------
@@ -262,7 +263,7 @@ class NvmeTier(Tier):
             array = destination_bytes(into, n).numpy()
         if n == 0:
             return self._run(handle, "nvme read", handle._write._future, _done)
-        pieces = _pieces(n, array.size)
+        pieces = _pieces(n, array.size, self._io_threads)
 
         def start() -> Future[Any]:
             io = self._io()
@@ -281,19 +282,22 @@ class NvmeTier(Tier):
     ) -> None:
         index, start, data_end, io_end = piece
         self._engine.delay()
-        offset = handle._offset + start  # type: ignore[operator]
-        self._file.read_into(array[start:io_end], offset)
-        expected = handle._crcs[index]  # type: ignore[index]
-        actual = zlib.crc32(buffer_of(array[start:data_end]))
-        if actual != expected:
+        base = handle._offset  # type: ignore[assignment]
+        self._file.read_into(array[start:io_end], base + start)  # type: ignore[operator]
+        for k, actual in enumerate(_chunk_crcs(array, start, data_end)):
+            expected = handle._crcs[index + k]  # type: ignore[index]
+            if actual == expected:
+                continue
+            lo = start + k * CHECKSUM_CHUNK_BYTES
+            hi = min(lo + CHECKSUM_CHUNK_BYTES, data_end)
             raise ChecksumError(
-                f"checksum mismatch in an NVMe record: bytes [{offset}, "
-                f"{offset + data_end - start}) of the spill file in {self.private_directory} read "
-                f"back with crc32 {actual:#010x}, written with {expected:#010x}. The disk returned "
-                "different bytes (or the file was modified); they were not handed back.",
+                f"checksum mismatch in an NVMe record: bytes [{base + lo}, {base + hi}) of the "
+                f"spill file in {self.private_directory} read back with crc32 {actual:#010x}, "
+                f"written with {expected:#010x}. The disk returned different bytes (or the file "
+                "was modified); they were not handed back.",
                 path=self.private_directory,
-                file_offset=offset,
-                nbytes=data_end - start,
+                file_offset=base + lo,
+                nbytes=hi - lo,
             )
 
     # -- GPU-direct (kvikio) ------------------------------------------------------------------------
@@ -465,16 +469,36 @@ class NvmeTier(Tier):
         )
 
 
-def _pieces(nbytes: int, room: int) -> list[tuple[int, int, int, int]]:
-    """``(index, start, data_end, io_end)`` per 4 MiB chunk: the checksum covers the data bytes;
-    the I/O also covers the padding up to the next 4 KiB when the buffer has ``room`` for it."""
+def _pieces(nbytes: int, room: int, threads: int = 1) -> list[tuple[int, int, int, int]]:
+    """``(first chunk index, start, data_end, io_end)`` per I/O request.
+
+    A request spans up to ``_MAX_CHUNKS_PER_PIECE`` checksum chunks (4 MiB each), fewer when that
+    leaves the ``threads`` I/O threads idle: large requests reach the disk's bandwidth (a 16 MiB
+    request read faster than four 4 MiB ones on the project's VM disk) and small records still
+    spread over every thread. The checksums cover the data bytes; the I/O also covers the padding
+    up to the next 4 KiB when the buffer has ``room`` for it.
+    """
     io_total = min(round_up(nbytes), room)
+    chunks = -(-nbytes // CHECKSUM_CHUNK_BYTES)
+    per = max(1, min(_MAX_CHUNKS_PER_PIECE, chunks // max(1, threads)))
+    step = per * CHECKSUM_CHUNK_BYTES
     out = []
-    for index, start in enumerate(range(0, nbytes, CHECKSUM_CHUNK_BYTES)):
-        data_end = min(start + CHECKSUM_CHUNK_BYTES, nbytes)
+    for start in range(0, nbytes, step):
+        data_end = min(start + step, nbytes)
         io_end = data_end if data_end < nbytes else max(data_end, io_total)
-        out.append((index, start, data_end, io_end))
+        out.append((start // CHECKSUM_CHUNK_BYTES, start, data_end, io_end))
     return out
+
+
+_MAX_CHUNKS_PER_PIECE = 4
+
+
+def _chunk_crcs(array: np.ndarray, start: int, end: int) -> list[int]:
+    """crc32 of each checksum chunk of ``array[start:end]`` (``start`` is chunk-aligned)."""
+    return [
+        zlib.crc32(buffer_of(array[s : min(s + CHECKSUM_CHUNK_BYTES, end)]))
+        for s in range(start, end, CHECKSUM_CHUNK_BYTES)
+    ]
 
 
 def _done() -> Future[Any]:

@@ -288,8 +288,10 @@ def test_slices_of_a_bigger_storage_keep_values_and_alignment(engine: str) -> No
     seen: list = []
     with manager(nn.Identity(), engine) as mgr:
         with mgr:
-            base = torch.randn(4099, requires_grad=True) * 1.0  # a non-leaf, 16396 bytes
-            wide = base[1:4000]  # the family: bytes [4, 16000) of the storage
+            # A non-leaf of 160396 bytes; the family is bytes [4, 16000): under a quarter of the
+            # storage, so only that span is copied.
+            base = torch.randn(40099, requires_grad=True) * 1.0
+            wide = base[1:4000]
             members = [
                 wide,
                 base[3:1000],
@@ -670,3 +672,30 @@ def test_spill_to_nvme_when_the_pool_is_as_big_as_cpu_budget(tmp_path, monkeypat
     finally:
         for pool in pools:
             pool.close()
+
+
+def test_sibling_views_share_one_copy_of_their_storage() -> None:
+    """q, k and v of one qkv projection: none contains the others, one copy serves all three."""
+    qkv = nn.Linear(64, 3 * 64)
+    x = torch.randn(32, 64)
+
+    def grads(mgr) -> list[torch.Tensor]:
+        qkv.zero_grad(set_to_none=True)
+        ctx = mgr if mgr is not None else contextlib.nullcontext()
+        with ctx:
+            q, k, v = qkv(x).chunk(3, dim=-1)
+            loss = ((q @ k.t()).softmax(-1) @ v).sum()
+        loss.backward()
+        return [p.grad.clone() for p in qkv.parameters()]
+
+    want = grads(None)
+    with manager(qkv) as mgr:
+        got = grads(mgr)
+        last = mgr.stats.last
+        # Saved: the Linear's input x; q, k.t() and v (one qkv storage); the softmax output
+        # (saved by softmax and by the last matmul): three families, each stored once.
+        assert last.records_offloaded_cpu == 3
+        assert last.records_deduplicated == 3
+        assert last.bytes_offloaded_cpu == 32 * 64 * 4 + 32 * 3 * 64 * 4 + 32 * 32 * 4
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
