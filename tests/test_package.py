@@ -106,3 +106,20 @@ def test_readme_commands_match_ci() -> None:
     first = blocks[1]
     test_cmd = next(line for line in first.splitlines() if "pytest" in line).strip()
     assert test_cmd in ci, "the README's test command must be what .ci/run runs"
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+    import importlib
+    import pkgutil
+
+    failed = attempted = 0
+    for pkg in (offload, lifecycle):
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if info.name in ("__main__",):
+                continue
+            mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+            result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+            failed += result.failed
+            attempted += result.attempted
+    assert failed == 0 and attempted >= 30
