@@ -76,7 +76,8 @@ class _StepState:
         self.index = index
         self.families: list[Family] = []
         self.by_storage: dict[int, list[Family]] = {}
-        self.prefetch_next = -1  # highest family order whose reload has not been started
+        self.prefetch_next = -1  # highest family order the look-ahead has not passed yet
+        self.revisit: list[Family] = []  # passed while their copy out was still in flight
         self.stats = StepStats(steps=1)
         self.started_s = time.perf_counter()
         self.failed = False
@@ -125,6 +126,7 @@ class Executor:
         # back-pressure.
         self._inflight: deque[Family] = deque()
         self._inflight_bytes = 0
+        self._ahead_bytes = 0  # see _mark_ahead
         # GPU + NVMe: records whose file write runs from pinned staging, oldest first.
         self._writing: deque[Family] = deque()
         self._writing_bytes = 0
@@ -431,29 +433,46 @@ class Executor:
 
     # -- reload ------------------------------------------------------------------------------
 
-    def prefetch(self, down_to_order: int, step: _StepState | None = None) -> None:
-        """Start reloads of every family of ``step`` (the current one by default) with order >=
-        ``down_to_order`` (backward is about to need them), then of earlier ones while
-        reloaded-but-unused bytes fit the window."""
+    def prefetch(self, needed: Sequence[Family] = (), step: _StepState | None = None) -> None:
+        """Start the reloads of ``needed`` (backward is about to use them), then of the step's
+        families below its look-ahead pointer while reloaded-but-unused bytes fit the window.
+
+        ``step`` is the step that packed them (the current one by default): with two forwards
+        before their backwards the current step may be another one.
+        """
         with self.lock:
             if step is None:
                 step = self.step
             if step is None or step.failed:
                 return
             self.poll()
-            ahead = sum(
-                f.nbytes
-                for f in step.families[step.prefetch_next + 1 :]
-                if f.life in (Life.COPYING_IN, Life.RESIDENT) and f.unpacked == 0
-            )
+            for fam in needed:
+                self._begin_reload(fam)
+            if step.revisit:
+                # Passed while being copied out; needed before anything below the pointer.
+                waiting = step.revisit
+                step.revisit = [f for f in waiting if f.life is Life.COPYING_OUT]
+                for fam in waiting:
+                    self._begin_reload(fam)
             while step.prefetch_next >= 0:
                 fam = step.families[step.prefetch_next]
-                if fam.order < down_to_order and ahead + fam.nbytes > self.prefetch_bytes:
-                    break
-                if fam.life is Life.OFF_DEVICE and fam.members > 0 and not self._reuse(fam):
-                    self._start_reload(fam)
-                    ahead += fam.nbytes
+                if fam.life is Life.COPYING_OUT:
+                    step.revisit.append(fam)
+                elif fam.life is Life.OFF_DEVICE and fam.members > 0:
+                    if self._ahead_bytes + fam.nbytes > self.prefetch_bytes:
+                        break
+                    self._begin_reload(fam)
                 step.prefetch_next -= 1
+
+    def _begin_reload(self, fam: Family) -> None:
+        if fam.life is Life.OFF_DEVICE and fam.members > 0 and not self._reuse(fam):
+            self._start_reload(fam)
+
+    def _mark_ahead(self, fam: Family, ahead: bool) -> None:
+        # Bytes reloaded (or reused) and not yet unpacked: what the look-ahead window bounds.
+        if fam.ahead != ahead:
+            fam.ahead = ahead
+            self._ahead_bytes += fam.nbytes if ahead else -fam.nbytes
 
     def _reuse(self, fam: Family) -> bool:
         """A reload whose buffer is still alive (another member holds it): keep using it."""
@@ -461,13 +480,16 @@ class Executor:
         if raw is None:
             return False
         fam.resident = raw
+        fam.unpacked = 0
         fam.to(Life.COPYING_IN)
         fam.to(Life.RESIDENT)
+        self._mark_ahead(fam, True)
         return True
 
     def _start_reload(self, fam: Family) -> None:
         fam.to(Life.COPYING_IN)
         fam.unpacked = 0
+        self._mark_ahead(fam, True)
         fam.reload_started_s = time.perf_counter()
         raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
         fam.resident, fam.resident_ref = raw, weakref.ref(raw)
@@ -548,13 +570,14 @@ class Executor:
                 offset_bytes=m.offset_bytes,
             )
             fam.unpacked += 1
+            self._mark_ahead(fam, False)
             if fam.unpacked >= fam.members:
                 # Every live member has its view: drop the strong reference so the buffer dies
                 # with autograd's use of it; a later unpack (retain_graph) reloads or reuses it.
                 fam.resident = None
                 fam.to(Life.OFF_DEVICE)
             if step is not None:
-                self.prefetch(fam.order, step)
+                self.prefetch((), step)
             return self._wrap(m, out)
 
     def _finish_reload(self, fam: Family) -> None:
@@ -569,6 +592,7 @@ class Executor:
                 # retry allocates a new one (keeping this one leaked it until close).
                 staging, fam.staging = fam.staging, None
                 staging.release()
+            self._mark_ahead(fam, False)
             fam.to(Life.OFF_DEVICE)
             raise from_storage(e, f"reloading a saved tensor of {fam.module or '<root>'}") from e
         fam.reload = None
@@ -614,6 +638,7 @@ class Executor:
             self._free(fam)
 
     def _free(self, fam: Family) -> None:
+        self._mark_ahead(fam, False)
         # Rule 4: GPU copies that read or write the tier's region must be complete first.
         if self.cuda and not self._events_done(fam):
             fam.pending_free = True

@@ -58,6 +58,7 @@ class Family:
 
     __slots__ = (
         "__weakref__",
+        "ahead",
         "device",
         "error",
         "fid",
@@ -130,6 +131,7 @@ class Family:
         self.resident: torch.Tensor | None = None  # raw uint8 device buffer of a reload
         self.resident_ref: weakref.ref | None = None
         self.pending_free = False
+        self.ahead = False  # counted in the executor's look-ahead bytes
         self.error: BaseException | None = None
 
     def to(self, new: Life) -> None:

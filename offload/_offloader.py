@@ -199,7 +199,8 @@ class ActivationOffloader:
         self._step_stats: StepStats | None = None
         self._step_added = True
         self._backward_seen = False
-        self._stack: list[list[Any]] = []  # [module path, kept, order of its first own family]
+        # [module path, kept, families this call packed itself (offloaded ones, in pack order)]
+        self._stack: list[list[Any]] = []
         self._warned: set[str] = set()
         self._params: dict[int, weakref.ref] = {}
         self._module_handles = self._install_module_hooks(model)
@@ -440,8 +441,10 @@ class ActivationOffloader:
             stats.records_kept += 1
             return t.detach()
         member = ex.offload(local.detach(), module, dtensor)
-        if self._stack and self._stack[-1][2] < 0:
-            self._stack[-1][2] = member.family.order
+        if self._stack:
+            own = self._stack[-1][2]
+            if not own or own[-1] is not member.family:
+                own.append(member.family)
         return member
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -469,11 +472,6 @@ class ActivationOffloader:
         base = t._base
         return _is_parameter(t) or (base is not None and _is_parameter(base))
 
-    def _prefetch_from(self, own_first: int, step: Any = None) -> None:
-        ex = self._executor
-        if ex is not None and own_first >= 0:
-            ex.prefetch(own_first, step)
-
 
 def _is_parameter(t: torch.Tensor) -> bool:
     tt = type(t)
@@ -491,7 +489,7 @@ class _ForwardPre:
         if not mgr._in_step or mgr._paused:
             return
         outer_kept = bool(mgr._stack) and mgr._stack[-1][1]
-        mgr._stack.append([self.name, self.kept or outer_kept, -1])
+        mgr._stack.append([self.name, self.kept or outer_kept, []])
         if mgr._executor is not None:
             mgr._executor.poll()
 
@@ -506,17 +504,18 @@ class _ForwardPost:
         mgr = self.mgr
         if not mgr._in_step or mgr._paused or not mgr._stack:
             return
-        _, _, first = mgr._stack.pop()
+        _, _, own = mgr._stack.pop()
         ex = mgr._executor
         if ex is None or ex.step is None or not torch.is_grad_enabled():
             return
         ex.poll()
-        if first < 0:
+        if not own:
             return
-        # Backward of this module needs the families it packed itself; start them (and the
-        # look-ahead window) from a pre-hook on its outputs' grad_fn, which fires right before
-        # the module's backward and leaves the graph alone.
-        trigger = _BackwardTrigger(mgr, first, ex.step)
+        # Backward of this module needs the families it packed itself (not its children's:
+        # their own triggers fire when their backward comes); start those, and the look-ahead
+        # window, from a pre-hook on its outputs' grad_fn, which fires right before the module's
+        # backward and leaves the graph alone.
+        trigger = _BackwardTrigger(mgr, own, ex.step)
         seen: set[int] = set()
         for t in _tensors(output):
             fn = t.grad_fn
@@ -526,15 +525,17 @@ class _ForwardPost:
 
 
 class _BackwardTrigger:
-    __slots__ = ("first", "mgr", "step")
+    __slots__ = ("families", "mgr", "step")
 
-    def __init__(self, mgr: ActivationOffloader, first: int, step: Any) -> None:
+    def __init__(self, mgr: ActivationOffloader, families: list[Any], step: Any) -> None:
         # ``step``: the executor's state of the step whose forward registered this trigger; by
         # the time its backward runs, another step may have begun.
-        self.mgr, self.first, self.step = mgr, first, step
+        self.mgr, self.families, self.step = mgr, families, step
 
     def __call__(self, grad_outputs: Any) -> None:
-        self.mgr._prefetch_from(self.first, self.step)
+        ex = self.mgr._executor
+        if ex is not None:
+            ex.prefetch(self.families, self.step)
 
 
 class _StepEnd:

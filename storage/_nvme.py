@@ -282,8 +282,9 @@ class NvmeTier(Tier):
     ) -> None:
         index, start, data_end, io_end = piece
         self._engine.delay()
-        base = handle._offset  # type: ignore[assignment]
-        self._file.read_into(array[start:io_end], base + start)  # type: ignore[operator]
+        base = handle._offset
+        assert base is not None  # every file record has an offset
+        self._file.read_into(array[start:io_end], base + start)
         for k, actual in enumerate(_chunk_crcs(array, start, data_end)):
             expected = handle._crcs[index + k]  # type: ignore[index]
             if actual == expected:
