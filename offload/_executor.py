@@ -234,6 +234,7 @@ class Executor:
         self._next_fid += 1
         source = storage_bytes(st, t.device)[start:end]
         self._store(step, fam, source)
+        fam.guard = t
         step.families.append(fam)
         step.by_storage.setdefault(id(st), []).append(fam)
         step.prefetch_next = fam.order
@@ -317,6 +318,19 @@ class Executor:
         self._inflight.append(fam)
         self._inflight_bytes += n
 
+    @staticmethod
+    def _check_version(fam: Family) -> None:
+        # Saved-tensor hooks switch off autograd's in-place check, and a copy racing an in-place
+        # change could store either version: fail like autograd does instead of guessing.
+        if fam.guard is not None and fam.guard._version != fam.version and fam.error is None:
+            fam.error = RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a tensor saved by {fam.module or '<root>'} "
+                f"({list(fam.guard.shape)}, {fam.guard.dtype}) is at version "
+                f"{fam.guard._version}; expected version {fam.version} instead (offload keeps "
+                "autograd's check: the in-place change came after the tensor was saved)"
+            )
+
     def _backpressure(self, step: _StepState, incoming: int) -> None:
         # Rule 2: wait on the oldest copies until the new one fits the in-flight bound.
         while self._inflight and self._inflight_bytes + incoming > self.max_inflight_bytes:
@@ -383,6 +397,8 @@ class Executor:
     def _retire(self, fam: Family) -> None:
         if fam.life is not Life.COPYING_OUT:
             return
+        self._check_version(fam)
+        fam.guard = None
         if self.cuda:
             fam.source = None  # rule 1: D completed
             fam.source_event = None
@@ -531,6 +547,10 @@ class Executor:
                     f"saved tensor of {fam.module or '<root>'} was already released (the manager "
                     "was closed, or its step failed); run forward again"
                 )
+            if fam.life is Life.COPYING_OUT:
+                self._check_version(fam)
+                if fam.error is not None:
+                    raise fam.error
             if fam.source is not None and (fam.life is Life.COPYING_OUT or fam.tier is None):
                 # Rule 3: the source is still held (or storing it failed and it stayed): no copy.
                 return self._wrap(m, self._source_view(m))
@@ -659,7 +679,7 @@ class Executor:
         if fam.spill is not None and fam not in self._writing:
             fam.spill.release()  # a spill still being written is released by _poll_writes
             fam.spill = None
-        fam.handle = fam.staging = fam.source = fam.resident = None
+        fam.handle = fam.staging = fam.source = fam.resident = fam.guard = None
         fam.source_event = fam.reload_event = fam.reload = None
         fam.pending_free = False
 

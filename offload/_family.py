@@ -62,6 +62,7 @@ class Family:
         "device",
         "error",
         "fid",
+        "guard",
         "handle",
         "life",
         "members",
@@ -118,6 +119,9 @@ class Family:
         self.members = 0  # live packed handles
         self.unpacked = 0  # unpacks since the last reload
         self.source: torch.Tensor | None = None  # uint8 view of the span, held until copied
+        # ``t.detach()`` of the first member, held as long as ``source``: it shares the saved
+        # tensor's version counter, so an in-place change before the copy completed is seen.
+        self.guard: torch.Tensor | None = None
         self.source_event: Any = None  # CUDA event D (copy out done), or None on CPU
         self.staging: Any = None  # pinned region an NVMe reload lands in (GPU)
         # GPU + NVMe: the pinned region holding the record while its file write runs (and, if
