@@ -6,6 +6,7 @@ import contextlib
 import gc
 import os
 import stat
+import threading
 
 import psutil
 import pytest
@@ -386,3 +387,40 @@ def test_bad_arguments(kwargs, exc, match) -> None:
 def test_model_must_be_a_module() -> None:
     with pytest.raises(TypeError, match="model"):
         offload.ActivationOffloader(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_soak_1000_steps_no_growth(tmp_path) -> None:
+    """DESIGN's no-leak invariant: 1000 steps grow no host pool, file, fd or live-family count.
+    Both tiers, spilling (a tiny cpu_budget), deferred copies; kept short enough for CI."""
+    case = mlp(seed=0)
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.0005, seed=3)
+    mgr = offload.ActivationOffloader(
+        case.model,
+        min_offload_bytes=0,
+        tiers=("cpu", "nvme"),
+        nvme_dir=tmp_path,
+        cpu_budget=48 << 10,
+        _copy_engine=engine,
+    )
+    proc = psutil.Process()
+    try:
+        for s in range(50):
+            step(case, mgr, s)
+        pool, nvme = mgr._executor.pool, mgr._tiers[1]
+        base = (pool.host_allocations, nvme.file_bytes, len(open_files()), threading.active_count())
+        rss = proc.memory_info().rss
+        for s in range(1000):
+            step(case, mgr, s % 7)
+        assert (
+            pool.host_allocations,
+            nvme.file_bytes,
+            len(open_files()),
+            threading.active_count(),
+        ) == base
+        assert mgr._executor.live_families() == 0
+        assert mgr.stats.total.steps == 1050
+        assert proc.memory_info().rss - rss < 32 << 20
+    finally:
+        mgr.close()
+        engine.close()
