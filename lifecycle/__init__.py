@@ -1,13 +1,23 @@
 """lifecycle: what happens to each saved tensor during a step, as plain data.
 
 Pure data and pure functions: the :class:`Recorder` (clock and memory probe injected), the frozen
-:class:`Trace` it produces, and the exporters. No CUDA calls; never imports ``offload`` or
-``storage``.
+:class:`Trace` it produces, the exporters, the :class:`HardwareModel` and the step simulator the
+planner stands on. No CUDA calls; never imports ``offload`` or ``storage``.
 """
 
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._export import write_memory_png, write_perfetto
+from lifecycle._hardware import HARDWARE_SCHEMA_VERSION, HardwareModel
 from lifecycle._recorder import MemoryProbe, Recorder, StepBoundary
+from lifecycle._simulate import (
+    Decision,
+    Placement,
+    Simulation,
+    checkpoint_blocks,
+    offload_all,
+    predict_anchors,
+    simulate,
+)
 from lifecycle._trace import (
     SCHEMA_VERSION,
     Event,
@@ -36,4 +46,15 @@ __all__ = [
     # exports
     "write_memory_png",
     "write_perfetto",
+    # hardware
+    "HARDWARE_SCHEMA_VERSION",
+    "HardwareModel",
+    # simulation
+    "Placement",
+    "Decision",
+    "Simulation",
+    "simulate",
+    "offload_all",
+    "checkpoint_blocks",
+    "predict_anchors",
 ]

@@ -94,6 +94,15 @@ def test_public_api_snapshot() -> None:
         "Trace",
         "write_memory_png",
         "write_perfetto",
+        "HARDWARE_SCHEMA_VERSION",
+        "HardwareModel",
+        "Placement",
+        "Decision",
+        "Simulation",
+        "simulate",
+        "offload_all",
+        "checkpoint_blocks",
+        "predict_anchors",
     ]
     for name in offload.__all__:
         assert getattr(offload, name).__doc__, name
