@@ -331,3 +331,22 @@ def test_step_fn_exception_propagates_and_hooks_are_removed() -> None:
         offload.profile(boom, model, warmup_steps=0)
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_gc_paused_only_while_a_step_is_recorded() -> None:
+    import gc
+
+    seen = []
+    model = nn.Linear(4, 4)
+
+    def step() -> None:
+        seen.append(gc.isenabled())
+        model(torch.randn(2, 4)).sum().backward()
+
+    assert gc.isenabled()
+    offload.profile(step, model, warmup_steps=1, steps=2)
+    assert seen == [True, False, False]  # the warm-up step is not recorded
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        offload.profile(lambda: (_ for _ in ()).throw(RuntimeError("x")), model, warmup_steps=0)
+    assert gc.isenabled()
