@@ -19,10 +19,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import gc
-import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,13 @@ import torch
 from torch import nn
 
 from lifecycle._clock import Clock, MonotonicClock
+from lifecycle._tensors import (
+    is_parameter,
+    local_tensor,
+    named_modules_stop_at_compiled,
+    params_and_buffers,
+    tensors_in,
+)
 from lifecycle._trace import Event, EventKind, TensorRecord, Trace
 
 MemoryProbe = Callable[[], int]
@@ -50,13 +56,6 @@ class StepBoundary(str, enum.Enum):
 
     MANUAL = "manual"  # begin_step() / end_step() (``offload.profile``)
     BACKWARD = "backward"  # each completed backward pass ends a step (``offload profile`` CLI)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage holds ``t``'s bytes: a DTensor's local shard, else ``t``."""
-    if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):
-        return t._local_tensor
-    return t
 
 
 @dataclass
@@ -285,7 +284,7 @@ class Recorder:
 
     def add_parameters(self, module: nn.Module) -> None:
         """Treat ``module``'s parameters and buffers (by storage) as parameters, not activations."""
-        for t in _params_and_buffers(module):
+        for t in params_and_buffers(module):
             st = local_tensor(t).untyped_storage()
             self._param_storages[id(st)] = weakref.ref(st)
 
@@ -300,7 +299,7 @@ class Recorder:
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         handles = []
         self._roots[model] = None
-        for name, mod in _named_modules_stop_at_compiled(model):
+        for name, mod in named_modules_stop_at_compiled(model):
             self._names[mod] = name
             handles.append(mod.register_forward_pre_hook(self._forward_pre_hook))
             handles.append(mod.register_forward_hook(self._forward_hook))
@@ -428,7 +427,7 @@ class Recorder:
             if not self._stack:
                 root = type(module).__name__
                 self._roots[module] = None
-                for name, mod in _named_modules_stop_at_compiled(module):
+                for name, mod in named_modules_stop_at_compiled(module):
                     if mod not in self._names:
                         self._names[mod] = f"{root}.{name}" if name else root
                 self.add_parameters(module)
@@ -450,7 +449,7 @@ class Recorder:
             if in_backward() or not torch.is_grad_enabled():
                 return
         # The gradient of the first differentiable input marks the end of the module's backward.
-        for t in _tensors(args):
+        for t in tensors_in(args):
             if t.requires_grad and t.grad_fn is not None:
                 t.register_hook(_BackwardEnd(self, name, idx))
                 break
@@ -470,7 +469,7 @@ class Recorder:
         # module keeps working).
         seen: set[int] = set()
         hook = _BackwardStart(self, call.module, call.call_index)
-        for t in _tensors(output):
+        for t in tensors_in(output):
             fn = t.grad_fn
             if fn is not None and id(fn) not in seen:
                 seen.add(id(fn))
@@ -510,7 +509,7 @@ class Recorder:
             is_param = True
         else:
             base = local._base
-            is_param = _is_parameter(local) or (base is not None and _is_parameter(base))
+            is_param = is_parameter(local) or (base is not None and is_parameter(base))
         # See NOTE [ Alias families ].
         key = (sid, version)
         ref = self._family_ref.get(key)
@@ -593,43 +592,3 @@ class _BackwardEnd:
             with rec._lock:
                 rec._event(EventKind.BACKWARD_END, self.module, self.call_index)
         return None
-
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    # ``isinstance(t, nn.Parameter)`` goes through a metaclass hook and a failed attribute lookup
-    # (an exception) for plain tensors: several microseconds per pack. Plain tensors answer first.
-    tt = type(t)
-    return tt is not torch.Tensor and (tt is nn.Parameter or isinstance(t, nn.Parameter))
-
-
-def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
-def _params_and_buffers(module: nn.Module) -> Iterable[torch.Tensor]:
-    yield from module.parameters()
-    yield from module.buffers()
-
-
-def _named_modules_stop_at_compiled(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    """``named_modules()``, without descending into compiled modules."""
-    # Only look for compiled modules when dynamo was imported (importing it costs seconds).
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    optimized = getattr(eval_frame, "OptimizedModule", ()) if eval_frame else ()
-
-    def walk(prefix: str, mod: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-        yield prefix, mod
-        # torch.compile(mod) wraps it in an OptimizedModule; mod.compile() sets a compiled call.
-        if (optimized and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None):
-            return
-        for name, child in mod.named_children():
-            yield from walk(f"{prefix}.{name}" if prefix else name, child)
-
-    return walk("", model)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import storage
+from lifecycle._tensors import is_parameter, named_modules_stop_at_compiled, tensors_in
 from lifecycle._units import parse_bytes
 from offload._device import compute_device
 from offload._errors import OffloadError
@@ -355,10 +356,8 @@ class ActivationOffloader:
         return ex
 
     def _install_module_hooks(self, model: nn.Module) -> list[Any]:
-        from lifecycle._recorder import _named_modules_stop_at_compiled
-
         handles = []
-        for name, mod in _named_modules_stop_at_compiled(model):
+        for name, mod in named_modules_stop_at_compiled(model):
             kept = name in self.config.keep_names or isinstance(mod, self.config.keep_types)
             handles.append(mod.register_forward_pre_hook(_ForwardPre(self, name, kept)))
             handles.append(mod.register_forward_hook(_ForwardPost(self)))
@@ -425,7 +424,7 @@ class ActivationOffloader:
             return t.detach()
         dtensor = None
         local = t
-        if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):
+        if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):  # a DTensor: its shard
             local = t._local_tensor
             dtensor = (t.device_mesh, t.placements, t.shape, t.stride())  # type: ignore[attr-defined]
         module, kept = (
@@ -470,12 +469,7 @@ class ActivationOffloader:
         if ref is not None and ref() is st:
             return True
         base = t._base
-        return _is_parameter(t) or (base is not None and _is_parameter(base))
-
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    tt = type(t)
-    return tt is not torch.Tensor and (tt is nn.Parameter or isinstance(t, nn.Parameter))
+        return is_parameter(t) or (base is not None and is_parameter(base))
 
 
 class _ForwardPre:
@@ -517,7 +511,7 @@ class _ForwardPost:
         # backward and leaves the graph alone.
         trigger = _BackwardTrigger(mgr, own, ex.step)
         seen: set[int] = set()
-        for t in _tensors(output):
+        for t in tensors_in(output):
             fn = t.grad_fn
             if fn is not None and id(fn) not in seen:
                 seen.add(id(fn))
@@ -548,17 +542,6 @@ class _StepEnd:
         ex = self.mgr._executor
         if ex is not None and ex.step is not None and ex.step.stats is self.stats:
             self.stats.step_s = self.clock() - ex.step.started_s
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 def _close_resources(handles: list[Any], resources: list[Any]) -> None:

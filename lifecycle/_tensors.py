@@ -1,0 +1,59 @@
+"""Small facts about tensors and modules that the recorder and the offloader both need."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s bytes: a DTensor's local shard, else ``t``."""
+    if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):
+        return t._local_tensor
+    return t
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an ``nn.Parameter`` (a subclass included)."""
+    # ``isinstance(t, nn.Parameter)`` goes through a metaclass hook and a failed attribute lookup
+    # (an exception) for plain tensors: several microseconds per pack. Plain tensors answer first.
+    tt = type(t)
+    return tt is not torch.Tensor and (tt is nn.Parameter or isinstance(t, nn.Parameter))
+
+
+def tensors_in(obj: Any) -> Iterable[torch.Tensor]:
+    """The tensors in ``obj`` and in the tuples, lists and dicts it nests."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o)
+
+
+def params_and_buffers(module: nn.Module) -> Iterable[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def named_modules_stop_at_compiled(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """``named_modules()``, without descending into compiled modules."""
+    # Only look for compiled modules when dynamo was imported (importing it costs seconds).
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", ()) if eval_frame else ()
+
+    def walk(prefix: str, mod: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+        yield prefix, mod
+        # torch.compile(mod) wraps it in an OptimizedModule; mod.compile() sets a compiled call.
+        if (optimized and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None):
+            return
+        for name, child in mod.named_children():
+            yield from walk(f"{prefix}.{name}" if prefix else name, child)
+
+    return walk("", model)
