@@ -44,6 +44,7 @@ from offload._stats import StepStats
 log = logging.getLogger("offload")
 
 _WHOLE_STORAGE_FACTOR = 4
+_MIN_AUTO_WINDOW_BYTES = 256 << 20  # DESIGN: max_inflight_bytes=None means 2 x largest, >= 256 MiB
 
 
 class _Member:
@@ -90,8 +91,10 @@ class Executor:
         device: the compute device (CPU on a CPU-only machine).
         tiers: ``storage`` tiers in spill order.
         cpu_budget_bytes: the most bytes this manager keeps in the host tier.
-        max_inflight_bytes: back-pressure bound on copies out in flight.
-        prefetch_bytes: how many reloaded-but-unused bytes backward may run ahead by.
+        max_inflight_bytes: back-pressure bound on copies out in flight; 0 = twice the largest
+            family seen so far, at least 256 MiB.
+        prefetch_bytes: how many reloaded-but-unused bytes backward may run ahead by; 0 = the
+            same automatic bound.
         pool: host regions for D2H copies and NVMe staging (GPU paths).
         staging_bytes: the most pinned bytes NVMe writes may hold while the disk catches up.
     """
@@ -111,8 +114,9 @@ class Executor:
         self.cuda = device.type == "cuda"
         self.tiers = list(tiers)
         self.cpu_budget_bytes = cpu_budget_bytes
-        self.max_inflight_bytes = max_inflight_bytes
-        self.prefetch_bytes = prefetch_bytes
+        self._max_inflight_bytes = max_inflight_bytes
+        self._prefetch_bytes = prefetch_bytes
+        self._largest = 0  # bytes of the largest family stored so far
         self.pool = pool
         self.lock = threading.RLock()
         self.step: _StepState | None = None
@@ -138,6 +142,14 @@ class Executor:
             # Created here, never at import: see "Importing is free".
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
+
+    @property
+    def max_inflight_bytes(self) -> int:
+        return self._max_inflight_bytes or max(_MIN_AUTO_WINDOW_BYTES, 2 * self._largest)
+
+    @property
+    def prefetch_bytes(self) -> int:
+        return self._prefetch_bytes or max(_MIN_AUTO_WINDOW_BYTES, 2 * self._largest)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -244,6 +256,7 @@ class Executor:
     def _store(self, step: _StepState, fam: Family, source: torch.Tensor) -> None:
         """Start the copy out into the first tier with room (NOTE [ Stream ordering ] rule 1)."""
         n = fam.nbytes
+        self._largest = max(self._largest, n)
         self._backpressure(step, n)
         region = None
         event = None

@@ -327,11 +327,11 @@ class ActivationOffloader:
 
     def _make_executor(self) -> Executor:
         cfg = self.config
-        inflight = cfg.max_inflight_bytes or 256 << 20
+        inflight = cfg.max_inflight_bytes  # 0: the executor's automatic bound
         # NVMe records pass through pinned staging on their way out and back in: the pool holds
         # room for that (copies out in flight plus the reload window) beyond the host tier's
         # cpu_budget, so a full host tier can still spill.
-        staging = 2 * inflight if "nvme" in cfg.tiers else 0
+        staging = 2 * (inflight or 256 << 20) if "nvme" in cfg.tiers else 0
         pool = storage.shared_host_pool(
             cfg.cpu_budget_bytes + staging, pin_memory=self.device.type == "cuda"
         )
