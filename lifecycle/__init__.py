@@ -8,6 +8,7 @@ planner stands on. No CUDA calls; never imports ``offload`` or ``storage``.
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._export import write_memory_png, write_perfetto
 from lifecycle._hardware import HARDWARE_SCHEMA_VERSION, HardwareModel
+from lifecycle._profile import profile
 from lifecycle._recorder import MemoryProbe, Recorder, StepBoundary
 from lifecycle._simulate import (
     Decision,
@@ -35,6 +36,7 @@ __all__ = [
     "MonotonicClock",
     "Recorder",
     "StepBoundary",
+    "profile",
     # the trace
     "SCHEMA_VERSION",
     "Event",

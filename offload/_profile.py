@@ -1,4 +1,4 @@
-"""``offload.profile``: record one training step of a model."""
+"""``offload.profile``: ``lifecycle.profile`` with the model's device clock and memory probe."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from lifecycle import Recorder, Trace
+import lifecycle
+from lifecycle import Trace
 from offload._device import clock_and_probe, compute_device
 
 
@@ -18,7 +19,9 @@ def profile(
 
     ``step_fn`` runs one whole step (forward and backward; an optimizer step too if you like). It
     is called ``warmup_steps`` times unobserved (first-call costs: allocator growth, autotuning,
-    lazy initialisation), then ``steps`` times under the recorder. Nothing is offloaded.
+    lazy initialisation), then ``steps`` times under the recorder. Nothing is offloaded. Times
+    come from CUDA events and memory from the CUDA allocator when the model is on a GPU, from the
+    host clock and the live saved bytes otherwise (:func:`lifecycle.profile` takes both injected).
 
     Args:
         step_fn: a callable with no arguments that runs forward and backward.
@@ -41,26 +44,15 @@ def profile(
         >>> sorted({r.module for r in trace.activation_records})
         ['0', '1', '2']
     """
-    if not callable(step_fn):
-        raise TypeError(
-            f"step_fn must be a callable running forward and backward; got {type(step_fn).__name__}"
-        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0; got {warmup_steps!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1; got {steps!r}")
-    for _ in range(warmup_steps):
-        step_fn()
-    device = compute_device(model)
-    clock, probe, label = clock_and_probe(device)
-    rec = Recorder(clock=clock, memory_probe=probe)
-    with rec.attach(model), rec.hooks():
-        for _ in range(steps):
-            rec.begin_step()
-            try:
-                step_fn()
-            finally:
-                rec.end_step()
-    return rec.trace({"device": label, "warmup_steps": warmup_steps, "source": "offload.profile"})
+    clock, probe, label = clock_and_probe(compute_device(model))
+    return lifecycle.profile(
+        step_fn,
+        model,
+        warmup_steps=warmup_steps,
+        steps=steps,
+        clock=clock,
+        memory_probe=probe,
+        metadata={"device": label, "source": "offload.profile"},
+    )

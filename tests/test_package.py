@@ -85,6 +85,7 @@ def test_public_api_snapshot() -> None:
         "MonotonicClock",
         "Recorder",
         "StepBoundary",
+        "profile",
         "SCHEMA_VERSION",
         "Event",
         "EventKind",
