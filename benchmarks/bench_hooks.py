@@ -54,6 +54,17 @@ class _MulBlock(nn.Module):
         return x
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _time(fn, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
@@ -107,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "bench_hooks",
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": _cpu_name(),
             "cores": os.cpu_count(),
             "python": sys.version.split()[0],
             "torch": torch.__version__,
