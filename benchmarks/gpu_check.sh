@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: the GPU tests, then every benchmark, results into $OUT (or
-# benchmarks/results/gpu). Run from the repository root:
-#     bash benchmarks/gpu_check.sh
+# One call on a GPU machine: the GPU tests, then every benchmark. Run from the repository root,
+# with nothing installed (the packages are imported from the checkout):
+#     bash benchmarks/gpu_check.sh                 # results in benchmarks/results/gpu/
+#     OUT=/some/dir bash benchmarks/gpu_check.sh   # the device tool: also a .tgz of everything
+#                                                  # and the Markdown tables in $OUT
+# About 5 minutes on an H200 (each section has its own time limit). NVME_DIR picks the disk.
 set -uo pipefail
-out="${OUT:-benchmarks/results/gpu}"
-mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py="$(command -v python3 || command -v python)"
+res="benchmarks/results/gpu"
+mkdir -p "$res"
+nvme="${NVME_DIR:-/tmp}"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
-  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-} > "$out/hardware.txt" 2>&1
-python -m pytest -q -m gpu tests 2>&1 | tee "$out/gpu_tests.txt"
-python benchmarks/bench_hooks.py --out "$out" 2>&1 | tail -n 20
-python -m offload info --json --nvme-dir "${NVME_DIR:-/tmp}" --probe-bytes 1GiB > "$out/info.json" 2>&1
-python -m offload profile --steps 2 --out "$out/profile" examples/train_gpt.py --layers 4 --d-model 1024 --heads 16 --seq 1024 --batch 8 > "$out/profile.txt" 2>&1
+  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  df -hT "$nvme"
+} > "$res/hardware.txt" 2>&1
+timeout 900 "$py" -m pytest -q -m gpu tests -p no:cacheprovider > "$res/gpu_tests.txt" 2>&1
+tail -n 15 "$res/gpu_tests.txt"
+timeout 300 "$py" benchmarks/bench_hooks.py --out "$res" > /dev/null 2>&1
+timeout 120 "$py" -m offload info --json --nvme-dir "$nvme" --probe-bytes 1GiB > "$res/info.json" 2>&1
+timeout 300 "$py" -m offload profile --quiet --steps 2 --out "$res/profile" examples/train_gpt.py \
+  --layers 4 --d-model 1024 --heads 16 --seq 1024 --batch 8 > "$res/profile.txt" 2>&1
 for cfg in h2048 h4096; do
-  python benchmarks/bench_step.py --config "$cfg" --nvme-dir "${NVME_DIR:-/tmp}" --out "$out" 2>&1 | tee "$out/step-$cfg.log" | tail -n 40
+  timeout 600 "$py" benchmarks/bench_step.py --config "$cfg" --nvme-dir "$nvme" --out "$res" \
+    > "$res/step-$cfg.log" 2>&1
+  tail -n 25 "$res/step-$cfg.log"
 done
+if [ -n "${OUT:-}" ]; then
+  # The device tool returns at most 8 files: one archive of everything, and the tables.
+  tar czf "$OUT/gpu-results.tgz" -C "$res" .
+  cp "$res/gpu_tests.txt" "$res/hardware.txt" "$OUT/" 2>/dev/null
+  cp "$res"/hooks.md "$res"/step-h2048.md "$res"/step-h4096.md "$OUT/" 2>/dev/null
+fi
