@@ -7,12 +7,13 @@ and building one touch no device.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+from lifecycle._jsonfile import check_header, read_json, write_json
 
 HARDWARE_SCHEMA_VERSION = 1
 _FORMAT = "offload.hardware"
@@ -203,16 +204,7 @@ class HardwareModel:
             ValueError: not an offload hardware model, another schema version, a missing or
                 unknown field, or a value the constructor rejects.
         """
-        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
-            raise ValueError(
-                f"not an offload hardware model: expected a JSON object with format '{_FORMAT}'"
-            )
-        version = data.get("schema_version")
-        if version != HARDWARE_SCHEMA_VERSION:
-            raise ValueError(
-                f"hardware schema_version {version!r} is not supported; this offload reads "
-                f"schema_version {HARDWARE_SCHEMA_VERSION}"
-            )
+        check_header(data, fmt=_FORMAT, version=HARDWARE_SCHEMA_VERSION, what="hardware model")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - {"format", "schema_version"})
         if unknown:
@@ -239,11 +231,7 @@ class HardwareModel:
             >>> HardwareModel.load(path) == HardwareModel.h200()
             True
         """
-        path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=1, allow_nan=False)
-        os.replace(tmp, path)
+        write_json(path, self.to_dict(), indent=1, allow_nan=False)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> HardwareModel:
@@ -254,12 +242,7 @@ class HardwareModel:
             ValueError: the file is not JSON, not an offload hardware model, or has another
                 schema version.
         """
-        with open(os.fspath(path), encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {e}") from e
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path))
 
 
 def _is_number(value: object) -> bool:

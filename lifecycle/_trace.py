@@ -8,12 +8,13 @@ touches CUDA or autograd.
 from __future__ import annotations
 
 import enum
-import json
 import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from lifecycle._jsonfile import check_header, read_json, write_json
 
 SCHEMA_VERSION = 1
 _FORMAT = "offload.trace"
@@ -359,16 +360,7 @@ class Trace:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Trace:
         """Inverse of :meth:`to_dict`; raises ``ValueError`` for another format or schema."""
-        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
-            raise ValueError(
-                "not an offload trace: expected a JSON object with format 'offload.trace'"
-            )
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(
-                f"trace schema_version {version!r} is not supported; this offload reads "
-                f"schema_version {SCHEMA_VERSION}"
-            )
+        check_header(data, fmt=_FORMAT, version=SCHEMA_VERSION, what="trace")
         return cls(
             records=tuple(_record_from_json(r) for r in data["records"]),
             events=tuple(_event_from_json(e) for e in data["events"]),
@@ -378,11 +370,7 @@ class Trace:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the trace as JSON to ``path`` (atomically: a temp file, then a rename)."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, separators=(",", ":"))
-        os.replace(tmp, path)
+        write_json(path, self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Trace:
@@ -392,12 +380,7 @@ class Trace:
             FileNotFoundError: ``path`` does not exist.
             ValueError: the file is not an offload trace, or has another schema version.
         """
-        with open(os.fspath(path), encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {e}") from e
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path))
 
     def __post_init__(self) -> None:
         # Records are addressed by position everywhere (events carry ``record=seq``).
