@@ -31,14 +31,22 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 import storage
 from offload._errors import OffloadError, from_storage
-from offload._family import Family, Life, aligned_buffer, rebuild, span_of, storage_bytes
+from offload._family import (
+    Family,
+    Life,
+    aligned_buffer,
+    aligned_offset,
+    rebuild,
+    span_of,
+    storage_bytes,
+)
 from offload._stats import StepStats
 
 log = logging.getLogger("offload")
@@ -167,17 +175,11 @@ class Executor:
             if step is None:
                 return
             step.failed = True
-            if self.cuda:
-                self._d2h.synchronize()
-                self._h2d.synchronize()
-            for fam in step.families:
-                if fam.life is not Life.FREED:
-                    fam.error = OffloadError(
-                        f"the step that saved this tensor (step {step.index}) raised; its offloaded "
-                        "activations were released. Run forward again."
-                    )
-                    self._wait_transfers(fam)
-                    self._free(fam)
+            self._abandon(
+                step.families,
+                f"the step that saved this tensor (step {step.index}) raised; its offloaded "
+                "activations were released. Run forward again.",
+            )
             # Earlier steps' copies stay in flight (their graphs may still run backward).
             self._inflight = deque(f for f in self._inflight if f.life is Life.COPYING_OUT)
             self._inflight_bytes = sum(f.nbytes for f in self._inflight)
@@ -592,7 +594,7 @@ class Executor:
                 # unpack, not only the one that finished the reload: a member unpacked later, or
                 # one reusing a live buffer, may run on another stream.
                 torch.cuda.current_stream(self.device).wait_event(fam.reload_event)
-            off = (fam.storage_mod - raw.data_ptr()) % 4096
+            off = aligned_offset(raw, fam.storage_mod)
             out = rebuild(
                 raw,
                 off,
@@ -633,7 +635,7 @@ class Executor:
             # NVMe: the bytes reached pinned staging; now staging -> device on the H2D stream.
             raw = fam.resident
             assert raw is not None
-            off = (fam.storage_mod - raw.data_ptr()) % 4096
+            off = aligned_offset(raw, fam.storage_mod)
             self._h2d_copy(fam, raw[off : off + fam.nbytes], fam.staging.tensor)
             staging, fam.staging = fam.staging, None
             self._release_after(staging, fam.reload_event)
@@ -674,7 +676,6 @@ class Executor:
         self._mark_ahead(fam, False)
         # Rule 4: GPU copies that read or write the tier's region must be complete first.
         if self.cuda and not self._events_done(fam):
-            fam.pending_free = True
             fam.to(Life.FREED)
             self._pending_free.append(fam)
             return
@@ -694,7 +695,6 @@ class Executor:
             fam.spill = None
         fam.handle = fam.staging = fam.source = fam.resident = fam.guard = None
         fam.source_event = fam.reload_event = fam.reload = None
-        fam.pending_free = False
 
     def _events_done(self, fam: Family) -> bool:
         # Rule 4 covers the I/O future too: an NVMe read still filling the staging region must
@@ -728,6 +728,17 @@ class Executor:
         else:
             self._pending_regions.append((region, event))
 
+    def _abandon(self, families: Iterable[Family], why: str) -> None:
+        """Free ``families`` now, whatever their state; a later unpack of one raises ``why``."""
+        if self.cuda:  # rule 4: nothing may still read or write their regions
+            self._d2h.synchronize()
+            self._h2d.synchronize()
+        for fam in families:
+            if fam.life is not Life.FREED:
+                fam.error = OffloadError(why)
+                self._wait_transfers(fam)
+                self._free(fam)
+
     def _wait_transfers(self, fam: Family) -> None:
         for t in (fam.reload, getattr(fam.handle, "written", None)):
             if t is not None:
@@ -737,14 +748,7 @@ class Executor:
     def close(self) -> None:
         """Release every family's bytes (later unpacks raise) and wait for copies in flight."""
         with self.lock:
-            if self.cuda:
-                self._d2h.synchronize()
-                self._h2d.synchronize()
-            for fam in list(self._live):
-                if fam.life is not Life.FREED:
-                    fam.error = OffloadError("the offload manager was closed")
-                    self._wait_transfers(fam)
-                    self._free(fam)
+            self._abandon(list(self._live), "the offload manager was closed")
             for fam in self._pending_free:
                 self._drop(fam)
             for region, _ in self._pending_regions:

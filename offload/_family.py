@@ -69,7 +69,6 @@ class Family:
         "module",
         "nbytes",
         "order",
-        "pending_free",
         "reload",
         "reload_event",
         "reload_started_s",
@@ -134,7 +133,6 @@ class Family:
         self.reload_started_s = 0.0
         self.resident: torch.Tensor | None = None  # raw uint8 device buffer of a reload
         self.resident_ref: weakref.ref | None = None
-        self.pending_free = False
         self.ahead = False  # counted in the executor's look-ahead bytes
         self.error: BaseException | None = None
 
@@ -167,11 +165,15 @@ def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
+def aligned_offset(raw: torch.Tensor, mod: int) -> int:
+    """The offset in ``raw`` whose address is ``mod`` modulo ALIGN_BYTES."""
+    return (mod - raw.data_ptr()) % ALIGN_BYTES
+
+
 def aligned_buffer(nbytes: int, mod: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """A uint8 device buffer and the offset in it whose address is ``mod`` modulo ALIGN_BYTES."""
     raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8, device=device)
-    off = (mod - raw.data_ptr()) % ALIGN_BYTES
-    return raw, off
+    return raw, aligned_offset(raw, mod)
 
 
 def rebuild(
