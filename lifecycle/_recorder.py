@@ -31,10 +31,9 @@ from torch import nn
 
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._tensors import (
-    is_parameter,
+    ParameterStorages,
     local_tensor,
     named_modules_stop_at_compiled,
-    params_and_buffers,
     tensors_in,
 )
 from lifecycle._trace import Event, EventKind, TensorRecord, Trace
@@ -186,7 +185,7 @@ class Recorder:
         self._outside_packs = 0
         self._graph_task: int | None = None
         # Parameters and buffers, by storage (see NOTE [ Alias families ] for why Python objects).
-        self._param_storages: dict[int, weakref.ref] = {}
+        self._params = ParameterStorages()
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._roots: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
         self._on_step_end: list[Callable[[int, bool], None]] = []
@@ -284,9 +283,7 @@ class Recorder:
 
     def add_parameters(self, module: nn.Module) -> None:
         """Treat ``module``'s parameters and buffers (by storage) as parameters, not activations."""
-        for t in params_and_buffers(module):
-            st = local_tensor(t).untyped_storage()
-            self._param_storages[id(st)] = weakref.ref(st)
+        self._params.add(module)
 
     @contextmanager
     def attach(self, model: nn.Module) -> Iterator[Recorder]:
@@ -502,14 +499,7 @@ class Recorder:
         version = local._version
         backward = _current_graph_task_id is not None and _current_graph_task_id() != -1
         fn = t.grad_fn
-        # Parameters and buffers by storage; FSDP2 and ``weight.t()`` hand over views whose base
-        # is the Parameter.
-        ref = self._param_storages.get(sid)
-        if ref is not None and ref() is storage:
-            is_param = True
-        else:
-            base = local._base
-            is_param = is_parameter(local) or (base is not None and is_parameter(base))
+        is_param = self._params.holds(local, storage)
         # See NOTE [ Alias families ].
         key = (sid, version)
         ref = self._family_ref.get(key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,3 +58,34 @@ def named_modules_stop_at_compiled(model: nn.Module) -> Iterable[tuple[str, nn.M
             yield from walk(f"{prefix}.{name}" if prefix else name, child)
 
     return walk("", model)
+
+
+class ParameterStorages:
+    """The storages of a model's parameters and buffers, to tell weights from activations.
+
+    Keyed by storage (held weakly), so views of a parameter (``weight.t()`` saved by Linear) count
+    too; a tensor whose ``_base`` is a Parameter also counts (FSDP2's unsharded views, whose
+    storage changes every step).
+    """
+
+    __slots__ = ("_refs",)
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def clear(self) -> None:
+        self._refs.clear()
+
+    def add(self, module: nn.Module) -> None:
+        """Register ``module``'s parameters and buffers (DTensors by their local shard)."""
+        for t in params_and_buffers(module):
+            st = local_tensor(t).untyped_storage()
+            self._refs[id(st)] = weakref.ref(st)
+
+    def holds(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+        """Whether ``t`` (a plain or local tensor whose storage is ``storage``) is a weight."""
+        ref = self._refs.get(id(storage))
+        if ref is not None and ref() is storage:
+            return True
+        base = t._base
+        return is_parameter(t) or (base is not None and is_parameter(base))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import storage
-from lifecycle._tensors import is_parameter, named_modules_stop_at_compiled, tensors_in
+from lifecycle._tensors import ParameterStorages, named_modules_stop_at_compiled, tensors_in
 from lifecycle._units import parse_bytes
 from offload._device import compute_device
 from offload._errors import OffloadError
@@ -203,7 +203,7 @@ class ActivationOffloader:
         # [module path, kept, families this call packed itself (offloaded ones, in pack order)]
         self._stack: list[list[Any]] = []
         self._warned: set[str] = set()
-        self._params: dict[int, weakref.ref] = {}
+        self._params = ParameterStorages()
         self._module_handles = self._install_module_hooks(model)
         self._pack_fn, self._unpack_fn = self._pack, self._unpack
         # Closed on garbage collection and at exit too; the finalizer holds only the resources.
@@ -367,12 +367,8 @@ class ActivationOffloader:
         # By storage, refreshed every step: FSDP2 and users swap parameters between steps.
         model = self._model_ref()
         self._params.clear()
-        if model is None:
-            return
-        for t in (*model.parameters(), *model.buffers()):
-            local = getattr(t, "_local_tensor", t)
-            st = local.untyped_storage()
-            self._params[id(st)] = weakref.ref(st)
+        if model is not None:
+            self._params.add(model)
 
     def _maybe_hide_from_compile(self) -> None:
         # Pack and unpack are torch.compiler.disable'd, but only once dynamo is in use: importing
@@ -435,7 +431,7 @@ class ActivationOffloader:
             or local.device != self.device
             or local.numel() * local.element_size() < self.config.min_offload_bytes
             or local.numel() == 0
-            or self._is_param(local)
+            or self._params.holds(local, local.untyped_storage())
         ):
             stats.records_kept += 1
             return t.detach()
@@ -462,14 +458,6 @@ class ActivationOffloader:
                 _StepEnd(self, self._step_stats, time.perf_counter)
             )
         return packed.executor.unpack(packed)
-
-    def _is_param(self, t: torch.Tensor) -> bool:
-        st = t.untyped_storage()
-        ref = self._params.get(id(st))
-        if ref is not None and ref() is st:
-            return True
-        base = t._base
-        return is_parameter(t) or (base is not None and is_parameter(base))
 
 
 class _ForwardPre:
