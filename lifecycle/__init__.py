@@ -1,13 +1,22 @@
 """lifecycle: what happens to each saved tensor during a step, as plain data.
 
 Pure data and pure functions: the :class:`Recorder` (clock and memory probe injected), the frozen
-:class:`Trace` it produces, the exporters, the :class:`HardwareModel` and the step simulator the
-planner stands on. No CUDA calls; never imports ``offload`` or ``storage``.
+:class:`Trace` it produces, the exporters, the :class:`HardwareModel`, the step simulator and the
+planner (:func:`plan` -> :class:`Plan`). No CUDA calls; never imports ``offload`` or ``storage``.
 """
 
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._export import write_memory_png, write_perfetto
 from lifecycle._hardware import HARDWARE_SCHEMA_VERSION, HardwareModel
+from lifecycle._plan import (
+    PLAN_SCHEMA_VERSION,
+    BudgetInfeasibleError,
+    Plan,
+    PlanEntry,
+    Prediction,
+    Trigger,
+)
+from lifecycle._planner import plan
 from lifecycle._profile import profile
 from lifecycle._recorder import MemoryProbe, Recorder, StepBoundary
 from lifecycle._simulate import (
@@ -19,6 +28,7 @@ from lifecycle._simulate import (
     predict_anchors,
     simulate,
 )
+from lifecycle._synthetic import transformer_trace
 from lifecycle._trace import (
     SCHEMA_VERSION,
     Event,
@@ -59,4 +69,13 @@ __all__ = [
     "offload_all",
     "checkpoint_blocks",
     "predict_anchors",
+    # planning
+    "PLAN_SCHEMA_VERSION",
+    "BudgetInfeasibleError",
+    "Plan",
+    "PlanEntry",
+    "Prediction",
+    "Trigger",
+    "plan",
+    "transformer_trace",
 ]

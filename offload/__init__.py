@@ -9,15 +9,25 @@ from lifecycle import (
     Event,
     EventKind,
     Family,
+    HardwareModel,
     ModuleSpan,
+    Plan,
     Recorder,
     TensorRecord,
     Trace,
     write_memory_png,
     write_perfetto,
 )
-from offload._errors import ChecksumError, OffloadError, StorageError, StorageFullError
+from offload._errors import (
+    BudgetInfeasibleError,
+    ChecksumError,
+    OffloadError,
+    StorageError,
+    StorageFullError,
+)
 from offload._offloader import ActivationOffloader, activations
+from offload._planning import plan
+from offload._probe import probe_hardware
 from offload._profile import profile
 from offload._stats import OffloadStats, StepStats
 
@@ -29,9 +39,11 @@ __all__ = [
     "activations",
     "OffloadStats",
     "StepStats",
-    # profiling
+    # profiling and planning
     "Recorder",
     "profile",
+    "plan",
+    "probe_hardware",
     # data
     "Event",
     "EventKind",
@@ -39,11 +51,14 @@ __all__ = [
     "ModuleSpan",
     "TensorRecord",
     "Trace",
+    "Plan",
+    "HardwareModel",
     # exports
     "write_memory_png",
     "write_perfetto",
     # errors
     "OffloadError",
+    "BudgetInfeasibleError",
     "StorageError",
     "ChecksumError",
     "StorageFullError",

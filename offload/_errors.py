@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import lifecycle
 import storage
 
 
@@ -44,3 +45,22 @@ def from_storage(e: BaseException, context: str) -> BaseException:
     if isinstance(e, storage.ChecksumError):
         return ChecksumError(msg, path=e.path, file_offset=e.file_offset, nbytes=e.nbytes)
     return StorageError(msg, errno=e.errno)
+
+
+class BudgetInfeasibleError(OffloadError, lifecycle.BudgetInfeasibleError):
+    """No plan fits the step under ``gpu_budget``: ``.min_feasible_bytes`` says what would,
+    ``.budget_bytes`` what was asked.
+
+    Example:
+        >>> issubclass(BudgetInfeasibleError, ValueError), issubclass(BudgetInfeasibleError, OffloadError)
+        (True, True)
+    """
+
+
+def from_infeasible(e: lifecycle.BudgetInfeasibleError) -> BudgetInfeasibleError:
+    """The offload-level error for the planner's ``e``."""
+    if isinstance(e, BudgetInfeasibleError):
+        return e
+    return BudgetInfeasibleError(
+        str(e), budget_bytes=e.budget_bytes, min_feasible_bytes=e.min_feasible_bytes
+    )

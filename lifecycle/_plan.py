@@ -1,0 +1,366 @@
+"""A plan: where each alias family of a step waits, and when it comes back, as plain data.
+
+:func:`lifecycle.plan` makes one from a :class:`~lifecycle.Trace`; the ``offload`` executor
+carries it out. A plan names tensors by their record keys (module path, call index within the
+step, ordinal of the pack within that call), which are stable across steps of one signature, and
+it names the events that start reloads the same way, so the executor needs no event counter.
+Plans are JSON with a schema version and explain themselves (:meth:`Plan.summary`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lifecycle._hardware import HardwareModel
+from lifecycle._jsonfile import check_header, read_json, write_json
+from lifecycle._simulate import Decision, Placement
+from lifecycle._units import format_bytes
+
+PLAN_SCHEMA_VERSION = 1
+_FORMAT = "offload.plan"
+
+Key = tuple[str, int, int]  # (module path, call index, ordinal): TensorRecord.key
+
+
+class BudgetInfeasibleError(ValueError):
+    """No plan keeps the step under the budget (less the margin).
+
+    Attributes:
+        budget_bytes: the budget asked for.
+        min_feasible_bytes: the smallest budget a plan can meet on this trace (everything movable
+            offloaded, reloads just in time), margin included.
+
+    Example:
+        >>> e = BudgetInfeasibleError("too small", budget_bytes=10, min_feasible_bytes=25)
+        >>> e.min_feasible_bytes - e.budget_bytes
+        15
+    """
+
+    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+
+    def __reduce__(self) -> Any:
+        return (
+            _rebuild_infeasible,
+            (type(self), str(self), self.budget_bytes, self.min_feasible_bytes),
+        )
+
+
+def _rebuild_infeasible(cls: type, message: str, budget: int, floor: int) -> BudgetInfeasibleError:
+    return cls(message, budget_bytes=budget, min_feasible_bytes=floor)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trigger:
+    """A point of the backward pass where reloads start, as the executor sees it.
+
+    Attributes:
+        kind: ``"backward"`` (right before the backward of module call ``(module, call_index)``
+            starts: a pre-hook on its outputs' ``grad_fn``) or ``"unpack"`` (when the record
+            ``(module, call_index, ordinal)`` is unpacked).
+        module / call_index / ordinal: which one (``ordinal`` is -1 for ``"backward"``).
+
+    Example:
+        >>> Trigger(kind="backward", module="layers.3", call_index=0).key
+        ('backward', 'layers.3', 0, -1)
+    """
+
+    kind: str
+    module: str
+    call_index: int
+    ordinal: int = -1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("backward", "unpack"):
+            raise ValueError(f"Trigger.kind must be 'backward' or 'unpack'; got {self.kind!r}")
+        if self.kind == "backward" and self.ordinal != -1:
+            raise ValueError("Trigger.ordinal applies to kind 'unpack' only")
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        return (self.kind, self.module, self.call_index, self.ordinal)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanEntry:
+    """What the plan does with one alias family.
+
+    Attributes:
+        family: the family's id in the planned trace.
+        keys: record keys of its members, in pack order; the first one decides at execution.
+        nbytes: bytes its copy spans.
+        module: module path of its first record (for summaries).
+        placement: KEEP, CPU, NVME or RECOMPUTE.
+        reload: CPU / NVME: where its reload starts (``None``: when backward reaches the module
+            call that packed it).
+        reload_event: the same point as an event index of the planned trace (for the simulator;
+            -1 with ``reload=None``).
+        recompute_module: RECOMPUTE: the module whose forward call runs again.
+    """
+
+    family: int
+    keys: tuple[Key, ...]
+    nbytes: int
+    module: str
+    placement: Placement
+    reload: Trigger | None = None
+    reload_event: int = -1
+    recompute_module: str = ""
+
+    def decision(self) -> Decision:
+        """This entry as the simulator's :class:`~lifecycle.Decision`."""
+        return Decision(
+            placement=self.placement,
+            reload_event=self.reload_event if self.placement.moves else -1,
+            recompute_module=self.recompute_module,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """A predicted step: device peak (base included) and time."""
+
+    peak_bytes: int
+    step_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Where each alias family of one step waits, and when it comes back.
+
+    Made by :func:`lifecycle.plan`; carried out by ``offload.ActivationOffloader(plan=...)``.
+
+    Attributes:
+        gpu_budget_bytes: the budget planned for.
+        margin_bytes: room left under it for what the trace cannot show (allocator rounding,
+            workspaces): the plan aims at ``gpu_budget_bytes - margin_bytes``.
+        tiers: the tiers the plan may use.
+        entries: one per activation family of the step (KEEP ones included).
+        recompute_calls: ``(module, call index)`` of each module call run under non-reentrant
+            checkpoint.
+        expected_keys: the record keys the executed step will show (packs inside a recomputed
+            call vanish); a pack whose key is not here is unplanned.
+        predicted: the plan's predicted peak and step time.
+        anchors: the same predictions for keeping everything (``"keep_all"``), offloading
+            everything (``"offload_all"``) and checkpointing every block (``"checkpoint_blocks"``).
+        trace_step_s: the planned step's time in the trace.
+        base_bytes: device memory at the step's start in the trace.
+        prediction_source: ``"simulator"`` (every figure from :func:`lifecycle.simulate`) or
+            ``"planner model"`` (the planner's own closed-form model: used above
+            ``simulate_records`` records, where the simulator takes seconds).
+        hardware: the hardware model planned with.
+        signature: what the plan is for (the input shapes and dtypes of the root module; free
+            text, "" when unknown).
+        metadata: free-form facts (planning time, trace source).
+    """
+
+    gpu_budget_bytes: int
+    margin_bytes: int
+    tiers: tuple[str, ...]
+    entries: tuple[PlanEntry, ...]
+    recompute_calls: tuple[tuple[str, int], ...]
+    expected_keys: tuple[Key, ...]
+    predicted: Prediction
+    anchors: Mapping[str, Prediction]
+    trace_step_s: float
+    base_bytes: int
+    prediction_source: str
+    hardware: HardwareModel
+    signature: str = ""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.predicted.peak_bytes
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.predicted.step_s
+
+    @property
+    def target_bytes(self) -> int:
+        """``gpu_budget_bytes - margin_bytes``: what the predicted peak must not exceed."""
+        return self.gpu_budget_bytes - self.margin_bytes
+
+    def bytes_by_placement(self) -> dict[str, int]:
+        """Family bytes per placement: ``{"keep": ..., "cpu": ..., "nvme": ..., "recompute": ...}``."""
+        out = {p.value: 0 for p in Placement}
+        for e in self.entries:
+            out[e.placement.value] += e.nbytes
+        return out
+
+    def decisions(self) -> dict[int, Decision]:
+        """``{family id: Decision}`` for :func:`lifecycle.simulate` on the planned trace."""
+        return {e.family: e.decision() for e in self.entries if e.placement is not Placement.KEEP}
+
+    def with_signature(self, signature: str) -> Plan:
+        """A copy of this plan labelled with ``signature``."""
+        from dataclasses import replace
+
+        return replace(self, signature=signature)
+
+    # -- explanation -------------------------------------------------------------------------
+
+    def summary(self, top: int = 12) -> str:
+        """A plain-text explanation: budget, predictions next to the anchors, bytes per tier,
+        and the modules holding the most bytes with where their bytes wait."""
+        lines = [
+            f"plan for a budget of {format_bytes(self.gpu_budget_bytes)} "
+            f"(margin {format_bytes(self.margin_bytes)}, aiming at {format_bytes(self.target_bytes)}); "
+            f"tiers {', '.join(self.tiers)}; predictions from the {self.prediction_source}",
+            "",
+            f"  {'':<20} {'peak':>12} {'step':>11} {'x keep all':>10}",
+        ]
+        base = self.anchors.get("keep_all")
+        rows = [("this plan", self.predicted), *self.anchors.items()]
+        for name, p in rows:
+            ratio = p.step_s / base.step_s if base and base.step_s > 0 else float("nan")
+            lines.append(
+                f"  {name:<20} {format_bytes(p.peak_bytes):>12} {p.step_s * 1e3:>9.2f}ms "
+                f"{ratio:>10.3f}"
+            )
+        by = self.bytes_by_placement()
+        lines += [
+            "",
+            "  bytes by placement: "
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in by.items() if v or k == "keep"),
+        ]
+        if self.recompute_calls:
+            calls = ", ".join(f"{m or '<root>'}[{c}]" for m, c in self.recompute_calls[:8])
+            more = len(self.recompute_calls) - 8
+            lines.append(
+                f"  recomputed module calls ({len(self.recompute_calls)}): {calls}"
+                + (f", ... {more} more" if more > 0 else "")
+            )
+        per_module: dict[str, dict[str, int]] = {}
+        for e in self.entries:
+            row = per_module.setdefault(e.module, {p.value: 0 for p in Placement})
+            row[e.placement.value] += e.nbytes
+        ranked = sorted(per_module.items(), key=lambda kv: -sum(kv[1].values()))[:top]
+        if ranked:
+            width = max(24, *(len(m) for m, _ in ranked))
+            lines += ["", f"  {'module':<{width}} " + " ".join(f"{p.value:>10}" for p in Placement)]
+            for module, row in ranked:
+                lines.append(
+                    f"  {module or '<root>':<{width}} "
+                    + " ".join(f"{_short(row[p.value]):>10}" for p in Placement)
+                )
+        return "\n".join(lines)
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "format": _FORMAT,
+            "schema_version": PLAN_SCHEMA_VERSION,
+            "gpu_budget_bytes": self.gpu_budget_bytes,
+            "margin_bytes": self.margin_bytes,
+            "tiers": list(self.tiers),
+            "signature": self.signature,
+            "prediction_source": self.prediction_source,
+            "trace_step_s": self.trace_step_s,
+            "base_bytes": self.base_bytes,
+            "predicted": _prediction_to_json(self.predicted),
+            "anchors": {k: _prediction_to_json(v) for k, v in self.anchors.items()},
+            "hardware": self.hardware.to_dict(),
+            "recompute_calls": [list(c) for c in self.recompute_calls],
+            "expected_keys": [list(k) for k in self.expected_keys],
+            "entries": [_entry_to_json(e) for e in self.entries],
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Inverse of :meth:`to_dict`; raises ``ValueError`` for another format or schema."""
+        check_header(data, fmt=_FORMAT, version=PLAN_SCHEMA_VERSION, what="plan")
+        try:
+            return cls(
+                gpu_budget_bytes=int(data["gpu_budget_bytes"]),
+                margin_bytes=int(data["margin_bytes"]),
+                tiers=tuple(data["tiers"]),
+                signature=str(data.get("signature", "")),
+                prediction_source=str(data["prediction_source"]),
+                trace_step_s=float(data["trace_step_s"]),
+                base_bytes=int(data["base_bytes"]),
+                predicted=_prediction_from_json(data["predicted"]),
+                anchors={k: _prediction_from_json(v) for k, v in data["anchors"].items()},
+                hardware=HardwareModel.from_dict(data["hardware"]),
+                recompute_calls=tuple((str(m), int(c)) for m, c in data["recompute_calls"]),
+                expected_keys=tuple(_key(k) for k in data["expected_keys"]),
+                entries=tuple(_entry_from_json(e) for e in data["entries"]),
+                metadata=dict(data.get("metadata", {})),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"plan file is missing or has a malformed field: {e!r}") from e
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON to ``path`` (atomically: a temp file, then a rename)."""
+        write_json(path, self.to_dict(), separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            ValueError: the file is not an offload plan, or has another schema version.
+        """
+        return cls.from_dict(read_json(path))
+
+
+def _short(n: int) -> str:
+    return "-" if n == 0 else format_bytes(n)
+
+
+def _key(k: Any) -> Key:
+    module, call, ordinal = k
+    return (str(module), int(call), int(ordinal))
+
+
+def _prediction_to_json(p: Prediction) -> dict[str, Any]:
+    return {"peak_bytes": p.peak_bytes, "step_s": p.step_s}
+
+
+def _prediction_from_json(d: Mapping[str, Any]) -> Prediction:
+    return Prediction(peak_bytes=int(d["peak_bytes"]), step_s=float(d["step_s"]))
+
+
+def _entry_to_json(e: PlanEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "family": e.family,
+        "keys": [list(k) for k in e.keys],
+        "nbytes": e.nbytes,
+        "module": e.module,
+        "placement": e.placement.value,
+    }
+    if e.reload is not None:
+        out["reload"] = list(e.reload.key)
+        out["reload_event"] = e.reload_event
+    if e.recompute_module:
+        out["recompute_module"] = e.recompute_module
+    return out
+
+
+def _entry_from_json(d: Mapping[str, Any]) -> PlanEntry:
+    reload = None
+    if "reload" in d:
+        kind, module, call, ordinal = d["reload"]
+        reload = Trigger(
+            kind=str(kind), module=str(module), call_index=int(call), ordinal=int(ordinal)
+        )
+    return PlanEntry(
+        family=int(d["family"]),
+        keys=tuple(_key(k) for k in d["keys"]),
+        nbytes=int(d["nbytes"]),
+        module=str(d["module"]),
+        placement=Placement(d["placement"]),
+        reload=reload,
+        reload_event=int(d.get("reload_event", -1)),
+        recompute_module=str(d.get("recompute_module", "")),
+    )

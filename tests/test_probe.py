@@ -1,0 +1,206 @@
+"""probe_hardware(): a measured HardwareModel, its JSON cache, and its argument checks."""
+
+from __future__ import annotations
+
+import logging
+import math
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from lifecycle import HardwareModel
+from offload._probe import probe_hardware
+
+SMALL = 1 << 20  # 1 MiB probes: quick, and noisy figures are fine for these checks
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "cache"
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "nvme"
+    d.mkdir()
+    return d
+
+
+def _rates(hw: HardwareModel) -> list[float]:
+    return [
+        hw.h2d_bytes_per_s,
+        hw.d2h_bytes_per_s,
+        hw.duplex_bytes_per_s,
+        hw.disk_write_bytes_per_s,
+        hw.disk_read_bytes_per_s,
+    ]
+
+
+def _only_file(d: Path) -> Path:
+    files = sorted(d.iterdir())
+    assert len(files) == 1, files
+    return files[0]
+
+
+def test_cpu_probe_measures_a_valid_model(disk_dir: Path) -> None:
+    hw = probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL, cache=False)
+    assert isinstance(hw, HardwareModel)
+    assert hw.copies_overlap_compute is False
+    assert (hw.device_name, hw.link) == ("cpu", "host memcpy")
+    assert all(math.isfinite(r) and r > 0 for r in _rates(hw))
+    assert hw.source.startswith("measured") and str(disk_dir) in hw.source
+    # One memcpy serves both directions (HardwareModel.cpu_only).
+    assert hw.h2d_bytes_per_s == hw.d2h_bytes_per_s == hw.duplex_bytes_per_s
+    # The probe file is gone.
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_without_nvme_dir_the_disk_is_a_named_placeholder(cache_dir: Path) -> None:
+    hw = probe_hardware(device=torch.device("cpu"), nbytes="1MiB", cache=False)
+    assumed = HardwareModel.h200()
+    assert hw.disk_write_bytes_per_s == assumed.disk_write_bytes_per_s
+    assert hw.disk_read_bytes_per_s == assumed.disk_read_bytes_per_s
+    assert "disk not measured" in hw.source
+    assert not cache_dir.exists()  # cache=False writes nothing
+
+
+def test_cache_round_trip(cache_dir: Path, disk_dir: Path) -> None:
+    first = probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL)
+    path = _only_file(cache_dir)
+    assert path.name.startswith("hardware-") and path.suffix == ".json"
+    assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700
+    assert HardwareModel.load(path) == first
+    assert probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL) == first
+    assert _only_file(cache_dir) == path
+
+
+def test_second_call_reads_the_file_and_refresh_measures_again(
+    cache_dir: Path, disk_dir: Path
+) -> None:
+    probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL)
+    path = _only_file(cache_dir)
+    # A model no probe would produce: a call that returns it has read the file.
+    marker = HardwareModel.cpu_only(
+        copy_bytes_per_s=123.0,
+        disk_write_bytes_per_s=4.0,
+        disk_read_bytes_per_s=5.0,
+        source="planted by the test",
+    )
+    marker.save(path)
+    assert probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL) == marker
+
+    fresh = probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL, refresh=True)
+    assert fresh != marker and fresh.source.startswith("measured")
+    assert HardwareModel.load(path) == fresh
+
+
+def test_cache_key_separates_disks_and_probe_sizes(cache_dir: Path, tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    probe_hardware(device="cpu", nvme_dir=a, nbytes=SMALL)
+    probe_hardware(device="cpu", nvme_dir=b, nbytes=SMALL)
+    probe_hardware(device="cpu", nvme_dir=b, nbytes=2 * SMALL)
+    assert len(list(cache_dir.iterdir())) == 3
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": "something else"}', ""])
+def test_corrupt_cache_file_is_ignored_and_rewritten(
+    cache_dir: Path, disk_dir: Path, caplog: pytest.LogCaptureFixture, content: str
+) -> None:
+    probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL)
+    path = _only_file(cache_dir)
+    path.write_text(content)
+    with caplog.at_level(logging.INFO, logger="offload"):
+        hw = probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL)
+    assert hw.source.startswith("measured")
+    assert HardwareModel.load(path) == hw
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "host memcpy" in infos[0].getMessage()
+
+
+def test_unwritable_cache_is_logged_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(blocker / "cache"))  # under a file: ENOTDIR
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        hw = probe_hardware(device="cpu", nbytes=SMALL)
+    assert hw.source.startswith("measured")
+    assert any("could not write the cache" in r.getMessage() for r in caplog.records)
+
+
+def test_cache_dir_falls_back_to_xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OFFLOAD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    probe_hardware(device="cpu", nbytes=SMALL)
+    assert _only_file(tmp_path / "offload").name.startswith("hardware-")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"device": "mps"}, ValueError, "device"),
+        ({"device": "not a device"}, ValueError, "device"),
+        ({"device": 1.5}, TypeError, "device"),
+        ({"device": True}, TypeError, "device"),
+        ({"device": -1}, ValueError, "device"),
+        ({"nvme_dir": "/no/such/dir/for/offload"}, ValueError, "nvme_dir"),
+        ({"nvme_dir": 3}, TypeError, "nvme_dir"),
+        ({"nbytes": 0}, ValueError, "nbytes"),
+        ({"nbytes": -5}, ValueError, "nbytes"),
+        ({"nbytes": "lots"}, ValueError, "nbytes"),
+        ({"nbytes": 1.5}, TypeError, "nbytes"),
+        ({"cache": "yes"}, TypeError, "cache"),
+        ({"refresh": 1}, TypeError, "refresh"),
+    ],
+)
+def test_bad_arguments_name_themselves(
+    cache_dir: Path, kwargs: dict[str, object], error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        probe_hardware(**kwargs)  # type: ignore[arg-type]
+    assert not cache_dir.exists()
+
+
+def test_nvme_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(ValueError, match=r"nvme_dir.*not a directory"):
+        probe_hardware(device="cpu", nvme_dir=f, cache=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0])
+def test_cuda_device_without_cuda_is_refused(device: object) -> None:
+    with pytest.raises(ValueError, match=r"device.*CUDA is not available"):
+        probe_hardware(device=device, cache=False)  # type: ignore[arg-type]
+
+
+def test_default_device_without_cuda_is_the_cpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the default is the current CUDA device here")
+    assert probe_hardware(nbytes=SMALL, cache=False).device_name == "cpu"
+
+
+@pytest.mark.gpu
+def test_cuda_probe_measures_both_directions(tmp_path: Path) -> None:
+    allocated = torch.cuda.memory_allocated()
+    hw = probe_hardware(device="cuda", nvme_dir=tmp_path, nbytes=64 << 20, cache=False)
+    assert hw.copies_overlap_compute is True
+    assert hw.device_name == torch.cuda.get_device_name()
+    assert all(math.isfinite(r) and r > 0 for r in _rates(hw))
+    assert hw.pinned_alloc_s_per_byte >= 0
+    assert hw.link  # "PCIe GenN xW", or "unknown link" without NVML
+    # Both at once moves more in total than either direction alone (or as much, on a link
+    # whose directions share one copy engine); 10% slack for noise.
+    assert hw.duplex_bytes_per_s >= max(hw.h2d_bytes_per_s, hw.d2h_bytes_per_s) * 0.9
+    # The probe's buffers are freed.
+    assert torch.cuda.memory_allocated() == allocated
