@@ -485,6 +485,24 @@ class Recorder:
 
     # -- saved-tensor hooks ------------------------------------------------------------------
 
+    def record_pack(self, t: torch.Tensor) -> int:
+        """Record a pack made by someone else's saved-tensor hooks; returns its ``seq`` (give it
+        to :meth:`record_unpack`), or -1 when no step is being recorded.
+
+        For a manager whose own hooks must run (only the innermost pair of saved-tensor hooks
+        fires): ``offload.ActivationOffloader`` records its profiling step this way.
+        """
+        if not self._recording:
+            return -1
+        return self._record(t)
+
+    def record_unpack(self, seq: int) -> None:
+        """Record the unpack of the pack :meth:`record_pack` numbered ``seq`` (-1: ignored)."""
+        if seq >= 0 and self._recording:
+            self._events.append((~seq, self._stamp(), self._probe() if self._probe else 0))
+            if self._by_backward:
+                self._backward_signal()
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         # Hot path: see NOTE [ Recorder allocations ] before adding work here. Autograd keeps
         # what this returns; ``t.detach()`` (never ``t`` itself: an output saved by its own
@@ -493,6 +511,10 @@ class Recorder:
         if not self._recording:
             self._seq_of.pop(id(d), None)
             return d
+        self._seq_of[id(d)] = self._record(t)
+        return d
+
+    def _record(self, t: torch.Tensor) -> int:
         local = t if type(t) is torch.Tensor else local_tensor(t)
         storage = local.untyped_storage()
         sid = id(storage)
@@ -518,7 +540,6 @@ class Recorder:
             module, call_index, ordinal = OUTSIDE, 0, self._outside_packs
             self._outside_packs = ordinal + 1
         seq = len(self._records)
-        self._seq_of[id(d)] = seq
         self._events.append((seq, self._stamp(), self._probe() if self._probe else 0))
         self._records.append(
             (
@@ -540,7 +561,7 @@ class Recorder:
                 backward,
             )
         )
-        return d
+        return seq
 
     def _unpack(self, d: torch.Tensor) -> torch.Tensor:
         # Hot path, like _pack.

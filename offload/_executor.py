@@ -62,9 +62,21 @@ class _Member:
     once no member is left.
     """
 
-    __slots__ = ("dtensor", "dtype", "executor", "family", "offset_bytes", "size", "stride")
+    __slots__ = (
+        "dtensor",
+        "dtype",
+        "executor",
+        "family",
+        "key",
+        "offset_bytes",
+        "seq",
+        "size",
+        "stride",
+    )
 
     def __init__(self, executor: Executor, family: Family, t: torch.Tensor, dtensor: Any) -> None:
+        self.key: Any = None  # (module, call index, ordinal) under a plan: unpack triggers
+        self.seq = -1  # the recorder's record number during a profiling step
         self.executor = executor
         self.family = family
         self.dtype = t.dtype
@@ -87,6 +99,8 @@ class _StepState:
         self.by_storage: dict[int, list[Family]] = {}
         self.prefetch_next = -1  # highest family order the look-ahead has not passed yet
         self.revisit: list[Family] = []  # passed while their copy out was still in flight
+        # Under a plan: trigger key -> families whose reload it starts (filled at pack).
+        self.triggers: dict[tuple[str, str, int, int], list[Family]] = {}
         self.stats = StepStats(steps=1)
         self.started_s = time.perf_counter()
         self.failed = False
@@ -184,14 +198,26 @@ class Executor:
             self._inflight = deque(f for f in self._inflight if f.life is Life.COPYING_OUT)
             self._inflight_bytes = sum(f.nbytes for f in self._inflight)
 
+    def device_saved_bytes(self) -> int:
+        """Saved bytes this executor holds on the device now, roughly: sources of copies out
+        in flight and reloads not yet unpacked (the profiling step's memory probe subtracts
+        them, see ``ActivationOffloader``)."""
+        return self._inflight_bytes + self._ahead_bytes
+
     def live_families(self) -> int:
         with self.lock:
             return sum(1 for f in self._live if f.life is not Life.FREED)
 
     # -- offload -----------------------------------------------------------------------------
 
-    def offload(self, t: torch.Tensor, module: str, dtensor: Any) -> _Member:
-        """Store ``t``'s family (once per family) and return the member handle."""
+    def offload(
+        self, t: torch.Tensor, module: str, dtensor: Any, tier: str | None = None
+    ) -> _Member:
+        """Store ``t``'s family (once per family) and return the member handle.
+
+        ``tier``: the tier a plan chose (``"host"`` or ``"nvme"``), tried first; the others
+        follow in their order (a fallback, counted). ``None``: the tiers in order.
+        """
         st = t.untyped_storage()
         version = t._version
         start, end = span_of(t)
@@ -211,7 +237,7 @@ class Executor:
                     fam = f
                     break
             if fam is None:
-                fam = self._new_family(step, t, st, version, start, end, module)
+                fam = self._new_family(step, t, st, version, start, end, module, tier)
             else:
                 step.stats.records_deduplicated += 1
             fam.members += 1
@@ -226,6 +252,7 @@ class Executor:
         start: int,
         end: int,
         module: str,
+        tier: str | None = None,
     ) -> Family:
         # See NOTE [ Alias handling ]: a member spanning at least a quarter of its storage brings
         # the whole storage along, so sibling views packed later (q, k and v of one qkv output)
@@ -247,7 +274,7 @@ class Executor:
         )
         self._next_fid += 1
         source = storage_bytes(st, t.device)[start:end]
-        self._store(step, fam, source)
+        self._store(step, fam, source, tier)
         fam.guard = t
         step.families.append(fam)
         step.by_storage.setdefault(id(st), []).append(fam)
@@ -255,8 +282,11 @@ class Executor:
         self._live.add(fam)
         return fam
 
-    def _store(self, step: _StepState, fam: Family, source: torch.Tensor) -> None:
-        """Start the copy out into the first tier with room (NOTE [ Stream ordering ] rule 1)."""
+    def _store(
+        self, step: _StepState, fam: Family, source: torch.Tensor, prefer: str | None = None
+    ) -> None:
+        """Start the copy out into the first tier with room (NOTE [ Stream ordering ] rule 1);
+        ``prefer`` names a tier to try first."""
         n = fam.nbytes
         self._largest = max(self._largest, n)
         self._backpressure(step, n)
@@ -285,7 +315,10 @@ class Executor:
                 event = torch.cuda.Event()
                 event.record(self._d2h)  # D: the host region holds the bytes
         last_error: BaseException | None = None
-        for i, tier in enumerate(self.tiers):
+        tiers = self.tiers
+        if prefer is not None and prefer != tiers[0].name:
+            tiers = sorted(tiers, key=lambda t: t.name != prefer)
+        for i, tier in enumerate(tiers):
             if tier.name == "host" and self.host_bytes + n > self.cpu_budget_bytes:
                 last_error = storage.StorageFullError(
                     f"cpu_budget of {self.cpu_budget_bytes} bytes is used up "
@@ -464,12 +497,20 @@ class Executor:
 
     # -- reload ------------------------------------------------------------------------------
 
-    def prefetch(self, needed: Sequence[Family] = (), step: _StepState | None = None) -> None:
+    def prefetch(
+        self,
+        needed: Sequence[Family] = (),
+        step: _StepState | None = None,
+        *,
+        window: bool = True,
+    ) -> None:
         """Start the reloads of ``needed`` (backward is about to use them), then of the step's
         families below its look-ahead pointer while reloaded-but-unused bytes fit the window.
 
         ``step`` is the step that packed them (the current one by default): with two forwards
-        before their backwards the current step may be another one.
+        before their backwards the current step may be another one. ``window=False`` (a plan
+        names every reload's trigger): only ``needed``, and those of them still being copied
+        out as soon as their copy completes.
         """
         with self.lock:
             if step is None:
@@ -478,7 +519,18 @@ class Executor:
                 return
             self.poll()
             for fam in needed:
-                self._begin_reload(fam)
+                if not window and fam.life is Life.COPYING_OUT:
+                    step.revisit.append(fam)
+                else:
+                    self._begin_reload(fam)
+            if not window:
+                waiting, step.revisit = step.revisit, []
+                for fam in waiting:
+                    if fam.life is Life.COPYING_OUT:
+                        step.revisit.append(fam)
+                    else:
+                        self._begin_reload(fam)
+                return
             if step.revisit:
                 # Passed while being copied out; needed before anything below the pointer.
                 waiting = step.revisit

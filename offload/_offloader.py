@@ -24,12 +24,26 @@ from typing import Any
 import torch
 from torch import nn
 
+import lifecycle
 import storage
+from lifecycle import HardwareModel, Plan
 from lifecycle._tensors import ParameterStorages, named_modules_stop_at_compiled, tensors_in
 from lifecycle._units import parse_bytes
 from offload._device import compute_device
-from offload._errors import OffloadError
+from offload._errors import OffloadError, from_infeasible
 from offload._executor import Executor
+from offload._planned import (
+    KEEP,
+    MAX_SIGNATURES,
+    ActivePlan,
+    Profiler,
+    RecomputeForward,
+    describe,
+    load_plan,
+    make_plan,
+    signature_of,
+)
+from offload._planning import resolve_budget, resolve_hardware
 from offload._stats import OffloadStats, StepStats
 
 log = logging.getLogger("offload")
@@ -100,9 +114,13 @@ def _keep_arg(keep: Any) -> tuple[frozenset[str], tuple[type, ...]]:
 class ActivationOffloader:
     """Moves the tensors autograd saves for backward off the device and back, one step at a time.
 
-    In this release the manager runs in min-memory mode: every eligible saved tensor leaves the
-    device during forward (bounded by ``max_inflight_bytes`` of copies in flight) and comes back
-    ahead of its use in backward (a look-ahead window of the same size). Eligible: on the
+    Without ``gpu_budget`` the manager runs in min-memory mode: every eligible saved tensor leaves
+    the device during forward (bounded by ``max_inflight_bytes`` of copies in flight) and comes
+    back ahead of its use in backward (a look-ahead window of the same size). With a budget, the
+    first step of each input signature runs that way while it is recorded; it is then planned
+    (:func:`lifecycle.plan`: per alias family keep / cpu / nvme / recompute, and when each reload
+    starts) and later steps of the signature carry the plan out (NOTE [ Budget mode ] in
+    ``offload/_planned.py``). Eligible: on the
     manager's compute device (the parameters' device: a CPU-only run exercises the whole path),
     not a parameter or buffer (decided by storage, so ``weight.t()`` counts), at least
     ``min_offload_bytes``, not saved inside a module listed in ``keep``, not saved while a
@@ -111,8 +129,8 @@ class ActivationOffloader:
 
     Args:
         model: the module whose forward runs inside the steps.
-        gpu_budget: a device-memory budget; needs the planner, which is not built yet, so only
-            ``None`` (min-memory mode) is accepted now.
+        gpu_budget: device memory a step may use, everything included (int bytes, ``"12GiB"``,
+            or ``"85%"`` of the device's memory); ``None``: min-memory mode.
         tiers: where bytes may go, in spill and fallback order: ``("cpu",)``, ``("nvme",)``,
             ``("cpu", "nvme")``, ``("nvme", "cpu")``.
         cpu_budget: the most bytes this manager keeps in host memory (int or "8GiB"); ``None``
@@ -120,17 +138,24 @@ class ActivationOffloader:
         nvme_dir: an existing directory on a fast disk; required with ``"nvme"``. The manager
             works in a private subdirectory (0700) with unlinked files (0600).
         min_offload_bytes: smaller saved tensors stay where they are.
-        plan, hardware: reserved for the planner (must be ``None`` now).
+        plan: a :class:`Plan` (or a path to one) to use instead of profiling: for its signature,
+            or for the first signature met when it has none. Its budget is the default
+            ``gpu_budget``.
+        hardware: the :class:`HardwareModel` (or a path to one) to plan with; ``None``: measure
+            this machine once with :func:`offload.probe_hardware` (cached on disk).
         keep: module names (as in ``named_modules()``) or ``nn.Module`` types whose saved
             tensors never move.
         max_inflight_bytes: bound on copies out in flight and on the reload look-ahead; ``None``
             = 2 x the largest record seen, at least 256 MiB.
-        on_infeasible: what to do for a budget that cannot be met ("raise" or "min_memory");
-            used with budgets.
+        on_infeasible: for a signature met after the first whose budget cannot be met:
+            ``"raise"`` :class:`BudgetInfeasibleError`, or ``"min_memory"`` (run its steps with
+            everything offloaded, warn once, count them in ``stats``). The first signature
+            always raises.
 
     Raises:
         TypeError / ValueError: a bad argument (the message names it and what is accepted).
-        NotImplementedError: ``gpu_budget``, ``plan`` or ``hardware`` given.
+        BudgetInfeasibleError: (from the step after a signature's profiling step, or from
+            ``mgr.plan``) the budget cannot be met; ``.min_feasible_bytes`` says what can.
 
     Example:
         >>> import torch, offload
@@ -162,12 +187,11 @@ class ActivationOffloader:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-        for name, value in (("gpu_budget", gpu_budget), ("plan", plan), ("hardware", hardware)):
-            if value is not None:
-                raise NotImplementedError(
-                    f"{name}= needs the budget planner, which is not built yet; leave it None for "
-                    "min-memory mode (every eligible saved tensor is offloaded)"
-                )
+        if hardware is not None and not isinstance(hardware, (HardwareModel, str, os.PathLike)):
+            raise TypeError(
+                "hardware must be a lifecycle.HardwareModel, a path to one saved as JSON, or None "
+                f"(probe this machine at the first plan); got {type(hardware).__name__}"
+            )
         if isinstance(tiers, str):
             tiers = (tiers,)
         keep_names, keep_types = _keep_arg(keep)
@@ -187,6 +211,28 @@ class ActivationOffloader:
             raise ValueError(f"keep: no module named {sorted(unknown)!r} in the model")
         self._model_ref = weakref.ref(model)
         self.device = compute_device(model)
+        # Budget mode (see NOTE [ Budget mode ] in _planned.py).
+        user_plan = load_plan(plan)
+        if gpu_budget is None and user_plan is not None:
+            gpu_budget = user_plan.gpu_budget_bytes
+        self._budget_bytes = None if gpu_budget is None else resolve_budget(gpu_budget, self.device)
+        self._user_plan = user_plan
+        self._hardware_arg = hardware
+        self._hardware: HardwareModel | None = None
+        self._plans: dict[str, Plan] = {}
+        self._active_plans: dict[str, ActivePlan] = {}
+        self._infeasible: set[str] = set()
+        self._profiler: Profiler | None = None
+        self._profiled: dict[str, int] = {}  # signature -> its step in the profiler's trace
+        self._profiling: str | None = None  # signature being profiled in the current step
+        self._last_signature: str | None = None
+        self._active: ActivePlan | None = None
+        self._recompute: dict[str, tuple[nn.Module, RecomputeForward]] = {}
+        # Per step: calls per module and packs outside any module (record keys), and the
+        # profiler's numbers of packs returned as plain tensors.
+        self._calls: dict[str, int] = {}
+        self._outside_packs = 0
+        self._kept_seq: dict[int, int] = {}
         self._engine = _copy_engine
         self._tiers: list[storage.Tier] | None = None  # made at the first step
         self._executor: Executor | None = None
@@ -226,9 +272,25 @@ class ActivationOffloader:
             return OffloadStats(last=last, total=total)
 
     @property
-    def plan(self) -> None:
-        """The plan of the last step's signature: ``None`` in min-memory mode (no planner yet)."""
-        return None
+    def plan(self) -> Plan | None:
+        """The plan of the last step's signature; ``None`` in min-memory mode, before the first
+        profiling step's backward ended, or for a signature run in min-memory mode.
+
+        Raises:
+            BudgetInfeasibleError: planning the profiled step found the budget cannot be met.
+        """
+        with self._lock:
+            self._plan_profiled()
+            if self._last_signature is None:
+                return None
+            return self._plans.get(self._last_signature)
+
+    @property
+    def plans(self) -> dict[str, Plan]:
+        """The plans made or given so far, by input signature (a copy)."""
+        with self._lock:
+            self._plan_profiled()
+            return dict(self._plans)
 
     @property
     def closed(self) -> bool:
@@ -240,14 +302,29 @@ class ActivationOffloader:
                 raise OffloadError("this ActivationOffloader is closed; make a new one")
             if self._in_step:
                 raise OffloadError("a step of this manager is already running; steps do not nest")
+            if self._budget_bytes is not None:
+                # Plans the last profiling step (its backward has ended): may raise
+                # BudgetInfeasibleError, before this step has changed any state.
+                self._plan_profiled()
             if self._executor is None:
                 self._executor = self._make_executor()
+            if self._budget_bytes is not None and self._profiler is None:
+                # Attached before any forward, so its module hooks run after the manager's (the
+                # root's pre-hook begins a profiled step that the recorder's then sees).
+                model = self._model_ref()
+                if model is not None:
+                    self._profiler = Profiler(model, self.device, self._executor.device_saved_bytes)
             self._account_last()
             self._step_index += 1
             self._step_stats = self._executor.begin_step(self._step_index)
             self._step_added = False
             self._backward_seen = False
             self._stack.clear()
+            self._calls.clear()
+            self._outside_packs = 0
+            self._kept_seq.clear()
+            self._active = None
+            self._profiling = None
             self._refresh_params()
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -276,6 +353,9 @@ class ActivationOffloader:
             if exc_type is not None:
                 # The traceback keeps the graph (and every packed handle) alive: release now.
                 self._executor.fail_step()
+                if self._profiling is not None and self._profiler is not None:
+                    self._profiler.discard()
+                    self._profiling = None
             else:
                 self._executor.poll()
             self._stack.clear()
@@ -318,6 +398,10 @@ class ActivationOffloader:
                 self._executor.close()
             for tier in self._tiers or ():
                 tier.close()
+            self._uninstall_recompute()
+            if self._profiler is not None:
+                self._profiler.close()
+                self._profiler = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self._step_index} steps"
@@ -403,28 +487,165 @@ class ActivationOffloader:
             self._done.add(self._snapshot_last())
             self._step_added = True
 
+    # -- budget mode (NOTE [ Budget mode ] in _planned.py) -------------------------------------
+
+    def _begin_signature(self, args: Any) -> None:
+        """At the root's first forward of a step: choose how this step runs."""
+        sig = signature_of(args)
+        self._last_signature = sig
+        ex, stats = self._executor, self._step_stats
+        assert ex is not None and stats is not None
+        plan = self._plans.get(sig)
+        user = self._user_plan
+        if plan is None and user is not None and not self._plans and user.signature in ("", sig):
+            plan = self._plans[sig] = user.with_signature(sig)
+        if plan is not None:
+            active = self._active_plans.get(sig)
+            if active is None:
+                active = self._active_plans[sig] = ActivePlan(plan)
+            self._active = active
+            self._install_recompute(active)
+            stats.predicted_peak_bytes = plan.predicted_peak_bytes
+            stats.predicted_step_s = plan.predicted_step_s
+            return
+        if sig in self._infeasible or sig in self._profiled:
+            return  # min-memory (infeasible, or its profile is not planned yet)
+        if len(self._plans) + len(self._profiled) >= MAX_SIGNATURES:
+            self._warn_once(
+                "signatures",
+                f"more than {MAX_SIGNATURES} input signatures: new ones run in min-memory mode",
+            )
+            return
+        if self._profiler is None:
+            return  # the model is gone
+        self._profiler.begin()
+        self._profiling = sig
+
+    def _profile_ended(self, sig: str) -> None:
+        """The profiling step's backward ended (autograd's final callback)."""
+        if self._profiler is not None and self._profiling == sig:
+            self._profiled[sig] = self._profiler.end()
+            self._profiling = None
+
+    def _plan_profiled(self) -> None:
+        """Plan every profiled signature not planned yet (between steps)."""
+        if self._budget_bytes is None or not self._profiled:
+            return
+        if self._profiler is None or self._profiler.recording:
+            return
+        trace = self._profiler.trace()
+        for sig, step in list(self._profiled.items()):
+            if sig in self._plans or sig in self._infeasible:
+                continue
+            first = not self._plans and not self._infeasible
+            try:
+                plan = make_plan(
+                    trace,
+                    step=step,
+                    budget=self._budget_bytes,
+                    hardware=self._hardware_model(),
+                    tiers=tuple("cpu" if t == "cpu" else "nvme" for t in self.config.tiers),
+                    cpu_budget_bytes=self.config.cpu_budget_bytes,
+                    min_offload_bytes=self.config.min_offload_bytes,
+                    max_inflight_bytes=self.config.max_inflight_bytes,
+                    signature=sig,
+                )
+            except lifecycle.BudgetInfeasibleError as e:
+                if first or self.config.on_infeasible == "raise":
+                    # Profiled again if the user lowers their batch and tries once more.
+                    del self._profiled[sig]
+                    raise from_infeasible(e) from None
+                self._infeasible.add(sig)
+                self._warn_once(
+                    f"infeasible:{sig}",
+                    f"signature {sig} cannot meet gpu_budget ({e}); its steps run in min-memory "
+                    "mode (on_infeasible='min_memory')",
+                )
+                continue
+            self._plans[sig] = plan
+            log.info("%s", describe(plan))
+
+    def _hardware_model(self) -> HardwareModel:
+        if self._hardware is None:
+            self._hardware = resolve_hardware(self._hardware_arg, self.device)
+        return self._hardware
+
+    def _install_recompute(self, active: ActivePlan) -> None:
+        model = self._model_ref()
+        if model is None or not active.recompute_modules:
+            return
+        modules = dict(named_modules_stop_at_compiled(model))
+        for name in active.recompute_modules - self._recompute.keys():
+            mod = modules.get(name)
+            if mod is None:
+                continue
+            wrapper = RecomputeForward(self, name, mod.forward)
+            mod.forward = wrapper  # type: ignore[method-assign]
+            self._recompute[name] = (mod, wrapper)
+
+    def _uninstall_recompute(self) -> None:
+        for mod, wrapper in self._recompute.values():
+            if mod.__dict__.get("forward") is wrapper:
+                del mod.forward
+        self._recompute.clear()
+
+    def _recompute_this(self, name: str) -> tuple[str, int] | None:
+        """Called by a RecomputeForward: the (module, call) to checkpoint now, or None."""
+        active = self._active
+        if active is None or not self._in_step or not self._stack or not torch.is_grad_enabled():
+            return None
+        if _current_graph_task_id is not None and _current_graph_task_id() != -1:
+            return None  # a recomputation or double backward runs it: as it is
+        top = self._stack[-1]
+        call = (top[0], top[3])
+        if top[0] != name or call not in active.recompute_calls:
+            return None
+        if self._step_stats is not None:
+            self._step_stats.bytes_recomputed = active.recompute_bytes
+        return call
+
     # -- hooks ---------------------------------------------------------------------------------
+
+    def _next_key(self) -> tuple[str, int, int]:
+        # The record key, as lifecycle.Recorder numbers it: every pack counts (parameters, small
+        # and kept ones too), in the innermost running module's call.
+        if self._stack:
+            top = self._stack[-1]
+            ordinal = top[4]
+            top[4] = ordinal + 1
+            return (top[0], top[3], ordinal)
+        ordinal = self._outside_packs
+        self._outside_packs = ordinal + 1
+        return (_OUTSIDE, 0, ordinal)
+
+    def _keep(self, t: torch.Tensor, stats: StepStats) -> torch.Tensor:
+        stats.records_kept += 1
+        d = t.detach()
+        if self._profiling is not None and self._profiler is not None:
+            seq = self._profiler.recorder.record_pack(t)
+            if seq >= 0:
+                self._kept_seq[id(d)] = seq
+        return d
 
     def _pack(self, t: torch.Tensor) -> Any:
         ex = self._executor
         stats = self._step_stats
         if ex is None or stats is None or self._paused:
             return t.detach()
+        key = self._next_key()
         stats.records += 1
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
-            stats.records_kept += 1  # packed by a backward (recomputation, double backward)
-            return t.detach()
+            return self._keep(t, stats)  # packed by a backward (recomputation, double backward)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             self._warn_once("graphs", "CUDA graph capture: saved tensors are left in place")
-            stats.records_kept += 1
-            return t.detach()
+            return self._keep(t, stats)
         dtensor = None
         local = t
         if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):  # a DTensor: its shard
             local = t._local_tensor
             dtensor = (t.device_mesh, t.placements, t.shape, t.stride())  # type: ignore[attr-defined]
         module, kept = (
-            (self._stack[-1][0], self._stack[-1][1]) if self._stack else ("<outside>", False)
+            (self._stack[-1][0], self._stack[-1][1]) if self._stack else (_OUTSIDE, False)
         )
         if (
             kept
@@ -433,18 +654,35 @@ class ActivationOffloader:
             or local.numel() == 0
             or self._params.holds(local, local.untyped_storage())
         ):
-            stats.records_kept += 1
-            return t.detach()
-        member = ex.offload(local.detach(), module, dtensor)
+            return self._keep(t, stats)
+        active = self._active
+        tier = None
+        if active is not None:
+            tier = active.action.get(key)
+            if tier is None and (key[0], key[1]) in active.recompute_calls:
+                # Non-reentrant checkpoint saves the recomputed call's inputs itself, as packs
+                # of that call: kept, as the planner assumed (its inputs stay on the device).
+                tier = KEEP
+            if tier is None:
+                stats.unplanned_records += 1  # to the first tier with room
+            elif tier == KEEP:
+                return self._keep(t, stats)
+        member = ex.offload(local.detach(), module, dtensor, tier)
+        member.key = key
+        fam = member.family
+        if self._profiling is not None and self._profiler is not None:
+            member.seq = self._profiler.recorder.record_pack(t)
+        if active is not None and fam.members == 1:
+            trigger = active.trigger.get(key)
+            if trigger is not None and ex.step is not None:
+                ex.step.triggers.setdefault(trigger, []).append(fam)
         if self._stack:
             own = self._stack[-1][2]
-            if not own or own[-1] is not member.family:
-                own.append(member.family)
+            if not own or own[-1] is not fam:
+                own.append(fam)
         return member
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
         if (
             not self._backward_seen
             and self._step_stats is not None
@@ -453,11 +691,27 @@ class ActivationOffloader:
             and (_current_graph_task_id is None or _current_graph_task_id() != -1)
         ):
             self._backward_seen = True
-            # The end of this backward ends the step's clock.
+            # The end of this backward ends the step's clock (and its profile).
             torch.autograd.Variable._execution_engine.queue_callback(
-                _StepEnd(self, self._step_stats, time.perf_counter)
+                _StepEnd(self, self._step_stats, time.perf_counter, self._profiling)
             )
-        return packed.executor.unpack(packed)
+        if isinstance(packed, torch.Tensor):
+            if self._kept_seq and self._profiler is not None:
+                self._profiler.recorder.record_unpack(self._kept_seq.get(id(packed), -1))
+            return packed
+        if packed.seq >= 0 and self._profiler is not None:
+            self._profiler.recorder.record_unpack(packed.seq)
+        ex = packed.executor
+        ref = packed.family.step_ref
+        step = ref() if ref is not None else None
+        if step is not None and step.triggers and packed.key is not None:
+            waiting = step.triggers.get(("unpack", *packed.key))
+            if waiting:
+                ex.prefetch(waiting, step, window=False)
+        return ex.unpack(packed)
+
+
+_OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
 
 
 class _ForwardPre:
@@ -468,10 +722,24 @@ class _ForwardPre:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         mgr = self.mgr
-        if not mgr._in_step or mgr._paused:
+        if not mgr._in_step:
+            return
+        # Calls are numbered as lifecycle.Recorder numbers them: every call of the step.
+        call = mgr._calls.get(self.name, 0)
+        mgr._calls[self.name] = call + 1
+        if mgr._paused:
             return
         outer_kept = bool(mgr._stack) and mgr._stack[-1][1]
-        mgr._stack.append([self.name, self.kept or outer_kept, []])
+        if (
+            not mgr._stack
+            and self.name == ""
+            and call == 0
+            and mgr._budget_bytes is not None
+            and mgr._executor is not None
+        ):
+            mgr._begin_signature(args)
+        # [module path, kept, families this call packed itself, call index, packs so far]
+        mgr._stack.append([self.name, self.kept or outer_kept, [], call, 0])
         if mgr._executor is not None:
             mgr._executor.poll()
 
@@ -486,18 +754,23 @@ class _ForwardPost:
         mgr = self.mgr
         if not mgr._in_step or mgr._paused or not mgr._stack:
             return
-        _, _, own = mgr._stack.pop()
+        name, _, own, call, _ = mgr._stack.pop()
         ex = mgr._executor
         if ex is None or ex.step is None or not torch.is_grad_enabled():
             return
         ex.poll()
-        if not own:
+        active = mgr._active
+        planned: list[Any] | None = None
+        if active is not None and (name, call) in active.backward_triggers:
+            planned = ex.step.triggers.setdefault(("backward", name, call, -1), [])
+        if not own and planned is None:
             return
         # Backward of this module needs the families it packed itself (not its children's:
         # their own triggers fire when their backward comes); start those, and the look-ahead
-        # window, from a pre-hook on its outputs' grad_fn, which fires right before the module's
-        # backward and leaves the graph alone.
-        trigger = _BackwardTrigger(mgr, own, ex.step)
+        # window (or, under a plan, the reloads it starts here), from a pre-hook on its outputs'
+        # grad_fn, which fires right before the module's backward and leaves the graph alone.
+        families = own if planned is None else _Both(own, planned)
+        trigger = _BackwardTrigger(mgr, families, ex.step, active is None)
         seen: set[int] = set()
         for t in tensors_in(output):
             fn = t.grad_fn
@@ -506,30 +779,50 @@ class _ForwardPost:
                 fn.register_prehook(trigger)
 
 
-class _BackwardTrigger:
-    __slots__ = ("families", "mgr", "step")
+class _Both:
+    """Two family lists read as one, at the time the trigger fires (the planned one may still
+    grow after it was registered)."""
 
-    def __init__(self, mgr: ActivationOffloader, families: list[Any], step: Any) -> None:
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: list[Any], second: list[Any]) -> None:
+        self.first, self.second = first, second
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.second  # planned ones first: they are the ones needed soonest
+        yield from self.first
+
+
+class _BackwardTrigger:
+    __slots__ = ("families", "mgr", "step", "window")
+
+    def __init__(self, mgr: ActivationOffloader, families: Any, step: Any, window: bool) -> None:
         # ``step``: the executor's state of the step whose forward registered this trigger; by
         # the time its backward runs, another step may have begun.
-        self.mgr, self.families, self.step = mgr, families, step
+        self.mgr, self.families, self.step, self.window = mgr, families, step, window
 
     def __call__(self, grad_outputs: Any) -> None:
         ex = self.mgr._executor
         if ex is not None:
-            ex.prefetch(self.families, self.step)
+            ex.prefetch(list(self.families), self.step, window=self.window)
 
 
 class _StepEnd:
-    __slots__ = ("clock", "mgr", "stats")
+    __slots__ = ("clock", "mgr", "profiling", "stats")
 
-    def __init__(self, mgr: ActivationOffloader, stats: StepStats, clock: Any) -> None:
-        self.mgr, self.stats, self.clock = mgr, stats, clock
+    def __init__(
+        self, mgr: ActivationOffloader, stats: StepStats, clock: Any, profiling: str | None
+    ) -> None:
+        self.mgr, self.stats, self.clock, self.profiling = mgr, stats, clock, profiling
 
     def __call__(self) -> None:
-        ex = self.mgr._executor
+        mgr = self.mgr
+        ex = mgr._executor
         if ex is not None and ex.step is not None and ex.step.stats is self.stats:
             self.stats.step_s = self.clock() - ex.step.started_s
+        if self.profiling is not None:
+            with mgr._lock:
+                mgr._profile_ended(self.profiling)
 
 
 def _close_resources(handles: list[Any], resources: list[Any]) -> None:

@@ -375,8 +375,11 @@ def test_steps_do_not_nest() -> None:
         ({"keep": ("nonexistent",)}, ValueError, "keep"),
         ({"keep": (3,)}, TypeError, "keep"),
         ({"on_infeasible": "shrug"}, ValueError, "on_infeasible"),
-        ({"gpu_budget": "8GiB"}, NotImplementedError, "planner"),
-        ({"plan": object()}, NotImplementedError, "planner"),
+        ({"gpu_budget": "85%"}, ValueError, "gpu_budget"),
+        ({"gpu_budget": "lots"}, ValueError, "gpu_budget"),
+        ({"gpu_budget": -1}, ValueError, "gpu_budget"),
+        ({"plan": object()}, TypeError, "plan"),
+        ({"hardware": 3}, TypeError, "hardware"),
     ],
 )
 def test_bad_arguments(kwargs, exc, match) -> None:

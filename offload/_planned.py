@@ -1,0 +1,220 @@
+"""Budget mode of the manager: profile a signature once, plan it, and carry the plan out.
+
+The manager (``_offloader.py``) owns the hooks; this module holds what budget mode adds to them:
+the input signature of a step, the profiling step's recorder, the plans per signature, and the
+lookup tables a plan becomes at execution (by record key, see DESIGN.md "Keys and signatures").
+
+NOTE [ Budget mode ]
+    A step's signature is the shapes and dtypes of the root module's tensor arguments, known at
+    the root's forward pre-hook. The first step of a new signature runs in min-memory mode (every
+    eligible saved tensor leaves, so a model that does not fit can still be profiled) while a
+    :class:`lifecycle.Recorder` records it through the manager's own hooks (only the innermost
+    saved-tensor hooks fire, so the recorder cannot use its own). When that step's backward has
+    ended, the next step (or ``mgr.plan``) plans it with :func:`lifecycle.plan`; later steps of
+    the signature execute the plan: each pack looks up its key (module path, call index,
+    ordinal), KEEP returns the tensor, CPU / NVMe offload to that tier (the others remain as
+    fallbacks), and each moved family's reload starts at its planned trigger (a module's
+    backward start, or an unpack), with the module that packed it as a fallback trigger; module
+    calls the plan recomputes run under non-reentrant checkpoint. A key the plan does not know
+    goes to the first tier with room and is counted in ``stats.unplanned_records``. Unpack
+    always returns the bytes of the handle made at that pack: a wrong match costs time, never
+    correctness.
+    Not built yet: refining a plan from the executed steps' timings (the profiling step's times
+    include its own copy waits), per-record recompute recipes, and merging per-key byte maxima
+    past 8 signatures (later signatures run in min-memory mode, with a warning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import lifecycle
+from lifecycle import HardwareModel, Placement, Plan, Recorder, Trace
+from lifecycle._tensors import tensors_in
+from lifecycle._units import format_bytes
+from offload._device import clock_and_probe
+
+log = logging.getLogger("offload")
+
+MAX_SIGNATURES = 8
+_TIER_OF = {Placement.CPU: "host", Placement.NVME: "nvme"}
+KEEP = "keep"
+
+
+def signature_of(args: Any) -> str:
+    """The shapes and dtypes of the tensors in a module call's arguments, as one string.
+
+    Example:
+        >>> import torch
+        >>> signature_of((torch.zeros(2, 3), 4, [torch.zeros(5, dtype=torch.int64)]))
+        'float32[2,3];int64[5]'
+    """
+    parts = []
+    for t in tensors_in(args):
+        dtype = str(t.dtype).removeprefix("torch.")
+        parts.append(f"{dtype}[{','.join(str(n) for n in t.shape)}]")
+    return ";".join(parts)
+
+
+class ActivePlan:
+    """A :class:`Plan` as lookup tables for the hooks: what to do with a key, where reloads
+    start, which module calls to recompute."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        # key -> "keep" | "host" | "nvme"; members of a family share its decision.
+        self.action: dict[tuple[str, int, int], str] = {}
+        # key of a family's first member -> its reload trigger's key (or None)
+        self.trigger: dict[tuple[str, int, int], tuple[str, str, int, int] | None] = {}
+        for e in plan.entries:
+            action = KEEP if e.placement is Placement.KEEP else _TIER_OF.get(e.placement, KEEP)
+            for k in e.keys:
+                self.action[k] = action
+            if e.placement.moves:
+                self.trigger[e.keys[0]] = e.reload.key if e.reload is not None else None
+        self.recompute_calls = frozenset(plan.recompute_calls)
+        self.recompute_modules = frozenset(m for m, _ in plan.recompute_calls)
+        self.recompute_bytes = sum(
+            e.nbytes for e in plan.entries if e.placement is Placement.RECOMPUTE
+        )
+        self.backward_triggers = frozenset(
+            (t[1], t[2]) for t in self.trigger.values() if t is not None and t[0] == "backward"
+        )
+        self.expected = frozenset(plan.expected_keys)
+
+
+class Profiler:
+    """One :class:`lifecycle.Recorder` on the model for the manager's profiling steps.
+
+    Attached once (its module hooks come after the manager's, so the manager's root pre-hook can
+    begin a step that the recorder's root pre-hook then sees) and fed through the manager's
+    saved-tensor hooks; idle between profiling steps.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, device_bytes: Callable[[], int]):
+        clock, probe, self.label = clock_and_probe(device)
+        self.cuda = probe is not None
+        if probe is not None:
+            allocated = probe
+
+            def probe_without_offloaded() -> int:
+                # The executor's own device bytes are taken out here and the trace's live saved
+                # bytes put back in trace(), so the trace shows memory as if everything were
+                # kept, which is what the planner reads (see NOTE [ Budget mode ]).
+                return allocated() - device_bytes()
+
+            probe = probe_without_offloaded
+        self.recorder = Recorder(clock=clock, memory_probe=probe)
+        self._attached: Any = self.recorder.attach(model)
+        self._attached.__enter__()
+
+    @property
+    def recording(self) -> bool:
+        return self.recorder.recording
+
+    def begin(self) -> None:
+        self.recorder.begin_step()
+
+    def end(self) -> int:
+        """End the step being recorded; returns its index in :meth:`trace`."""
+        self.recorder.end_step()
+        return self.recorder.steps_recorded - 1
+
+    def discard(self) -> None:
+        self.recorder.discard_partial_step()
+
+    def trace(self) -> Trace:
+        """Every profiled step so far (call it between steps)."""
+        trace = self.recorder.trace({"device": self.label, "source": "offload.ActivationOffloader"})
+        if self.cuda:
+            live = dict(trace.live_saved_bytes())
+            trace = dataclasses.replace(
+                trace,
+                events=tuple(
+                    dataclasses.replace(e, memory_bytes=e.memory_bytes + live[e.index])
+                    for e in trace.events
+                ),
+            )
+        return trace
+
+    def close(self) -> None:
+        if self._attached is not None:
+            self.recorder.discard_partial_step()
+            self._attached.__exit__(None, None, None)
+            self._attached = None
+
+
+class RecomputeForward:
+    """Installed as ``module.forward`` while a plan recomputes some of the module's calls: those
+    calls run under non-reentrant ``torch.utils.checkpoint``; others run as they are."""
+
+    def __init__(self, mgr: Any, name: str, forward: Callable[..., Any]) -> None:
+        self.mgr, self.name, self.forward = mgr, name, forward
+        functools.update_wrapper(self, forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.mgr._recompute_this(self.name)
+        if call is None:
+            return self.forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def load_plan(plan: Plan | str | os.PathLike[str] | None) -> Plan | None:
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(plan)
+    raise TypeError(
+        f"plan must be a lifecycle.Plan, a path to one saved as JSON, or None; got {type(plan).__name__}"
+    )
+
+
+def describe(plan: Plan) -> str:
+    """One log line about a plan."""
+    by = plan.bytes_by_placement()
+    moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in by.items() if v)
+    keep = plan.anchors.get("keep_all")
+    ratio = (
+        f" ({plan.predicted_step_s / keep.step_s:.3f}x keeping everything)"
+        if keep and keep.step_s > 0
+        else ""
+    )
+    return (
+        f"offload: planned signature {plan.signature or '<any>'} for a budget of "
+        f"{format_bytes(plan.gpu_budget_bytes)}: predicted peak {format_bytes(plan.predicted_peak_bytes)}, "
+        f"step {plan.predicted_step_s * 1e3:.2f} ms{ratio}; {moved}"
+    )
+
+
+def make_plan(
+    trace: Trace,
+    *,
+    step: int,
+    budget: int,
+    hardware: HardwareModel,
+    tiers: tuple[str, ...],
+    cpu_budget_bytes: int,
+    min_offload_bytes: int,
+    max_inflight_bytes: int,
+    signature: str,
+) -> Plan:
+    """:func:`lifecycle.plan` with the manager's settings."""
+    return lifecycle.plan(
+        trace,
+        budget,
+        hardware,
+        tiers=tiers,
+        cpu_budget=cpu_budget_bytes,
+        min_offload_bytes=min_offload_bytes,
+        max_inflight_bytes=max_inflight_bytes or None,
+        step=step,
+        signature=signature,
+    )
