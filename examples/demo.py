@@ -1,6 +1,7 @@
-"""The README demo: profile a small GPT's training step, then train it with offloading.
+"""The README demo: profile a small GPT's training step, plan it under a budget, train with it.
 
     python examples/demo.py [--steps 20] [--out offload-demo] [--tiers cpu|nvme|cpu,nvme]
+                            [--budget-share 0.5]
 
 What it does, in order:
 1. builds the GPT from ``gpt.py`` and a synthetic next-token task (``train_gpt.py``'s Markov chain);
@@ -8,10 +9,14 @@ What it does, in order:
    saves, the module that saved it, its bytes, when it was packed and when backward used it;
 3. prints the trace's summary and writes ``trace.json``, a Perfetto trace and ``memory.png``
    into ``--out``;
-4. checks that one step's gradients with offloading are bitwise equal to those without;
-5. trains for ``--steps`` steps with ``offload.ActivationOffloader`` moving every saved activation
-   off the device and back (min-memory mode; budget plans come with the planner), and prints the
-   loss and what moved.
+4. ``offload.plan`` plans the step for a budget of the memory at the step's start plus
+   ``--budget-share`` of its saved activations (on CPU the budget bounds the live saved bytes),
+   with this machine's measured copy and disk speeds, and prints the plan next to the anchors
+   (keep everything, offload everything, checkpoint every block);
+5. trains for ``--steps`` steps with ``offload.ActivationOffloader(model, gpu_budget=...)``: its
+   first step is profiled (everything offloaded), the later ones carry out its own plan; checks
+   that a planned step's gradients are bitwise equal to the same step without offload, and
+   prints the loss and what moved.
 """
 
 from __future__ import annotations
@@ -44,7 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default="offload-demo", help="where trace files go (default ./offload-demo)"
     )
     ap.add_argument("--tiers", default="cpu", help="offload tiers, comma separated (default cpu)")
+    ap.add_argument(
+        "--budget-share",
+        type=float,
+        default=0.5,
+        help="budget = memory at the step's start + this share of its saved activations "
+        "(default 0.5)",
+    )
     args = ap.parse_args(argv)
+    if not 0 < args.budget_share <= 1:
+        ap.error(f"--budget-share must be in (0, 1]; got {args.budget_share}")
     tiers = tuple(t for t in args.tiers.split(",") if t)
     if args.steps < 0:
         ap.error(f"--steps must be >= 0; got {args.steps}")
@@ -83,20 +97,34 @@ def main(argv: list[str] | None = None) -> int:
     if "nvme" in tiers:
         nvme_dir = os.path.join(args.out, "nvme")
         os.makedirs(nvme_dir, exist_ok=True)
-    # Saved tensors of this small model are tens of KiB to a few MiB: move all of them.
-    mgr = offload.ActivationOffloader(model, tiers=tiers, nvme_dir=nvme_dir, min_offload_bytes=0)
+    base = trace.events[0].memory_bytes
+    budget = base + int(args.budget_share * (trace.peak_memory_bytes - base))
+    hardware = offload.probe_hardware(device=device, nvme_dir=nvme_dir)
+    # Saved tensors of this small model are tens of KiB to a few MiB: plan all of them.
+    plan = offload.plan(trace, budget, hardware, tiers=tiers, min_offload_bytes=0)
+    print(plan.summary(top=6), "\n")
+
+    mgr = offload.ActivationOffloader(
+        model,
+        gpu_budget=budget,
+        hardware=hardware,
+        tiers=tiers,
+        nvme_dir=nvme_dir,
+        min_offload_bytes=0,
+    )
     with contextlib.closing(mgr):
-        # Exactness: one step's gradients from the same weights and batch, without and with.
+        # Exactness: the same batch and weights, twice with the manager (its profiling step,
+        # then a planned step) and once without; the planned step's gradients must be equal.
         tokens = chain.sample(16, cfg.seq_len + 1, gen).to(device)
         grads = []
-        for use in (False, True):
+        for use in (True, True, False):
             opt.zero_grad(set_to_none=True)
             with mgr if use else contextlib.nullcontext():
                 loss = model.loss(tokens[:, :-1], tokens[:, 1:])
             loss.backward()
             grads.append([p.grad.clone() for p in model.parameters()])
-        same = all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
-        print(f"gradients with offloading bitwise equal to without: {'yes' if same else 'NO'}")
+        same = all(torch.equal(a, b) for a, b in zip(grads[1], grads[2], strict=True))
+        print(f"planned step's gradients bitwise equal to no offloading: {'yes' if same else 'NO'}")
 
         t0 = time.perf_counter()
         for step in range(1, args.steps + 1):
@@ -110,15 +138,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"step {step:4d}  loss {loss.item():.4f}")
         if args.steps:
             print(
-                f"trained {args.steps} steps in {time.perf_counter() - t0:.1f} s with offloading to {'+'.join(tiers)}"
+                f"trained {args.steps} steps in {time.perf_counter() - t0:.1f} s under a "
+                f"{budget / 2**20:.2f} MiB budget, offloading to {'+'.join(tiers)}"
             )
         last = mgr.stats.last
         moved = last.bytes_offloaded_cpu + last.bytes_offloaded_nvme
         print(
             f"per step: {moved / 2**20:.2f} MiB of saved activations left the device "
             f"({last.records_offloaded_cpu + last.records_offloaded_nvme} stored once each, "
-            f"{last.records_deduplicated} aliases deduplicated, {last.records_kept} kept: parameters "
-            f"and views of them), {last.reloads} reloads, {last.stalls} unprefetched"
+            f"{last.records_deduplicated} aliases deduplicated), "
+            f"{last.bytes_recomputed / 2**20:.2f} MiB recomputed, {last.records_kept} kept, "
+            f"{last.reloads} reloads, {last.stalls} unprefetched, "
+            f"{last.unplanned_records} unplanned; predicted peak "
+            f"{last.predicted_peak_bytes / 2**20:.2f} MiB"
         )
     return 0 if same else 1
 
