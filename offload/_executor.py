@@ -547,6 +547,15 @@ class Executor:
                     self._begin_reload(fam)
                 step.prefetch_next -= 1
 
+    def prefetch_step(self, step: _StepState, *, restart: bool = False) -> None:
+        """Start ``step``'s look-ahead window (a pipeline's backward chunk of its microbatch is
+        about to run); ``restart``: from its last packed family again (a zero-bubble W chunk
+        unpacks what its I chunk already did)."""
+        with self.lock:
+            if restart:
+                step.prefetch_next = len(step.families) - 1
+        self.prefetch((), step)
+
     def _begin_reload(self, fam: Family) -> None:
         if fam.life is Life.OFF_DEVICE and fam.members > 0 and not self._reuse(fam):
             self._start_reload(fam)

@@ -32,6 +32,7 @@ from lifecycle._units import parse_bytes
 from offload._device import compute_device
 from offload._errors import OffloadError, from_infeasible
 from offload._executor import Executor
+from offload._pipelining import PipelineAttachment
 from offload._planned import (
     KEEP,
     MAX_SIGNATURES,
@@ -291,6 +292,27 @@ class ActivationOffloader:
         with self._lock:
             self._plan_profiled()
             return dict(self._plans)
+
+    def attach(self, target: Any) -> PipelineAttachment:
+        """Run a pipeline stage's chunks (``torch.distributed.pipelining``) as steps of this
+        manager: each forward chunk of a microbatch is a step whose saved tensors leave the
+        device, and each backward chunk (B, I, W) first starts the reloads of its microbatch.
+
+        Args:
+            target: a ``PipelineStage``, or a schedule (all of its stages on this rank).
+
+        Returns:
+            A handle whose ``detach()`` (or ``with`` exit) restores the stages.
+
+        Raises:
+            TypeError: ``target`` is neither a stage nor a schedule.
+            OffloadError: the manager has a ``gpu_budget`` (not built for pipelines yet), or a
+                stage is already attached.
+
+        See NOTE [ Pipelining ] in ``offload/_pipelining.py``. Tensor parallel and FSDP2 need no
+        attach: build the manager on the already parallelised model.
+        """
+        return PipelineAttachment(self, target)
 
     @property
     def closed(self) -> bool:
