@@ -223,6 +223,7 @@ class ActivationOffloader:
         self._plans: dict[str, Plan] = {}
         self._active_plans: dict[str, ActivePlan] = {}
         self._infeasible: set[str] = set()
+        self._over_budget: set[str | None] = set()
         self._profiler: Profiler | None = None
         self._profiled: dict[str, int] = {}  # signature -> its step in the profiler's trace
         self._profiling: str | None = None  # signature being profiled in the current step
@@ -845,6 +846,20 @@ class _StepEnd:
         if self.profiling is not None:
             with mgr._lock:
                 mgr._profile_ended(self.profiling)
+        budget = mgr._budget_bytes
+        if budget is not None and self.stats.predicted_peak_bytes and mgr.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(mgr.device)
+            if peak > budget and mgr._last_signature not in mgr._over_budget:
+                # DESIGN.md "Budget": no mid-run re-plan; say it once per signature.
+                mgr._over_budget.add(mgr._last_signature)
+                log.warning(
+                    "offload: a planned step of signature %s peaked at %d bytes, above "
+                    "gpu_budget=%d (predicted %d); lower the budget or raise the margin",
+                    mgr._last_signature,
+                    peak,
+                    budget,
+                    self.stats.predicted_peak_bytes,
+                )
 
 
 def _close_resources(handles: list[Any], resources: list[Any]) -> None:
