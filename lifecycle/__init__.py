@@ -8,6 +8,7 @@ planner (:func:`plan` -> :class:`Plan`). No CUDA calls; never imports ``offload`
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._export import write_memory_png, write_perfetto
 from lifecycle._hardware import HARDWARE_SCHEMA_VERSION, HardwareModel
+from lifecycle._pipeline import StagePrediction, pipeline_trace, predict_1f1b, schedule_1f1b
 from lifecycle._plan import (
     PLAN_SCHEMA_VERSION,
     BudgetInfeasibleError,
@@ -78,4 +79,9 @@ __all__ = [
     "Trigger",
     "plan",
     "transformer_trace",
+    # pipelines
+    "StagePrediction",
+    "schedule_1f1b",
+    "pipeline_trace",
+    "predict_1f1b",
 ]

@@ -117,6 +117,10 @@ def test_public_api_snapshot() -> None:
         "Trigger",
         "plan",
         "transformer_trace",
+        "StagePrediction",
+        "schedule_1f1b",
+        "pipeline_trace",
+        "predict_1f1b",
     ]
     for name in offload.__all__:
         assert getattr(offload, name).__doc__, name

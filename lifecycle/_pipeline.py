@@ -1,0 +1,288 @@
+"""1F1B pipeline scenarios for the simulator: each stage's peak and overhead, offloaded or not.
+
+Under a 1F1B schedule with ``p`` stages, stage ``s`` runs ``p - s`` forwards before its first
+backward, so it holds up to ``p - s`` microbatches' activations at once, each waiting for its
+backward while the stages after it work: stage 0 waits longest, which is where offloading pays.
+:func:`pipeline_trace` builds that stage's timeline from a trace of one microbatch's step on one
+stage (stages taken as equal), placing every forward and backward where the schedule's
+dependencies allow (forward of microbatch m on stage s after stage s-1's; backward after stage
+s+1's); :func:`predict_1f1b` simulates it for every stage, keeping everything and offloading
+everything.
+
+Not modelled: point-to-point transfer time between stages, stages of unequal cost, the loss on
+the last stage, the allocator's transients (memory is the base plus live saved bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lifecycle._hardware import HardwareModel
+from lifecycle._simulate import Placement, Simulation, offload_all, simulate
+from lifecycle._trace import Event, EventKind, Trace
+
+Action = tuple[str, int]  # ("F" | "B", microbatch)
+
+
+def schedule_1f1b(stages: int, microbatches: int) -> list[list[Action]]:
+    """Each stage's actions in order under 1F1B (as ``torch.distributed.pipelining`` runs it):
+    ``stages - s`` warm-up forwards on stage ``s``, then one backward and one forward in turn,
+    then the remaining backwards.
+
+    Example:
+        >>> [" ".join(f"{k}{m}" for k, m in a) for a in schedule_1f1b(2, 4)]
+        ['F0 F1 B0 F2 B1 F3 B2 B3', 'F0 B0 F1 B1 F2 B2 F3 B3']
+    """
+    for name, value in (("stages", stages), ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+    out = []
+    for s in range(stages):
+        warmup = min(stages - s, microbatches)
+        actions: list[Action] = [("F", m) for m in range(warmup)]
+        f, b = warmup, 0
+        while b < microbatches:
+            actions.append(("B", b))
+            b += 1
+            if f < microbatches:
+                actions.append(("F", f))
+                f += 1
+        out.append(actions)
+    return out
+
+
+def _start_times(
+    actions: list[list[Action]], forward_s: float, backward_s: float
+) -> list[dict[Action, float]]:
+    """When each action starts, each stage running its list in order and waiting for its
+    dependencies (F after the previous stage's F, B after the next stage's B)."""
+    p = len(actions)
+    end: list[dict[Action, float]] = [{} for _ in range(p)]
+    start: list[dict[Action, float]] = [{} for _ in range(p)]
+    nxt = [0] * p
+    free = [0.0] * p
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            if nxt[s] >= len(actions[s]):
+                continue
+            kind, m = actions[s][nxt[s]]
+            dep = (s - 1, ("F", m)) if kind == "F" else (s + 1, ("B", m))
+            if 0 <= dep[0] < p:
+                ready = end[dep[0]].get(dep[1])
+                if ready is None:
+                    continue
+            else:
+                ready = 0.0
+            t = max(free[s], ready)
+            start[s][(kind, m)] = t
+            end[s][(kind, m)] = free[s] = t + (forward_s if kind == "F" else backward_s)
+            nxt[s] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("1F1B schedule deadlocked (a bug)")
+    return start
+
+
+def pipeline_trace(
+    trace: Trace, *, stage: int, stages: int, microbatches: int, step: int = -1
+) -> Trace:
+    """Stage ``stage``'s 1F1B timeline, every microbatch replaying one step of ``trace``.
+
+    ``trace``'s step is split at its first backward event into a forward part and a backward
+    part; each microbatch's records get their own families and call indices.
+
+    Example:
+        >>> import torch, offload
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        >>> one = offload.profile(lambda: model(torch.randn(4, 8)).sum().backward(), model)
+        >>> t = pipeline_trace(one, stage=0, stages=2, microbatches=4)
+        >>> len(t.records) == 4 * len(one.records)
+        True
+    """
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace must be a lifecycle.Trace; got {type(trace).__name__}")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
+        raise ValueError(f"stage must be an int in [0, {stages - 1}]; got {stage!r}")
+    actions = schedule_1f1b(stages, microbatches)
+    index = step % trace.steps if trace.steps else 0
+    events = [e for e in trace.events if e.step == index]
+    if not events:
+        raise ValueError(f"the trace has no step {step}")
+    split = next(
+        (i for i, e in enumerate(events) if e.kind in (EventKind.BACKWARD_START, EventKind.UNPACK)),
+        len(events) - 1,
+    )
+    body = [e for e in events if e.kind not in (EventKind.STEP_START, EventKind.STEP_END)]
+    fwd = [e for e in body if e.index < events[split].index]
+    bwd = [e for e in body if e.index >= events[split].index]
+    t0 = events[0].time_s
+    forward_s = events[split].time_s - t0
+    backward_s = events[-1].time_s - events[split].time_s
+    starts = _start_times(actions, forward_s, backward_s)[stage]
+    records = [r for r in trace.records if r.step == index]
+    first_seq = records[0].seq if records else 0
+    n_rec = len(records)
+    fam_span = 1 + max((r.family for r in records), default=0)
+    call_span = 1 + max([r.call_index for r in records] + [e.call_index for e in body] + [0])
+    base = events[0].memory_bytes - 0  # the step's base memory; saved bytes are added below
+
+    out_events: list[Event] = []
+    pack_at: dict[int, tuple[int, float]] = {}
+    unpacks: dict[int, list[tuple[int, float]]] = {}
+
+    def emit(e: Event, m: int, t: float) -> None:
+        seq = -1
+        if e.record >= 0:
+            seq = m * n_rec + (e.record - first_seq)
+        idx = len(out_events)
+        out_events.append(
+            Event(
+                index=idx,
+                kind=e.kind,
+                step=0,
+                time_s=t,
+                memory_bytes=0,
+                module=e.module,
+                call_index=e.call_index + m * call_span if e.call_index >= 0 else -1,
+                record=seq,
+            )
+        )
+        if e.kind is EventKind.PACK:
+            pack_at[seq] = (idx, t)
+        elif e.kind is EventKind.UNPACK:
+            unpacks.setdefault(seq, []).append((idx, t))
+
+    out_events.append(
+        Event(index=0, kind=EventKind.STEP_START, step=0, time_s=0.0, memory_bytes=base)
+    )
+    for kind, m in actions[stage]:
+        start = starts[(kind, m)]
+        part, origin = (fwd, t0) if kind == "F" else (bwd, events[split].time_s)
+        for e in part:
+            emit(e, m, start + (e.time_s - origin))
+    end_t = max(out_events[-1].time_s, 0.0)
+    out_events.append(
+        Event(index=len(out_events), kind=EventKind.STEP_END, step=0, time_s=end_t, memory_bytes=0)
+    )
+    out_records = []
+    for m in range(microbatches):
+        for r in records:
+            seq = m * n_rec + (r.seq - first_seq)
+            if seq not in pack_at:
+                continue
+            ev, t = pack_at[seq]
+            used = unpacks.get(seq, [])
+            out_records.append(
+                dataclasses.replace(
+                    r,
+                    seq=seq,
+                    step=0,
+                    family=r.family if r.is_parameter else r.family + (m + 1) * fam_span,
+                    call_index=r.call_index + m * call_span,
+                    pack_event=ev,
+                    pack_time_s=t,
+                    unpack_events=tuple(i for i, _ in used),
+                    unpack_times_s=tuple(x for _, x in used),
+                )
+            )
+    # Records are addressed by position: renumber densely (a record whose pack fell outside
+    # both parts, which a well-formed step does not have, is dropped above).
+    renumber = {r.seq: i for i, r in enumerate(sorted(out_records, key=lambda r: r.seq))}
+    out_records = [
+        dataclasses.replace(r, seq=renumber[r.seq])
+        for r in sorted(out_records, key=lambda r: r.seq)
+    ]
+    out_events = [
+        dataclasses.replace(e, record=renumber.get(e.record, -1)) if e.record >= 0 else e
+        for e in out_events
+    ]
+    composed = Trace(
+        records=tuple(out_records),
+        events=tuple(out_events),
+        metadata={**dict(trace.metadata), "pipeline": f"1F1B stage {stage} of {stages}"},
+    )
+    live = dict(composed.live_saved_bytes())
+    return dataclasses.replace(
+        composed,
+        events=tuple(
+            dataclasses.replace(e, memory_bytes=base + live[e.index]) for e in composed.events
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePrediction:
+    """One stage of a 1F1B pipeline, simulated keeping everything and offloading everything.
+
+    Attributes:
+        stage: the stage index.
+        stashed_microbatches: how many microbatches' activations the stage holds at most.
+        keep / offload: the two simulations (``offload``: every movable family to ``tier``).
+    """
+
+    stage: int
+    stashed_microbatches: int
+    keep: Simulation
+    offload: Simulation
+
+    @property
+    def overhead(self) -> float:
+        """Step time offloaded over step time kept (1.0: offloading is free)."""
+        return self.offload.step_s / self.keep.step_s if self.keep.step_s > 0 else 1.0
+
+    @property
+    def peak_saved_fraction(self) -> float:
+        """Offloaded peak over kept peak, above the base memory."""
+        kept = self.keep.peak_bytes - self.keep.base_bytes
+        return (self.offload.peak_bytes - self.offload.base_bytes) / kept if kept > 0 else 1.0
+
+
+def predict_1f1b(
+    trace: Trace,
+    hardware: HardwareModel,
+    *,
+    stages: int,
+    microbatches: int,
+    tier: Placement | str = Placement.CPU,
+    min_offload_bytes: int | str = 0,
+    step: int = -1,
+) -> list[StagePrediction]:
+    """Each stage's peak and time under 1F1B, keeping everything and offloading everything.
+
+    ``trace`` is one microbatch's step on one stage (stages taken as equal).
+
+    Example:
+        >>> import torch, offload
+        >>> from lifecycle import HardwareModel
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        >>> one = offload.profile(lambda: model(torch.randn(128, 64)).sum().backward(), model)
+        >>> stages = predict_1f1b(one, HardwareModel.h200(), stages=4, microbatches=8)
+        >>> [s.stashed_microbatches for s in stages]
+        [4, 3, 2, 1]
+        >>> stages[0].keep.peak_bytes > stages[3].keep.peak_bytes
+        True
+    """
+    out = []
+    for s in range(stages):
+        composed = pipeline_trace(
+            trace, stage=s, stages=stages, microbatches=microbatches, step=step
+        )
+        keep = simulate(composed, hardware)
+        moved = simulate(
+            composed,
+            hardware,
+            offload_all(composed, tier=tier, min_offload_bytes=min_offload_bytes),
+        )
+        out.append(
+            StagePrediction(
+                stage=s,
+                stashed_microbatches=min(stages - s, microbatches),
+                keep=keep,
+                offload=moved,
+            )
+        )
+    return out
