@@ -1,4 +1,5 @@
-"""Exports of a trace: a Perfetto / Chrome trace JSON and a memory-timeline PNG."""
+"""Exports of a trace: a Perfetto / Chrome trace JSON and a memory-timeline PNG; of a plan: its
+planned device-memory timeline as a PNG."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import TYPE_CHECKING, Any
 from lifecycle._units import format_bytes
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from lifecycle._plan import Plan
     from lifecycle._trace import Trace
 
 _PID = 1
@@ -89,22 +93,13 @@ def write_memory_png(trace: Trace, path: str | os.PathLike[str]) -> None:
     Raises:
         ImportError: matplotlib is missing; the message names the ``plot`` extra.
     """
-    try:
-        # A bare Figure renders with Agg and leaves pyplot's global state (and backend) alone.
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError(
-            "the memory-timeline PNG needs matplotlib: pip install 'offload[plot]'"
-        ) from e
+    figure_cls = _figure_class("the memory-timeline PNG")
     live_b = [b for _, b in trace.live_saved_bytes()]
     mem_b = [e.memory_bytes for e in trace.events]
-    top = max([*live_b, *mem_b, 1])
-    unit, scale = next(
-        (u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if top >= s
-    )
+    unit, scale = _unit(max([*live_b, *mem_b, 1]))
     times = [e.time_s * 1e3 for e in trace.events]
     on_cpu = trace.metadata.get("memory_probe") == "live_saved_bytes"
-    fig = Figure(figsize=(10, 4), dpi=100)
+    fig = figure_cls(figsize=(10, 4), dpi=100)
     ax = fig.subplots()
     ax.step(
         times,
@@ -132,3 +127,96 @@ def write_memory_png(trace: Trace, path: str | os.PathLike[str]) -> None:
     ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(os.fspath(path))
+
+
+def write_plan_png(
+    trace: Trace, plan: Plan, path: str | os.PathLike[str], *, step: int = -1
+) -> None:
+    """Plot the device memory a plan predicts for one step against keeping everything, and the
+    budget, into a PNG.
+
+    Both curves are the ``memory_timeline`` of a :func:`lifecycle.simulate` run on ``trace`` with
+    ``plan.hardware``: one with ``plan.decisions()``, one with nothing moved.
+    Each runs on its own time axis (the plan's step may take longer). A horizontal line marks
+    ``plan.gpu_budget_bytes``, a dotted one the budget less the margin when there is one.
+
+    Args:
+        trace: the trace the plan was made from.
+        plan: a plan of ``trace``'s step ``step``.
+        path: the PNG file to write.
+        step: the recorded step the plan is for (``-1``: the last, as :func:`lifecycle.plan`).
+
+    Raises:
+        ImportError: matplotlib is missing; the message names the ``plot`` extra.
+        ValueError: the plan does not fit the trace (a family or an event it names is not in
+            ``step``).
+
+    Example:
+        >>> import os, tempfile, torch, offload
+        >>> from lifecycle import HardwareModel, plan
+        >>> nn = torch.nn
+        >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
+        >>> trace = offload.profile(lambda: model(torch.randn(128, 64)).sum().backward(), model)
+        >>> p = plan(trace, trace.peak_memory_bytes // 2, HardwareModel.h200(),
+        ...          min_offload_bytes=0, margin=0)
+        >>> path = os.path.join(tempfile.mkdtemp(), "plan.png")
+        >>> write_plan_png(trace, p, path)
+        >>> open(path, "rb").read(4) == b"\\x89PNG"
+        True
+    """
+    figure_cls = _figure_class("the planned-memory PNG")
+    from lifecycle._simulate import simulate
+
+    planned = simulate(trace, plan.hardware, plan.decisions(), step=step)
+    keep = simulate(trace, plan.hardware, None, step=step)
+    budget = plan.gpu_budget_bytes
+    unit, scale = _unit(max(planned.peak_bytes, keep.peak_bytes, budget, 1))
+    fig = figure_cls(figsize=(13, 4), dpi=100)
+    ax = fig.subplots()
+    for sim, label, alpha in (
+        (keep, "keep everything", 0.6),
+        (planned, "this plan", 1.0),
+    ):
+        ax.step(
+            [t * 1e3 for t, _ in sim.memory_timeline],
+            [b / scale for _, b in sim.memory_timeline],
+            where="post",
+            alpha=alpha,
+            label=f"{label}: peak {format_bytes(sim.peak_bytes)}, step {sim.step_s * 1e3:.2f} ms",
+        )
+    ax.axhline(
+        budget / scale, color="tab:red", linestyle="--", label=f"budget {format_bytes(budget)}"
+    )
+    if plan.margin_bytes > 0:
+        ax.axhline(
+            plan.target_bytes / scale,
+            color="tab:red",
+            linestyle=":",
+            alpha=0.7,
+            label=f"budget less margin {format_bytes(plan.target_bytes)}",
+        )
+    ax.set_xlabel("time since step start (ms)")
+    ax.set_ylabel(unit)
+    ax.set_ylim(bottom=0)
+    hardware = plan.hardware.device_name or "unnamed"
+    ax.set_title(f"device memory of one step, simulated ({hardware} hardware model)")
+    # Outside the axes: the curves peak mid-step, where any inside corner may be.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(os.fspath(path))
+
+
+def _figure_class(what: str) -> type[Figure]:
+    try:
+        # A bare Figure renders with Agg and leaves pyplot's global state (and backend) alone.
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(f"{what} needs matplotlib: pip install 'offload[plot]'") from e
+    return Figure
+
+
+def _unit(top: float) -> tuple[str, int]:
+    """The largest binary unit not above ``top``, and its size."""
+    return next(
+        (u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if top >= s
+    )

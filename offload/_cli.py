@@ -11,9 +11,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="offload", description="Activation memory manager for PyTorch training."
     )
     sub = p.add_subparsers(dest="command", required=True)
-    from offload import _cli_info, _cli_profile
+    from offload import _cli_info, _cli_plan, _cli_profile
 
     _cli_profile.add_parser(sub)
+    _cli_plan.add_parser(sub)
     _cli_info.add_parser(sub)
     return p
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from lifecycle import MonotonicClock, Recorder, Trace, write_memory_png, write_perfetto
+from offload import _cli_plan
 
 
 class _ProfileComplete(BaseException):
@@ -29,8 +31,13 @@ def add_parser(sub: Any) -> None:
         description=(
             "Run SCRIPT (a normal training script, unmodified) with global module hooks and "
             "saved-tensor hooks; one backward pass is one step. Writes trace.json, a Perfetto "
-            "trace and a memory-timeline PNG into --out and prints a summary. Options go before "
-            "SCRIPT; everything after SCRIPT is passed to it."
+            "trace and a memory-timeline PNG into --out and prints a summary. With --gpu-budget "
+            "it also plans the last recorded step as `offload plan` does, prints the plan and "
+            "writes plan.json and plan.png into --out. Options go before SCRIPT; everything "
+            "after SCRIPT is passed to it. Exit status: 0 success; 1 the script failed (the "
+            "completed steps are still written and planned) or no step completed; 2 bad "
+            f"arguments; {_cli_plan.EXIT_INFEASIBLE} the budget cannot be met (the trace is "
+            "written; the message gives the smallest feasible budget)."
         ),
     )
     p.add_argument(
@@ -43,6 +50,7 @@ def add_parser(sub: Any) -> None:
         "--out", default="offload-profile", help="output directory (default ./offload-profile)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    _cli_plan.add_plan_options(p, budget_required=False)
     p.add_argument("script", help="the training script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(run=run)
@@ -89,6 +97,19 @@ def run(args: argparse.Namespace) -> int:
     script = args.script
     if not os.path.isfile(script):
         return _fail(f"script {script!r} not found")
+    plan_options = None
+    try:
+        if args.gpu_budget is not None:
+            plan_options = _cli_plan.check_plan_options(
+                args, cuda_expected=torch.cuda.is_available()
+            )
+        elif given := _cli_plan.planning_options_given(args):
+            raise _cli_plan.UsageError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with "
+                "--gpu-budget (without a budget there is nothing to plan)"
+            )
+    except _cli_plan.UsageError as e:
+        return _fail(str(e))
     err = _prepare_out(args.out)
     if err:
         return _fail(err)
@@ -175,12 +196,27 @@ def run(args: argparse.Namespace) -> int:
     print(trace.summary())
     for p in paths:
         print(f"wrote {p}")
+    status = 0
+    if plan_options is not None:
+        print()
+        plan_path, png_path = (
+            os.path.join(args.out, "plan.json"),
+            os.path.join(args.out, "plan.png"),
+        )
+        # A plan left by an earlier run belongs to the trace just replaced: never leave it
+        # beside this one (an infeasible budget writes none).
+        for stale in (plan_path, png_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+        status = _cli_plan.plan_and_write(
+            trace, plan_options, plan_path=plan_path, png_path=png_path, prog="offload profile"
+        )
     if failure is not None:
         _describe_failure(script, failure)
         return _fail(
             f"the script failed; wrote the trace of the {trace.steps} completed step(s)", 1
         )
-    return 0
+    return status
 
 
 def _describe_failure(script: str, exc: BaseException) -> None:

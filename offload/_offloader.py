@@ -629,6 +629,12 @@ class ActivationOffloader:
 
     # -- hooks ---------------------------------------------------------------------------------
 
+    def _held_clock(self) -> Any:
+        """During a CPU profiling step: the clock that offload's own copies are taken out of."""
+        if self._profiling is None or self._profiler is None:
+            return None
+        return self._profiler.compute_clock
+
     def _next_key(self) -> tuple[str, int, int]:
         # The record key, as lifecycle.Recorder numbers it: every pack counts (parameters, small
         # and kept ones too), in the innermost running module's call.
@@ -690,7 +696,11 @@ class ActivationOffloader:
                 stats.unplanned_records += 1  # to the first tier with room
             elif tier == KEEP:
                 return self._keep(t, stats)
+        held = self._held_clock()
+        started = time.perf_counter() if held is not None else 0.0
         member = ex.offload(local.detach(), module, dtensor, tier)
+        if held is not None:
+            held.held_s += time.perf_counter() - started
         member.key = key
         fam = member.family
         if self._profiling is not None and self._profiler is not None:
@@ -725,6 +735,15 @@ class ActivationOffloader:
         if packed.seq >= 0 and self._profiler is not None:
             self._profiler.recorder.record_unpack(packed.seq)
         ex = packed.executor
+        held = self._held_clock()
+        started = time.perf_counter() if held is not None else 0.0
+        try:
+            return self._unpack_member(ex, packed)
+        finally:
+            if held is not None:
+                held.held_s += time.perf_counter() - started
+
+    def _unpack_member(self, ex: Executor, packed: Any) -> torch.Tensor:
         ref = packed.family.step_ref
         step = ref() if ref is not None else None
         if step is not None and step.triggers and packed.key is not None:
@@ -825,9 +844,15 @@ class _BackwardTrigger:
         self.mgr, self.families, self.step, self.window = mgr, families, step, window
 
     def __call__(self, grad_outputs: Any) -> None:
-        ex = self.mgr._executor
-        if ex is not None:
-            ex.prefetch(list(self.families), self.step, window=self.window)
+        mgr = self.mgr
+        ex = mgr._executor
+        if ex is None:
+            return
+        held = mgr._held_clock()
+        started = time.perf_counter() if held is not None else 0.0
+        ex.prefetch(list(self.families), self.step, window=self.window)
+        if held is not None:
+            held.held_s += time.perf_counter() - started
 
 
 class _StepEnd:

@@ -30,7 +30,8 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -91,6 +92,33 @@ class ActivePlan:
         self.expected = frozenset(plan.expected_keys)
 
 
+class ComputeClock:
+    """The host clock less the seconds offload itself held the compute thread.
+
+    In a CPU-only profiling step every copy runs on the compute thread (min-memory mode copies
+    everything): the manager adds each copy's time to ``held_s``, so the trace times compute
+    alone and the planner adds back only the copies its plan makes.
+
+    Example:
+        >>> c = ComputeClock()
+        >>> a = c.stamp(); c.held_s += 10.0; b = c.stamp()
+        >>> c.seconds([a, b])[1] < 0
+        True
+    """
+
+    def __init__(self) -> None:
+        self.held_s = 0.0
+
+    def stamp(self) -> float:
+        return time.perf_counter() - self.held_s
+
+    def seconds(self, stamps: Sequence[object]) -> list[float]:
+        if not stamps:
+            return []
+        t0 = float(stamps[0])  # type: ignore[arg-type]
+        return [float(s) - t0 for s in stamps]  # type: ignore[arg-type]
+
+
 class Profiler:
     """One :class:`lifecycle.Recorder` on the model for the manager's profiling steps.
 
@@ -102,6 +130,10 @@ class Profiler:
     def __init__(self, model: nn.Module, device: torch.device, device_bytes: Callable[[], int]):
         clock, probe, self.label = clock_and_probe(device)
         self.cuda = probe is not None
+        # CPU: time offload's own copies out of the trace (see ComputeClock). CUDA: copies run on
+        # their own streams; the CUDA clock stamps the compute stream as it is.
+        self.compute_clock = None if self.cuda else ComputeClock()
+        clock = self.compute_clock or clock
         if probe is not None:
             allocated = probe
 

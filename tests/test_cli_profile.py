@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle import Trace
+from lifecycle import HardwareModel, Plan, Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_gpt.py"
 
 
 def offload_cli(
-    *args: str, cwd: Path | None = None, timeout: float = 240
+    *args: str, cwd: Path | None = None, timeout: float = 240, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "offload", *args],
         capture_output=True,
@@ -156,3 +156,110 @@ def test_help(entry: list[str]) -> None:
     )
     assert r.returncode == 0
     assert "SCRIPT" in r.stdout or "script" in r.stdout
+
+
+# The example at its defaults saves 9 MiB of activations per step on CPU (batch 8 x 64 tokens,
+# 2 blocks of width 128): a 6 MiB budget needs a plan that moves some of them.
+BUDGET = 6 << 20
+
+
+def test_profile_with_budget_plans_the_last_step(tmp_path: Path) -> None:
+    hardware = tmp_path / "hardware.json"
+    HardwareModel.h200().save(hardware)
+    out = tmp_path / "prof"
+    r = offload_cli(
+        "profile",
+        "--quiet",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        "--gpu-budget",
+        "6MiB",
+        "--hardware",
+        str(hardware),
+        "--min-offload-bytes",
+        "0",
+        "--margin",
+        "0",
+        str(TRAIN),
+        "--steps",
+        "4",
+    )
+    assert r.returncode == 0, r.stderr
+    trace = Trace.load(out / "trace.json")
+    assert trace.steps == 2 and trace.peak_memory_bytes > BUDGET
+    plan = Plan.load(out / "plan.json")
+    assert plan.gpu_budget_bytes == BUDGET
+    assert plan.predicted_peak_bytes <= BUDGET < plan.anchors["keep_all"].peak_bytes
+    assert (out / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    assert "peak live saved bytes" in r.stdout  # the trace summary, then the plan's
+    assert "this plan" in r.stdout and "checkpoint_blocks" in r.stdout
+    assert f"wrote {out / 'plan.json'}" in r.stdout
+
+
+def test_profile_infeasible_budget_keeps_the_trace(tmp_path: Path) -> None:
+    hardware = tmp_path / "hardware.json"
+    HardwareModel.h200().save(hardware)
+    out = tmp_path / "prof"
+    out.mkdir()
+    (out / "plan.json").write_text("{}")  # an earlier run's: it must not outlive its trace
+    r = offload_cli(
+        "profile",
+        "--quiet",
+        "--out",
+        str(out),
+        "--gpu-budget",
+        "1KiB",
+        "--hardware",
+        str(hardware),
+        str(TRAIN),
+        "--steps",
+        "3",
+    )
+    assert r.returncode == 3, r.stderr
+    assert "cannot be met" in r.stderr and "try --gpu-budget" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert Trace.load(out / "trace.json").steps == 1
+    assert not (out / "plan.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--margin", "0"], "--margin"),  # a planning option without a budget
+        (["--gpu-budget", "lots"], "--gpu-budget"),
+        (["--gpu-budget", "1GiB", "--hardware", "missing.json"], "--hardware"),
+        (["--gpu-budget", "1GiB", "--tiers", "disk"], "--tiers"),
+    ],
+)
+def test_profile_bad_planning_arguments(
+    tmp_path: Path, args: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from offload._cli import main
+
+    # Refused before the script runs.
+    script = _script(tmp_path, "raise SystemExit('the script must not run')")
+    try:
+        code = main(["profile", "--out", str(tmp_path / "o"), *args, str(script)])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert named in err and "must not run" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_profile_percentage_budget_needs_cuda(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from offload._cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine takes a percentage of its device memory")
+    script = _script(tmp_path, "raise SystemExit('the script must not run')")
+    code = main(["profile", "--out", str(tmp_path / "o"), "--gpu-budget", "85%", str(script)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--gpu-budget 85%" in err and "CUDA" in err

@@ -1,0 +1,313 @@
+"""``offload plan`` end to end on a trace of the example training script: the main paths in a
+subprocess, as a user runs it; argument errors through ``offload._cli.main`` in this process
+(the same code, without paying for a Python start and a torch import per case)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lifecycle import HardwareModel, Plan, Trace
+from offload._cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "train_gpt.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Tiny CPU activations: plan every one, and hold the budget exactly.
+SMALL = ("--min-offload-bytes", "0", "--margin", "0")
+
+
+def run_cli(
+    *args: str, cache_dir: Path, entry: tuple[str, ...] = ("-m", "offload"), timeout: float = 240
+) -> subprocess.CompletedProcess:
+    # A private probe cache: no test reads or writes the user's.
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OFFLOAD_CACHE_DIR=str(cache_dir))
+    return subprocess.run(
+        [sys.executable, *entry, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def run_main(*args: str, capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess:
+    """``offload ARGS`` in this process, as a CompletedProcess (argparse errors exit with 2)."""
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["offload", *args], code, out, err)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with trace.json (one profiled step of the example) and hardware.json (H200)."""
+    d = tmp_path_factory.mktemp("cli_plan")
+    r = run_cli(
+        "profile", "--quiet", "--out", str(d), str(TRAIN), "--steps", "3", cache_dir=d / "cache"
+    )
+    assert r.returncode == 0, r.stderr
+    HardwareModel.h200().save(d / "hardware.json")
+    return d
+
+
+@pytest.fixture(scope="module")
+def peak(work: Path) -> int:
+    """Device bytes the traced step peaks at when everything is kept."""
+    return Trace.load(work / "trace.json").peak_memory_bytes
+
+
+def plan_cli(work: Path, *args: str, trace: Path | None = None) -> subprocess.CompletedProcess:
+    return run_cli(
+        "plan",
+        str(trace or work / "trace.json"),
+        "--hardware",
+        str(work / "hardware.json"),
+        *args,
+        cache_dir=work / "cache",
+    )
+
+
+def test_plan_fits_budget_and_writes_json_and_png(work: Path, peak: int, tmp_path: Path) -> None:
+    budget = peak // 2
+    out = tmp_path / "p.json"
+    r = plan_cli(work, "--gpu-budget", str(budget), *SMALL, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(out)
+    assert plan.gpu_budget_bytes == budget and plan.margin_bytes == 0
+    assert plan.predicted_peak_bytes <= budget < plan.anchors["keep_all"].peak_bytes
+    assert plan.tiers == ("cpu",)
+    # The summary, with the plan next to the three anchors.
+    for row in ("this plan", "keep_all", "offload_all", "checkpoint_blocks"):
+        assert row in r.stdout, row
+    assert "NVIDIA H200" in r.stdout  # the hardware it planned with
+    png = tmp_path / "p.png"  # default: beside --out
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert f"wrote {out}" in r.stdout and f"wrote {png}" in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_default_outputs_beside_the_trace_and_size_strings(
+    work: Path, peak: int, tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.json"
+    shutil.copy(work / "trace.json", trace)
+    budget_kib = peak * 3 // 4 // 1024
+    r = plan_cli(work, "--gpu-budget", f"{budget_kib}KiB", *SMALL, trace=trace)
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.gpu_budget_bytes == budget_kib * 1024
+    assert plan.predicted_peak_bytes <= budget_kib * 1024
+    assert (tmp_path / "plan.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def plan_main(
+    work: Path, *args: str, capsys: pytest.CaptureFixture[str], trace: Path | None = None
+) -> subprocess.CompletedProcess:
+    return run_main(
+        "plan",
+        str(trace or work / "trace.json"),
+        "--hardware",
+        str(work / "hardware.json"),
+        *args,
+        capsys=capsys,
+    )
+
+
+def test_tiers_and_host_room(
+    work: Path, peak: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    r = plan_main(
+        work,
+        "--gpu-budget",
+        str(peak // 2),
+        *SMALL,
+        "--tiers",
+        "cpu,nvme",
+        "--cpu-budget",
+        "1MiB",
+        "--nvme-bytes",
+        "1GiB",
+        "--out",
+        str(out),
+        "--no-png",
+        capsys=capsys,
+    )
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(out)
+    assert plan.tiers == ("cpu", "nvme")
+    assert plan.predicted_peak_bytes <= peak // 2
+    assert plan.bytes_by_placement()["cpu"] <= 1 << 20
+    assert not (tmp_path / "plan.png").exists()
+
+
+def test_default_margin_and_min_offload_bytes(
+    work: Path, peak: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    r = plan_main(work, "--gpu-budget", str(peak), "--out", str(out), "--no-png", capsys=capsys)
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(out)
+    assert abs(plan.margin_bytes - peak * 0.05) <= 1  # a CPU trace: 5% of the budget
+    assert plan.predicted_peak_bytes <= plan.target_bytes
+
+
+def test_infeasible_budget(work: Path, tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    r = plan_cli(work, "--gpu-budget", "1KiB", *SMALL, "--out", str(out))
+    assert r.returncode == 3, r.stderr
+    assert "cannot be met" in r.stderr
+    assert "smallest budget that can be planned" in r.stderr and "try --gpu-budget" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_suggested_budget_plans(
+    work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The hint accounts for the auto margin growing with the budget: its figure plans.
+    r = plan_main(
+        work, "--gpu-budget", "1KiB", "--no-png", "--out", str(tmp_path / "x.json"), capsys=capsys
+    )
+    assert r.returncode == 3
+    suggested = r.stderr.split("try --gpu-budget ")[1].split(",")[0].split()[0]
+    out = tmp_path / "plan.json"
+    r = plan_main(work, "--gpu-budget", suggested, "--no-png", "--out", str(out), capsys=capsys)
+    assert r.returncode == 0, r.stderr
+    assert Plan.load(out).predicted_peak_bytes <= Plan.load(out).target_bytes
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--gpu-budget", "lots"], "--gpu-budget"),
+        (["--gpu-budget", "0"], "--gpu-budget"),
+        (["--gpu-budget", "120%"], "--gpu-budget"),
+        (["--gpu-budget", "50%"], "--gpu-budget"),  # a CPU trace: no device to take 50% of
+        (["--gpu-budget", "1GiB", "--tiers", "gpu"], "--tiers"),
+        (["--gpu-budget", "1GiB", "--tiers", "cpu,cpu"], "--tiers"),
+        (["--gpu-budget", "1GiB", "--margin", "-1"], "--margin"),
+        (["--gpu-budget", "1GiB", "--cpu-budget", "x"], "--cpu-budget"),
+        (["--gpu-budget", "1GiB", "--min-offload-bytes", "1 MiBs"], "--min-offload-bytes"),
+        (["--gpu-budget", "1GiB", "--hardware", "missing.json"], "--hardware"),
+        (["--gpu-budget", "1GiB", "--png", "x.png", "--no-png"], "--no-png"),
+        ([], "--gpu-budget"),  # required
+    ],
+)
+def test_bad_arguments(
+    work: Path, args: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = run_main(
+        "plan", str(work / "trace.json"), *args, "--out", str(tmp_path / "plan.json"), capsys=capsys
+    )
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert named in r.stderr
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_bad_arguments_in_a_subprocess(work: Path, tmp_path: Path) -> None:
+    # The console entry point reports and exits the same way (no traceback).
+    r = plan_cli(work, "--gpu-budget", "lots", "--out", str(tmp_path / "plan.json"))
+    assert r.returncode == 2
+    assert "argument --gpu-budget" in r.stderr and "'lots' is not a size" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_percentage_needs_cuda(
+    work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = plan_main(work, "--gpu-budget", "50%", "--out", str(tmp_path / "p.json"), capsys=capsys)
+    assert r.returncode == 2
+    assert "CUDA" in r.stderr and "8GiB" in r.stderr
+
+
+def test_bad_trace_files(work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = plan_main(work, "--gpu-budget", "1GiB", trace=tmp_path / "nope.json", capsys=capsys)
+    assert r.returncode == 2 and "nope.json" in r.stderr and "not found" in r.stderr
+    out = str(tmp_path / "plan.json")
+    r = plan_main(
+        work, "--gpu-budget", "1GiB", "--out", out, trace=work / "hardware.json", capsys=capsys
+    )
+    assert r.returncode == 2 and "cannot read trace" in r.stderr
+    r = plan_main(work, "--gpu-budget", "1GiB", "--out", str(work / "trace.json"), capsys=capsys)
+    assert r.returncode == 2 and "--out" in r.stderr
+    assert Trace.load(work / "trace.json").steps == 1  # not overwritten
+
+
+def test_unwritable_output(work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = plan_main(work, "--gpu-budget", "1GiB", "--out", str(blocker / "p.json"), capsys=capsys)
+    assert r.returncode == 2 and "--out" in r.stderr and str(blocker) in r.stderr
+    r = plan_main(
+        work,
+        "--gpu-budget",
+        "1GiB",
+        "--out",
+        str(tmp_path / "p.json"),
+        "--png",
+        str(tmp_path),
+        capsys=capsys,
+    )
+    assert r.returncode == 2 and "--png" in r.stderr
+
+
+def test_probes_this_machine_without_hardware(work: Path, peak: int, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    r = run_cli(
+        "plan",
+        str(work / "trace.json"),
+        "--gpu-budget",
+        str(peak),
+        "--out",
+        str(tmp_path / "plan.json"),
+        "--no-png",
+        cache_dir=cache,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "measuring this machine" in r.stderr
+    assert Plan.load(tmp_path / "plan.json").hardware.device_name == "cpu"
+    assert list(cache.glob("hardware-*.json"))  # cached for the next run
+
+
+def test_png_skipped_without_matplotlib(work: Path, peak: int, tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.figure'] = None\n"
+        "from offload._cli import main; raise SystemExit(main(sys.argv[1:]))"
+    )
+    r = run_cli(
+        "plan",
+        str(work / "trace.json"),
+        "--gpu-budget",
+        str(peak // 2),
+        *SMALL,
+        "--hardware",
+        str(work / "hardware.json"),
+        "--out",
+        str(out),
+        cache_dir=work / "cache",
+        entry=("-c", code),
+    )
+    assert r.returncode == 0, r.stderr
+    assert Plan.load(out).predicted_peak_bytes <= peak // 2
+    assert not (tmp_path / "plan.png").exists()
+    assert "skipped" in r.stderr and "offload[plot]" in r.stderr
+
+
+def test_help(tmp_path: Path) -> None:
+    r = run_cli("plan", "--help", cache_dir=tmp_path)
+    assert r.returncode == 0
+    for text in ("--gpu-budget", "--hardware", "--tiers", "--out", "--png", "Exit status"):
+        assert text in r.stdout, text
+    assert "default: plan.json in TRACE's directory" in " ".join(r.stdout.split())
