@@ -6,7 +6,7 @@ planner (:func:`plan` -> :class:`Plan`). No CUDA calls; never imports ``offload`
 """
 
 from lifecycle._clock import Clock, MonotonicClock
-from lifecycle._export import write_memory_png, write_perfetto
+from lifecycle._export import write_memory_png, write_perfetto, write_plan_png
 from lifecycle._hardware import HARDWARE_SCHEMA_VERSION, HardwareModel
 from lifecycle._pipeline import StagePrediction, pipeline_trace, predict_1f1b, schedule_1f1b
 from lifecycle._plan import (
@@ -59,6 +59,7 @@ __all__ = [
     # exports
     "write_memory_png",
     "write_perfetto",
+    "write_plan_png",
     # hardware
     "HARDWARE_SCHEMA_VERSION",
     "HardwareModel",

@@ -100,6 +100,7 @@ def test_public_api_snapshot() -> None:
         "Trace",
         "write_memory_png",
         "write_perfetto",
+        "write_plan_png",
         "HARDWARE_SCHEMA_VERSION",
         "HardwareModel",
         "Placement",
