@@ -26,7 +26,7 @@ from torch import nn
 
 import lifecycle
 import storage
-from lifecycle import HardwareModel, Plan
+from lifecycle import HardwareModel, Placement, Plan
 from lifecycle._tensors import ParameterStorages, named_modules_stop_at_compiled, tensors_in
 from lifecycle._units import parse_bytes
 from offload._device import compute_device
@@ -374,6 +374,8 @@ class ActivationOffloader:
             cm.__exit__(None, None, None)
             assert self._executor is not None
             if exc_type is not None:
+                if isinstance(exc, torch.OutOfMemoryError):
+                    _add_note(exc, self._oom_note())
                 # The traceback keeps the graph (and every packed handle) alive: release now.
                 self._executor.fail_step()
                 if self._profiling is not None and self._profiler is not None:
@@ -629,6 +631,33 @@ class ActivationOffloader:
 
     # -- hooks ---------------------------------------------------------------------------------
 
+    def _oom_note(self) -> str:
+        """What an out-of-memory error inside a step should say about offload (DESIGN.md:
+        "Never newly broken")."""
+        active = self._active
+        if self._budget_bytes is None:
+            return (
+                "offload: this step ran in min-memory mode (every eligible saved tensor "
+                "offloaded); what remains on the device is parameters, gradients, optimizer state "
+                "and transients"
+            )
+        if active is None:
+            return (
+                f"offload: gpu_budget={self._budget_bytes} bytes; this step was profiling its "
+                "signature in min-memory mode"
+            )
+        plan = active.plan
+        kept: dict[str, int] = {}
+        for e in plan.entries:
+            if e.placement is Placement.KEEP:
+                kept[e.module] = kept.get(e.module, 0) + e.nbytes
+        top = sorted(kept.items(), key=lambda kv: -kv[1])[:5]
+        return (
+            f"offload: gpu_budget={plan.gpu_budget_bytes} bytes, predicted peak "
+            f"{plan.predicted_peak_bytes} bytes; largest kept modules: "
+            + ", ".join(f"{m or '<root>'} {b} bytes" for m, b in top)
+        )
+
     def _held_clock(self) -> Any:
         """During a CPU profiling step: the clock that offload's own copies are taken out of."""
         if self._profiling is None or self._profiler is None:
@@ -754,6 +783,13 @@ class ActivationOffloader:
 
 
 _OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    # BaseException.add_note is Python >= 3.11.
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
 
 
 class _ForwardPre:
