@@ -41,7 +41,6 @@ Writes ``<stem>.json`` and ``<stem>.md`` into --out (default ``benchmarks/result
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import copy
 import functools
@@ -56,7 +55,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,14 +63,13 @@ from typing import Any
 import psutil
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 import offload
 import storage
 from lifecycle._units import parse_bytes
 from offload._info import _filesystem_of, _measure_pcie_unchecked, _nvml_info, _torch_gpus
+from offload._live import LiveBytes
 from storage._nvme import _pieces  # the tier's request split, to size the raw comparison
 from storage._units import round_up
 
@@ -212,44 +209,6 @@ def compare_grads(
         bitwise_equal=not diffs, mismatched_tensors=len(diffs), first_mismatched=list(diffs)[:3],
         max_abs_diff=max(diffs.values(), default=0.0),
     )  # fmt: skip
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of storages created by ops run under it and still alive (CPU peak memory).
-
-    An op's output counts when its storage is none of the op's inputs' (views, in-place and
-    ``out=`` ops allocate nothing) and is new to the counter; it stops counting when a finalizer
-    on the storage object fires. Host-pool regions are views of slabs allocated before the step.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._tracked: dict[int, weakref.finalize] = {}
-        # Finalizers run on whichever thread drops a storage: they only append to a deque
-        # (thread-safe), and the dispatching thread drains it.
-        self._freed: collections.deque[tuple[int, int]] = collections.deque()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        flat_in = tree_flatten((args, kwargs))[0]
-        inputs = {t.untyped_storage()._cdata for t in flat_in if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            while self._freed:  # a freed storage's address may come back for this output
-                key, n = self._freed.popleft()
-                self.live -= n
-                self._tracked.pop(key, None)
-            st = t.untyped_storage()
-            key = st._cdata
-            if key in inputs or key in self._tracked:
-                continue
-            n = st.nbytes()
-            self._tracked[key] = weakref.finalize(st, self._freed.append, (key, n))
-            self.live += n
-            self.peak = max(self.peak, self.live)
-        return out
 
 
 # ---------------------------------------------------------------------------------------------

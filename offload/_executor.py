@@ -101,6 +101,9 @@ class _StepState:
         self.revisit: list[Family] = []  # passed while their copy out was still in flight
         # Under a plan: trigger key -> families whose reload it starts (filled at pack).
         self.triggers: dict[tuple[str, str, int, int], list[Family]] = {}
+        # False under a plan: reloads start at their planned triggers only, never through the
+        # look-ahead window (which would bring back more than the plan's budget allows).
+        self.windowed = True
         self.stats = StepStats(steps=1)
         self.started_s = time.perf_counter()
         self.failed = False
@@ -517,6 +520,7 @@ class Executor:
                 step = self.step
             if step is None or step.failed:
                 return
+            window = window and step.windowed
             self.poll()
             for fam in needed:
                 if not window and fam.life is Life.COPYING_OUT:

@@ -529,6 +529,8 @@ class ActivationOffloader:
             if active is None:
                 active = self._active_plans[sig] = ActivePlan(plan)
             self._active = active
+            if ex.step is not None:
+                ex.step.windowed = False  # see _StepState.windowed
             self._install_recompute(active)
             stats.predicted_peak_bytes = plan.predicted_peak_bytes
             stats.predicted_step_s = plan.predicted_step_s
