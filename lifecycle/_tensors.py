@@ -12,9 +12,13 @@ from torch import nn
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage holds ``t``'s bytes: a DTensor's local shard, else ``t``."""
+    """The tensor whose storage holds ``t``'s bytes: a DTensor's local shard, else ``t``; an
+    ``AsyncCollectiveTensor`` (a collective's result still in flight, e.g. a RowwiseParallel
+    output) is waited for first, since its storage cannot be read before."""
     if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):
-        return t._local_tensor
+        t = t._local_tensor
+    if type(t) is not torch.Tensor and type(t).__name__ == "AsyncCollectiveTensor":
+        t = t.wait()  # type: ignore[attr-defined]
     return t
 
 

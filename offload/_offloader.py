@@ -27,7 +27,12 @@ from torch import nn
 import lifecycle
 import storage
 from lifecycle import HardwareModel, Placement, Plan
-from lifecycle._tensors import ParameterStorages, named_modules_stop_at_compiled, tensors_in
+from lifecycle._tensors import (
+    ParameterStorages,
+    local_tensor,
+    named_modules_stop_at_compiled,
+    tensors_in,
+)
 from lifecycle._units import parse_bytes
 from offload._device import compute_device
 from offload._errors import OffloadError, from_infeasible
@@ -254,6 +259,7 @@ class ActivationOffloader:
         self._params = ParameterStorages()
         self._module_handles = self._install_module_hooks(model)
         self._pack_fn, self._unpack_fn = self._pack, self._unpack
+        self._hidden_from_compile = False
         # Closed on garbage collection and at exit too; the finalizer holds only the resources.
         self._resources: list[Any] = []
         self._finalizer = weakref.finalize(
@@ -482,7 +488,10 @@ class ActivationOffloader:
     def _maybe_hide_from_compile(self) -> None:
         # Pack and unpack are torch.compiler.disable'd, but only once dynamo is in use: importing
         # it costs seconds, and without it nothing can trace them.
-        if self._pack_fn is self._pack and "torch._dynamo" in sys.modules:
+        # (A flag, not ``self._pack_fn is self._pack``: each attribute access makes a new bound
+        # method, so that test was never true.)
+        if not self._hidden_from_compile and "torch._dynamo" in sys.modules:
+            self._hidden_from_compile = True
             self._pack_fn = torch.compiler.disable(self._pack)
             self._unpack_fn = torch.compiler.disable(self._unpack)
 
@@ -702,8 +711,17 @@ class ActivationOffloader:
         dtensor = None
         local = t
         if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):  # a DTensor: its shard
-            local = t._local_tensor
             dtensor = (t.device_mesh, t.placements, t.shape, t.stride())  # type: ignore[attr-defined]
+        if type(t) is not torch.Tensor:
+            local = local_tensor(t)
+            if type(local) is not torch.Tensor and not _has_storage(local):
+                # A wrapper subclass without bytes of its own: nothing to copy.
+                self._warn_once(
+                    f"subclass:{type(local).__name__}",
+                    f"saved tensors of type {type(local).__name__} have no storage to copy; "
+                    "they stay where they are",
+                )
+                return self._keep(t, stats)
         module, kept = (
             (self._stack[-1][0], self._stack[-1][1]) if self._stack else (_OUTSIDE, False)
         )
@@ -785,6 +803,14 @@ class ActivationOffloader:
 
 
 _OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _add_note(exc: BaseException, note: str) -> None:

@@ -1,0 +1,581 @@
+"""Tensor parallel (DTensor) and FSDP2 (``fully_shard``) under the offloader, on 2 gloo ranks.
+
+The tests share two CPU ranks (``distributed_util.RankPool``: ``file://`` rendezvous, a deadline
+on every job). On each rank a job runs the same steps on identically built models: once without
+offloading (the reference), then with an :class:`offload.ActivationOffloader` made on the
+already-parallelised model, in min-memory mode (copies deferred to a worker thread, DESIGN
+"Stream ordering" testing rule (a)) and with a budget of half the profiled saved peak (the first
+step profiles, the next ones carry out the plan). Oracles, per rank and step:
+
+- the local gradient shards are bitwise equal to the reference's;
+- ``stats.last.bytes_offloaded_cpu > 0``: saved bytes left the device;
+- the collectives (the c10d functional ops DTensor issues, the c10d ops FSDP2 issues) are the same
+  ops in the same numbers as the reference's: offloading adds none;
+- TP: DTensors reached the executor (as their local shards);
+- FSDP2: the pack hook is handed views of unsharded parameters (the all-gather outputs FSDP2
+  frees after forward) and none of them reaches the executor; FSDP2's explicit forward and
+  backward prefetches (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) still run
+  and issue their all-gathers, in the reference's order.
+
+One test marks a known fault (``xfail``, not strict: it passes once fixed): a planned module
+recompute of a TP block runs its collectives again in backward. A DTensor whose local tensor is
+an ``AsyncCollectiveTensor`` (a row-wise output fed straight into a column-wise layer) is waited
+for before it is stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed_util import RankPool
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import offload
+import storage
+from lifecycle import HardwareModel
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+DIM, HEADS, HIDDEN, BATCH, SEQ = 32, 4, 64, 2, 16
+HARDWARE = {
+    # Copies about as fast as this CPU's memcpy: the planner offloads.
+    "fast": HardwareModel.cpu_only(
+        copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
+    ),
+    # Copies so slow that the planner checkpoints whole blocks instead.
+    "slow": HardwareModel.cpu_only(
+        copy_bytes_per_s=1e4, disk_write_bytes_per_s=1e4, disk_read_bytes_per_s=1e4
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankPool]:
+    """Two gloo ranks shared by this module's tests (starting them costs seconds)."""
+    with RankPool(tmp_path_factory.mktemp("ranks")) as pool:
+        yield pool
+
+
+# -- a small transformer (torchtitan's Llama block, tiny) ---------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Linear(DIM, DIM, bias=False)
+        self.wk = nn.Linear(DIM, DIM, bias=False)
+        self.wv = nn.Linear(DIM, DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds HEADS / world_size of them.
+        q, k, v = (
+            w(x).view(bs, seq, -1, DIM // HEADS).transpose(1, 2)
+            for w in (self.wq, self.wk, self.wv)
+        )
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(bs, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN)
+        self.w2 = nn.Linear(HIDDEN, DIM)
+        self.w3 = nn.Linear(DIM, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(DIM)
+        self.attention = Attention()
+        self.ffn_norm = nn.LayerNorm(DIM)
+        self.feed_forward = FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, n_blocks: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def build_transformer() -> Transformer:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Transformer()
+
+
+def batch(step: int, rank: int = 0) -> torch.Tensor:
+    return torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def local_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: getattr(p.grad, "_local_tensor", p.grad).detach().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    if got.keys() != want.keys() or not want:
+        return [f"names differ: {sorted(got.keys() ^ want.keys())}"]
+    return [n for n in want if not torch.equal(got[n], want[n])]
+
+
+# -- spies ---------------------------------------------------------------------------------------
+
+_COLLECTIVE_WORDS = (
+    "reduce",
+    "gather",
+    "scatter",
+    "broadcast",
+    "all_to_all",
+    "alltoall",
+    "send",
+    "recv",
+)
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives the dispatcher sees (forward and backward), by op.
+
+    DTensor ops are let through (``NotImplemented``) so that DTensor turns them into the
+    functional collectives it needs, which come back here, as in ``CommDebugMode``; unlike that
+    mode, this one installs no module hooks, so the autograd graph is the model's own.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        name = func._overloadpacket.__name__
+        if func.namespace in ("_c10d_functional", "c10d_functional", "c10d") and any(
+            w in name for w in _COLLECTIVE_WORDS
+        ):
+            self.counts[f"{func.namespace}.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class Offload:
+    """One ``Executor.offload`` call: the module, whether a DTensor was unwrapped, the probe."""
+
+    module: str
+    dtensor: bool
+    probed: bool
+
+
+@contextlib.contextmanager
+def spy_offloads(probe: Callable[[torch.Tensor], bool] | None = None) -> Iterator[list[Offload]]:
+    """Every ``Executor.offload`` call of this process, ``probe(tensor)`` taken at the call."""
+    from offload._executor import Executor
+
+    calls: list[Offload] = []
+    original = Executor.offload
+
+    def spy(self: Any, t: torch.Tensor, module: str, dtensor: Any, tier: Any = None) -> Any:
+        calls.append(Offload(module, dtensor is not None, probe is not None and probe(t)))
+        return original(self, t, module, dtensor, tier)
+
+    Executor.offload = spy  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        Executor.offload = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def spy_saved(probe: Callable[[torch.Tensor], bool]) -> Iterator[list[bool]]:
+    """``probe`` of every tensor the pack hook is handed (managers made inside the block)."""
+    seen: list[bool] = []
+    original = offload.ActivationOffloader._pack
+
+    def pack(self: Any, t: torch.Tensor) -> Any:
+        seen.append(probe(t))
+        return original(self, t)
+
+    offload.ActivationOffloader._pack = pack  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        offload.ActivationOffloader._pack = original  # type: ignore[method-assign]
+
+
+# -- steps ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    grads: list[dict[str, torch.Tensor]]
+    comms: list[Counter[str]]
+    stats: list[offload.StepStats]
+    planned: bool = False
+
+
+def run_steps(
+    model: nn.Module,
+    inputs: Callable[[int], torch.Tensor],
+    mgr: offload.ActivationOffloader | None = None,
+) -> Run:
+    """STEPS steps of forward, backward and SGD; per step the local gradients, the collectives of
+    forward and backward, and (with ``mgr``) the step's stats."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = Run([], [], [])
+    for s in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        with CollectiveCounter() as counter:
+            with mgr if mgr is not None else contextlib.nullcontext():
+                loss = model(inputs(s)).pow(2).sum()
+            loss.backward()
+        run.grads.append(local_grads(model))
+        run.comms.append(counter.counts)
+        if mgr is not None:
+            run.stats.append(mgr.stats.last)
+        opt.step()
+    if mgr is not None:
+        run.planned = mgr.plan is not None
+    return run
+
+
+def budget(
+    model: nn.Module, inputs: Callable[[int], torch.Tensor], hardware: str
+) -> dict[str, Any]:
+    """Budget mode's arguments: half the profiled saved peak, planned for ``HARDWARE[hardware]``
+    (the profiling step's gradients are dropped)."""
+    step = lambda: model(inputs(0)).pow(2).sum().backward()  # noqa: E731
+    trace = offload.profile(step, model, warmup_steps=0)
+    model.zero_grad(set_to_none=True)
+    return {"gpu_budget": trace.peak_saved_bytes // 2, "hardware": HARDWARE[hardware]}
+
+
+@contextlib.contextmanager
+def manager(model: nn.Module, rank: int, **kw: Any) -> Iterator[offload.ActivationOffloader]:
+    """A manager made on the finished (parallelised) ``model``; without a budget, in min-memory
+    mode with copies deferred to a worker thread."""
+    engine = None if kw else storage.CopyEngine(deferred=True, seed=rank)
+    mgr = offload.ActivationOffloader(
+        model, min_offload_bytes=0, cpu_budget="64MiB", _copy_engine=engine, **kw
+    )
+    try:
+        yield mgr
+    finally:
+        mgr.close()
+        if engine is not None:
+            engine.close()
+
+
+def compare(run: Run, want: Run) -> dict[str, Any]:
+    return {
+        "differing": [differing(g, w) for g, w in zip(run.grads, want.grads, strict=True)],
+        "comms": run.comms,
+        "bytes_offloaded_cpu": [s.bytes_offloaded_cpu for s in run.stats],
+        "bytes_recomputed": [s.bytes_recomputed for s in run.stats],
+        "planned": run.planned,
+    }
+
+
+def check(rank: int, mode: str, got: dict[str, Any], want_comms: list[Counter[str]]) -> str:
+    where = f"rank {rank}, {mode}"
+    assert got["differing"] == [[]] * STEPS, f"{where}: gradients differ: {got['differing']}"
+    assert all(b > 0 for b in got["bytes_offloaded_cpu"]), (where, got["bytes_offloaded_cpu"])
+    assert got["comms"] == want_comms, f"{where}: collectives {got['comms']} != {want_comms}"
+    assert mode != "budget" or got["planned"], f"{where}: no plan was made"
+    return where
+
+
+# -- tensor parallel -----------------------------------------------------------------------------
+
+
+def tp_transformer(mesh: Any, sequence_parallel: bool) -> Transformer:
+    """torchtitan's plan: q/k/v and w1/w3 column-wise, wo and w2 row-wise; with sequence parallel
+    the norms run on sequence shards (``Shard(1)``) and the attention and feed-forward inputs are
+    all-gathered first, their outputs reduce-scattered."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    model = build_transformer()
+    for block in model.blocks:
+        plan: dict[str, Any] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            gather = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+            plan |= {
+                "attention_norm": SequenceParallel(),
+                "attention": gather,
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": gather,
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        else:
+            plan |= {"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+        parallelize_module(block, mesh, plan)
+    if sequence_parallel:
+        parallelize_module(model, mesh, {"norm": SequenceParallel(use_local_output=True)})
+    return model
+
+
+def _tp_worker(
+    rank: int, world_size: int, sequence_parallel: bool, modes: tuple[str, ...], hardware: str
+) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def inputs(step: int) -> torch.Tensor:
+        x = batch(step)  # the same batch on every rank of the TP group
+        return x.chunk(world_size, dim=1)[rank] if sequence_parallel else x
+
+    def build() -> nn.Module:
+        return tp_transformer(mesh, sequence_parallel)
+
+    want = run_steps(build(), inputs)
+    result: dict[str, Any] = {"want_comms": want.comms}
+    for mode in modes:
+        model = build()
+        kw = budget(model, inputs, hardware) if mode == "budget" else {}
+        with manager(model, rank, **kw) as mgr, spy_offloads() as calls:
+            result[mode] = compare(run_steps(model, inputs, mgr), want)
+        result[mode]["dtensor_offloads"] = sum(c.dtensor for c in calls)
+    return result
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_parallel_gradients_bitwise_and_no_added_collectives(
+    ranks: RankPool, sequence_parallel: bool
+) -> None:
+    modes = ("min_memory", "budget")
+    for rank, r in enumerate(ranks.run(_tp_worker, sequence_parallel, modes, "fast")):
+        want_comms = r["want_comms"]
+        expected = (
+            {"_c10d_functional.all_gather_into_tensor", "_c10d_functional.reduce_scatter_tensor"}
+            if sequence_parallel
+            else {"_c10d_functional.all_reduce"}
+        )
+        assert all(set(c) == expected for c in want_comms), want_comms
+        for mode in modes:
+            where = check(rank, mode, r[mode], want_comms)
+            assert r[mode]["dtensor_offloads"] > 0, f"{where}: no DTensor shard was offloaded"
+
+
+@pytest.mark.xfail(
+    reason="offload/: the planner checkpoints whole TP blocks when copies are slow, and their "
+    "recomputation in backward issues their collectives again (ranks that planned apart would "
+    "deadlock)",
+    strict=False,
+)
+def test_tensor_parallel_recompute_adds_no_collectives(ranks: RankPool) -> None:
+    for rank, r in enumerate(ranks.run(_tp_worker, True, ("budget",), "slow")):
+        got = r["budget"]
+        if not any(got["bytes_recomputed"]):
+            pytest.skip("the planner chose no recompute on this link: nothing to check")
+        assert got["differing"] == [[]] * STEPS, f"rank {rank}: gradients differ"
+        assert got["comms"] == r["want_comms"], f"rank {rank}: {got['comms']} != {r['want_comms']}"
+
+
+def tp_mlps(mesh: Any) -> nn.Module:
+    """Two TP MLPs chained with nothing between them: the first one's row-wise output (an
+    all-reduce not yet waited for: an ``AsyncCollectiveTensor``) is the second one's column-wise
+    input, which Linear saves as the local tensor of a DTensor."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            *(
+                nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
+                for _ in range(2)
+            )
+        )
+    for mlp in model:
+        parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def _tp_chained_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    want = run_steps(tp_mlps(mesh), batch)
+    model = tp_mlps(mesh)
+    try:
+        with manager(model, rank) as mgr:
+            got = run_steps(model, batch, mgr)
+    except Exception:  # both ranks fail at the same pack: return it and keep the ranks
+        return {"error": traceback.format_exc(limit=-4)}
+    return compare(got, want) | {"want_comms": want.comms, "error": None}
+
+
+def test_tensor_parallel_async_collective_local_tensor(ranks: RankPool) -> None:
+    for rank, r in enumerate(ranks.run(_tp_chained_worker)):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        check(rank, "min_memory", r, r["want_comms"])
+
+
+# -- FSDP2 ---------------------------------------------------------------------------------------
+
+
+def fsdp_transformer(mesh: Any) -> Transformer:
+    """``fully_shard`` on each block, then on the root (block parameters resharded after
+    forward), with explicit prefetching: each block's forward all-gathers the next block's
+    parameters, and each block's backward the previous one's."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_transformer()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    blocks = list(model.blocks)
+    for earlier, later in itertools.pairwise(blocks):
+        earlier.set_modules_to_forward_prefetch([later])
+        later.set_modules_to_backward_prefetch([earlier])
+    return model
+
+
+def unsharded_storages(model: nn.Module) -> set[int]:
+    """Addresses of the unsharded parameter storages FSDP2 holds now (the per-parameter
+    all-gather outputs, which the unsharded parameters view); freed (empty) ones left out."""
+    ptrs = set()
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        for group in get_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                for t in fsdp_param.all_gather_outputs:
+                    st = t.untyped_storage()
+                    if st.nbytes():
+                        ptrs.add(st.data_ptr())
+    return ptrs
+
+
+def is_unsharded_view(model: nn.Module) -> Callable[[torch.Tensor], bool]:
+    def probe(t: torch.Tensor) -> bool:
+        st = getattr(t, "_local_tensor", t).untyped_storage()
+        return st.nbytes() > 0 and st.data_ptr() in unsharded_storages(model)
+
+    return probe
+
+
+@contextlib.contextmanager
+def spy_prefetches() -> Iterator[list[tuple[str, str, bool]]]:
+    """FSDP2's prefetches, explicit and implicit: (pass, target module, issued an all-gather)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    events: list[tuple[str, str, bool]] = []
+    original = FSDPParamGroup.__dict__["_prefetch_unshard"]
+
+    def prefetch(target: Any, pass_type: str) -> None:
+        idle = target._all_gather_result is None and not target.is_unsharded
+        original.__func__(target, pass_type)
+        issued = idle and target._all_gather_result is not None
+        events.append((pass_type, target._module_fqn, issued))
+
+    FSDPParamGroup._prefetch_unshard = staticmethod(prefetch)  # type: ignore[method-assign]
+    try:
+        yield events
+    finally:
+        FSDPParamGroup._prefetch_unshard = original  # type: ignore[method-assign]
+
+
+def _fsdp_worker(rank: int, world_size: int, modes: tuple[str, ...]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def inputs(step: int) -> torch.Tensor:
+        return batch(step, rank)  # data parallel: each rank its own batch
+
+    def build() -> nn.Module:
+        return fsdp_transformer(mesh)
+
+    with spy_prefetches() as want_prefetches:
+        want = run_steps(build(), inputs)
+    result: dict[str, Any] = {"want_comms": want.comms, "want_prefetches": want_prefetches}
+    for mode in modes:
+        model = build()
+        kw = budget(model, inputs, "fast") if mode == "budget" else {}
+        probe = is_unsharded_view(model)
+        with (
+            spy_saved(probe) as saved,  # before the manager is made: it binds its pack hook
+            spy_offloads(probe) as calls,
+            spy_prefetches() as fetched,
+            manager(model, rank, **kw) as mgr,
+        ):
+            result[mode] = compare(run_steps(model, inputs, mgr), want)
+        result[mode] |= {
+            "prefetches": fetched,
+            "unsharded_saved": sum(saved),
+            "unsharded_offloaded": [c.module for c in calls if c.probed],
+        }
+    return result
+
+
+def test_fsdp2_gradients_bitwise_unsharded_views_stay_prefetch_runs(ranks: RankPool) -> None:
+    modes = ("min_memory", "budget")
+    for rank, r in enumerate(ranks.run(_fsdp_worker, modes)):
+        want_comms, want_prefetches = r["want_comms"], r["want_prefetches"]
+        assert all(
+            set(c) == {"c10d._allgather_base_", "c10d._reduce_scatter_base_"} for c in want_comms
+        ), want_comms
+        issued = {p for p, _, issued in want_prefetches if issued}
+        assert issued == {"forward", "backward"}, f"rank {rank}: prefetches {want_prefetches}"
+        for mode in modes:
+            got = r[mode]
+            where = check(rank, mode, got, want_comms)
+            # The hazard is real (pack is handed views of unsharded parameters, whose storage
+            # FSDP2 frees after forward), and none of them reached the executor.
+            assert got["unsharded_saved"] > 0, f"{where}: no unsharded view was saved"
+            assert got["unsharded_offloaded"] == [], f"{where}: unsharded views moved"
+            assert got["prefetches"] == want_prefetches, f"{where}: FSDP2 prefetches changed"
