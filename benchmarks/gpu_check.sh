@@ -27,9 +27,16 @@ for cfg in h2048 h4096; do
     > "$res/step-$cfg.log" 2>&1
   tail -n 25 "$res/step-$cfg.log"
 done
+# The planned mode at 25/50/75% of no offload's peak against its anchors (about a minute each).
+for cfg in h2048 h4096; do
+  timeout 240 "$py" benchmarks/bench_budget.py --config "$cfg" --out "$res" \
+    > "$res/budget-$cfg.log" 2>&1
+  tail -n 8 "$res/budget-$cfg.log"
+done
 if [ -n "${OUT:-}" ]; then
   # The device tool returns at most 8 files: one archive of everything, and the tables.
   tar czf "$OUT/gpu-results.tgz" -C "$res" .
   cp "$res/gpu_tests.txt" "$res/hardware.txt" "$OUT/" 2>/dev/null
   cp "$res"/hooks.md "$res"/step-h2048.md "$res"/step-h4096.md "$OUT/" 2>/dev/null
+  cat "$res"/budget-h2048.md "$res"/budget-h4096.md > "$OUT/budget.md" 2>/dev/null
 fi
