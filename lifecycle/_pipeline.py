@@ -249,11 +249,16 @@ def predict_1f1b(
     microbatches: int,
     tier: Placement | str = Placement.CPU,
     min_offload_bytes: int | str = 0,
+    max_inflight_bytes: int | str | None = None,
+    prefetch_bytes: int | str | None = None,
     step: int = -1,
 ) -> list[StagePrediction]:
     """Each stage's peak and time under 1F1B, keeping everything and offloading everything.
 
-    ``trace`` is one microbatch's step on one stage (stages taken as equal).
+    ``trace`` is one microbatch's step on one stage (stages taken as equal). ``prefetch_bytes``
+    is the reload look-ahead; ``None``: one microbatch's saved bytes, as ``mgr.attach(stage)``
+    prefetches the microbatch whose backward chunk starts (the simulator's own default, a
+    window over the whole timeline, would bring later microbatches back too early).
 
     Example:
         >>> import torch, offload
@@ -267,6 +272,7 @@ def predict_1f1b(
         True
     """
     out = []
+    window = trace.peak_saved_bytes if prefetch_bytes is None else prefetch_bytes
     for s in range(stages):
         composed = pipeline_trace(
             trace, stage=s, stages=stages, microbatches=microbatches, step=step
@@ -276,6 +282,8 @@ def predict_1f1b(
             composed,
             hardware,
             offload_all(composed, tier=tier, min_offload_bytes=min_offload_bytes),
+            max_inflight_bytes=max_inflight_bytes,
+            prefetch_bytes=window,
         )
         out.append(
             StagePrediction(

@@ -260,6 +260,9 @@ class ActivationOffloader:
         self._module_handles = self._install_module_hooks(model)
         self._pack_fn, self._unpack_fn = self._pack, self._unpack
         self._hidden_from_compile = False
+        # Each step resets the device's peak counters (stats.peak_allocated_bytes is per step);
+        # not under a pipeline, whose steps overlap (see PipelineAttachment).
+        self._reset_peaks = True
         # Closed on garbage collection and at exit too; the finalizer holds only the resources.
         self._resources: list[Any] = []
         self._finalizer = weakref.finalize(
@@ -355,7 +358,7 @@ class ActivationOffloader:
             self._active = None
             self._profiling = None
             self._refresh_params()
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and self._reset_peaks:
                 torch.cuda.reset_peak_memory_stats(self.device)
             if _top_hooks is not None and _top_hooks(False) is not None:
                 self._warn_once(

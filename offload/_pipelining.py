@@ -61,6 +61,9 @@ class PipelineAttachment:
             )
         self._mgr = mgr
         self._stages = stages_of(target)
+        # Microbatch steps overlap: resetting the CUDA peak counters at each forward chunk would
+        # wipe the peak a caller measures over the schedule.
+        mgr._reset_peaks = False
         self._steps: dict[tuple[int, int], Any] = {}  # (stage, microbatch) -> executor step
         self._wrapped: list[tuple[Any, str, Callable[..., Any]]] = []
         for stage in self._stages:
@@ -82,6 +85,8 @@ class PipelineAttachment:
         for stage, name, wrapper in self._wrapped:
             if stage.__dict__.get(name) is wrapper:
                 del stage.__dict__[name]
+        if self._wrapped:
+            self._mgr._reset_peaks = True
         self._wrapped.clear()
 
     def __enter__(self) -> PipelineAttachment:

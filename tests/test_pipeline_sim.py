@@ -61,9 +61,13 @@ def test_predicted_stages_stash_less_further_down_and_offload_lowers_their_peak(
     peaks = [s.keep.peak_bytes for s in stages]
     assert peaks == sorted(peaks, reverse=True)
     for s in stages:
-        assert s.offload.peak_bytes < s.keep.peak_bytes
+        assert s.offload.peak_bytes <= s.keep.peak_bytes
         assert s.overhead >= 1.0
-        assert 0 < s.peak_saved_fraction < 1
+    # Reloads look one microbatch ahead (as mgr.attach does): a stage that stashes several
+    # microbatches peaks lower offloaded; the last stage, which holds one, does not.
+    assert stages[0].offload.peak_bytes < stages[0].keep.peak_bytes
+    assert 0 < stages[0].peak_saved_fraction < 1
+    assert stages[-1].peak_saved_fraction == pytest.approx(1.0)
 
 
 def test_ideal_link_makes_offloading_free_on_every_stage() -> None:
