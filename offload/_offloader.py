@@ -737,6 +737,10 @@ class ActivationOffloader:
         ):
             return self._keep(t, stats)
         active = self._active
+        if active is None and _is_weight_cast(t, self._params):
+            # DESIGN.md: autocast's weight casts never cross PCIe (each microbatch and step would
+            # copy the weights again); the planner's recipes will rebuild them instead.
+            return self._keep(t, stats)
         tier = None
         if active is not None:
             tier = active.action.get(key)
@@ -806,6 +810,20 @@ class ActivationOffloader:
 
 
 _OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
+
+
+def _is_weight_cast(t: torch.Tensor, params: ParameterStorages) -> bool:
+    """``t`` is a dtype cast of a parameter (autocast's weight cast: a ``ToCopyBackward0``
+    whose input is the parameter's gradient accumulator)."""
+    if t._base is not None:  # Linear saves the cast's transpose, a view
+        t = t._base
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions
+    acc = nxt[0][0] if nxt else None
+    var = getattr(acc, "variable", None)
+    return isinstance(var, torch.Tensor) and params.holds(var, var.untyped_storage())
 
 
 def _has_storage(t: torch.Tensor) -> bool:

@@ -720,3 +720,32 @@ def test_sibling_views_share_one_copy_of_their_storage() -> None:
         assert last.bytes_offloaded_cpu == 32 * 64 * 4 + 32 * 3 * 64 * 4 + 32 * 32 * 4
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def test_autocast_weight_casts_stay_on_the_device() -> None:
+    """DESIGN.md: autocast's weight casts never cross PCIe; the activations still do."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128)
+    )
+    x = torch.randn(64, 128, requires_grad=True)
+
+    def step(mgr: Any = None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with mgr if mgr is not None else contextlib.nullcontext():
+                loss = model(x).float().pow(2).sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = step()
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    got = step(mgr)
+    last = mgr.stats.last
+    mgr.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    casts = 2 * 128 * 256 * 2  # both Linear weights in bf16, saved as views of their casts
+    # x's bf16 cast, the GELU input and output (bf16), and pow's fp32 input.
+    activations = 64 * (128 + 256 + 256) * 2 + 64 * 128 * 4
+    assert last.records_kept >= 2
+    assert last.bytes_offloaded_cpu == activations, (last.bytes_offloaded_cpu, casts)
