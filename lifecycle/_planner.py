@@ -1,46 +1,86 @@
 """``lifecycle.plan()``: choose, per alias family, where it waits so the step fits a memory budget.
 
 NOTE [ Planner ]
-    The planner searches a small, structured space and scores every point with a closed-form
-    model of the step (below), fast enough for 100k records in well under a second; when the
-    trace is small enough (``simulate_records``) the best candidates are then checked with the
-    discrete-event simulator (:func:`lifecycle.simulate`), whose figures the plan reports.
+    The planner searches a small, structured space and scores points with a closed-form model of
+    the step (below): about a second for 100k records on a slow 2-core VM, most of it reading the
+    trace's objects and building the plan's (benchmarks/bench_plan.py). When the trace is small
+    enough (``simulate_records``) the chosen plan is then replayed by the discrete-event
+    simulator (:func:`lifecycle.simulate`), whose peak the plan reports.
 
-    The space. Two knobs, following "The physics" in DESIGN.md:
+    The space. Following "The physics" in DESIGN.md, a point is (m, lead, k):
       * ``m``: how many blocks (a transformer's layers: see :func:`_blocks`) run under
         checkpoint, latest in forward first (their activations are the shortest-lived, so
-        offloading them buys the least);
-      * ``k``: how many of the remaining movable families are offloaded, earliest packed first
-        (the longest-lived: their copies have the most compute to hide behind).
-    For each ``m`` on a ladder, the smallest ``k`` whose predicted peak fits is found by
-    bisection (more offloaded bytes never raise the peak in the model); the plan is the point
-    with the smallest predicted step time. Offloaded families go to the host tier until
-    ``cpu_budget`` is used up; the longest-lived ones then go to NVMe (the larger, slower tier).
+        offloading them buys the least); ``m`` takes the values of a fixed ladder;
+      * ``lead``: reloads start as late as the link allows (1.0: each ends right before its first
+        unpack, on a FIFO H2D link in the order backward needs them) or at the first unpack (0.0:
+        the least memory, every reload a stall);
+      * ``k``: how many families are offloaded, a prefix of a fixed order: first those the D2H
+        link takes without falling behind the packs by more than the in-flight bound, then the
+        rest, each group earliest packed (longest-lived) first. ``k`` runs from 0 to ``top``, the
+        most the host and disk room allow. Past ``cpu_budget`` the earliest-packed offloaded
+        families go to NVMe (the larger, slower tier).
+    A column is one (m, lead). In each column the smallest ``k`` whose predicted peak fits is
+    found by bisection over ``[0, top]`` (to within 1/256 of the column); the plan is the column
+    result with the smallest predicted step time (then the fewest moved bytes).
+
+    The search is best-first: columns wait in a heap under a lower bound on their result, refined
+    in stages that cost more each (the trace plus the recompute time of ``m``; then the
+    back-pressure of the least ``k`` that could fit, since moving ``k`` families lowers the peak by
+    at most their bytes live across it; then the whole step time at that ``k``), and are bisected
+    only when their bound is the lowest; a bisection stops as soon as its bound exceeds the best
+    step found. The bounds only skip work: the result is the one the full search gives, which (3)
+    below needs. In a transformer the result is mostly the smallest ``m`` whose column fits at
+    all, so ``m``'s ladder is fine (24 geometric steps): a coarser one costs recompute time.
+
+    A larger budget never predicts a slower step, by construction:
+      (1) a bisection with a fixed bracket and a fixed probe rule returns a ``k`` that never
+          grows with the target, whatever shape peak(k) has: two targets take the same probes
+          up to the first probe only the larger target fits; from there the larger one searches
+          below that probe and the smaller one above it;
+      (2) in the model, a column's step time never decreases as ``k`` grows (see below);
+      (3) the columns do not depend on the budget, and one that fits keeps fitting.
+    So every column's result gets no slower as the budget grows, and neither does their minimum.
+    The simulator does not re-rank: it checks the chosen plan's peak (which the model bounds, see
+    below) and supplies it; step times are the model's, so the guarantee holds for both sources.
 
     The model. Compute is the trace's timeline. Copies out form one FIFO on the D2H link in pack
-    order (an NVMe record then waits for the disk FIFO); a family's device bytes are freed when
-    its copy completes. Reloads are scheduled as late as possible on the H2D link, in the order
-    backward needs them, so that each ends right before its first unpack; each starts at the
-    latest backward event (a module's backward start or an unpack: the only points the executor
-    sees) before that time. Stall = how far the reload FIFO, started at those triggers (and not
-    before the copy out or the disk write is done), finishes after a first unpack; back-pressure
-    = how far the copies out lag behind the packs beyond ``max_inflight_bytes`` of link time.
-    Where copies do not overlap compute (CPU-only runs) every copied byte adds its time instead.
-    A recomputed block costs its forward time once, and its families occupy the device from the
-    first unpack of the block in backward to their last use. Not modelled: what the simulator
-    also leaves out (see NOTE [ Simulation model ]), duplex sharing, and the time shift a stall
-    causes to later events' memory.
+    order (an NVMe record then waits for the disk FIFO); a family's device bytes are freed at the
+    first event after its copy completes. Reloads are FIFO on the H2D link in the order backward
+    needs them; each starts at a backward event (a module's backward start or an unpack: the only
+    points the executor sees) at or before its ideal start, and never before the first such event
+    after its copy out (or disk write) is done; with ``lead`` 0.0 at its first unpack.
+      Time: step = trace + recompute (each checkpointed block's forward once) + back-pressure (how
+      far the copies out lag behind the packs beyond ``max_inflight_bytes`` of link time; by
+      default twice the family's own bytes, at least 256 MiB: the executor's bound, twice the
+      largest family stored so far, is never smaller)
+      + backward stall: the larger of (a) how far the reload FIFO, each reload started no earlier
+      than its copy allows, finishes after a first unpack, and (b) the summed durations of the
+      reloads that cannot start before their first unpack. Where copies do not overlap compute
+      (CPU-only runs) every copied byte adds its time instead. Adding a family to the prefix
+      only adds copies to FIFOs, delays the others' copies out, and moves no family from NVMe
+      back to the host, so each term only grows: (2) above. (Every unpacked offloaded family is
+      counted as reloaded, even one unpacked before its copy out completed, which in fact reuses
+      its source: moving such a family buys no memory, and the model charges it its reload.)
+      Memory: the trace's memory outside saved tensors, kept families from first pack to last
+      use, recomputed ones from the first unpack of their block, offloaded ones until their copy
+      out completes and from their reload's start. To bound the simulator's peak from above, the
+      D2H rate after backward begins is the shared-duplex rate, and memory is tracked over at
+      most ``_MAX_FRAMES`` frames of consecutive events, an item held in part of a frame counting
+      in all of it. Not modelled: what the simulator also leaves out (see NOTE [ Simulation
+      model ]), duplex sharing in time, and the time shift a stall causes (which only makes
+      copies out complete earlier in the step's events).
 """
 
 from __future__ import annotations
 
 import bisect
 import gc
+import heapq
 import itertools
 import math
 import operator
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,16 +93,21 @@ from lifecycle._plan import (
     PlanEntry,
     Prediction,
     Trigger,
+    _bulk,
 )
-from lifecycle._simulate import Decision, Placement, Simulation, simulate
-from lifecycle._trace import Event, EventKind, Trace
+from lifecycle._simulate import Decision, Placement, simulate
+from lifecycle._trace import Event, EventKind, TensorRecord, Trace
 from lifecycle._units import format_bytes, parse_bytes
 
 _MIN_MARGIN_BYTES = 256 << 20  # DESIGN.md "Budget": max(5% of the budget, 256 MiB) on a GPU
 _MARGIN_SHARE = 0.05
 _DEFAULT_MIN_INFLIGHT_BYTES = 256 << 20
-_MAX_SIMULATIONS = 6
 _MAX_FRAMES = 8192
+_LEADS = (1.0, 0.0)
+_BISECTION_STEPS = 256  # a column's k is found to within 1/256 of its candidates
+_LADDER_STEPS = 12  # values of m searched, geometric above this many blocks
+_LEAVES = 9  # heap stage of the boundary columns (see _Model.search)
+_BOUNDARY_STEPS = 128  # the boundary m is found to within 1/128 of the blocks
 
 
 def plan(
@@ -82,8 +127,9 @@ def plan(
 ) -> Plan:
     """Plan where each activation family of one traced step waits, to fit ``gpu_budget``.
 
-    A pure function: the same trace, budget and hardware give the same plan. See NOTE
-    [ Planner ] in this module for the search and the model.
+    A pure function: the same trace, budget and hardware give the same plan, and a larger budget
+    never predicts a slower step. See NOTE [ Planner ] in this module for the search and the
+    model.
 
     Args:
         trace: a recorded step (from :func:`offload.profile`, the CLI, or the manager).
@@ -100,9 +146,8 @@ def plan(
         max_inflight_bytes: the executor's bound on copies out in flight (``None``: twice the
             largest offloaded family, at least 256 MiB).
         step: which recorded step to plan for (``-1``: the last).
-        simulate_records: check the best candidates with :func:`lifecycle.simulate` when the step
-            has at most this many records (0: never); the plan then reports the simulator's
-            figures.
+        simulate_records: replay the chosen plan with :func:`lifecycle.simulate` when the step
+            has at most this many records (0: never); the plan then reports the simulator's peak.
         signature: a label for the plan (the manager passes the input signature).
 
     Returns:
@@ -110,7 +155,7 @@ def plan(
 
     Raises:
         BudgetInfeasibleError: no plan fits ``gpu_budget - margin``; ``.min_feasible_bytes``
-            says what would.
+            says what would (with the same ``margin`` setting).
         TypeError / ValueError: a bad argument (the message names it).
 
     Example:
@@ -165,80 +210,88 @@ def _plan(
     floor_bytes = parse_bytes(min_offload_bytes, name="min_offload_bytes")
     if isinstance(simulate_records, bool) or not isinstance(simulate_records, int):
         raise TypeError(f"simulate_records must be an int; got {simulate_records!r}")
-    view = _Step(trace, _step_arg(trace, step), floor_bytes)
-    on_cuda = str(trace.metadata.get("device", view.device)).startswith("cuda")
-    if margin is None:
-        margin_bytes = int(_MARGIN_SHARE * budget)
-        if on_cuda:
-            excess = int(trace.metadata.get("reserved_excess_bytes", 0) or 0)
-            margin_bytes = max(margin_bytes, _MIN_MARGIN_BYTES) + excess
-    else:
-        margin_bytes = parse_bytes(margin, name="margin")
+    if not isinstance(signature, str):
+        raise TypeError(f"signature must be a str; got {type(signature).__name__}")
+    fixed_margin = None if margin is None else parse_bytes(margin, name="margin")
     inflight = (
         None
         if max_inflight_bytes is None
         else parse_bytes(max_inflight_bytes, name="max_inflight_bytes")
     )
+    view = _Step(trace, _step_arg(trace, step), floor_bytes)
+    on_cuda = str(trace.metadata.get("device", view.device)).startswith("cuda")
+    excess = int(trace.metadata.get("reserved_excess_bytes", 0) or 0) if on_cuda else 0
+
+    def margin_for(b: int) -> int:
+        if fixed_margin is not None:
+            return fixed_margin
+        share = int(_MARGIN_SHARE * b)
+        return max(share, _MIN_MARGIN_BYTES) + excess if on_cuda else share
+
+    margin_bytes = margin_for(budget)
     target = budget - margin_bytes
     model = _Model(view, hardware, tiers, host_cap, disk_cap, inflight)
 
-    keep_all = model.evaluate(0, 0)
-    best = [keep_all] if keep_all.peak <= target else model.search(target)
-    if not best:
-        floor = int(model.min_peak())
-        raise BudgetInfeasibleError(
+    def infeasible(floor: int, what: str) -> BudgetInfeasibleError:
+        need = _min_budget(floor, margin_for)
+        return BudgetInfeasibleError(
             f"gpu_budget {format_bytes(budget)} cannot be met: with margin "
             f"{format_bytes(margin_bytes)} the step must peak at {format_bytes(target)} or less, "
-            f"and the lowest plan the allowed tiers ({', '.join(tiers)}) and host/NVMe room permit "
-            f"peaks at {format_bytes(floor)}; the smallest feasible budget is about "
-            f"{format_bytes(floor + margin_bytes)}",
+            f"and {what} peaks at {format_bytes(floor)}; the smallest feasible budget is about "
+            f"{format_bytes(need)}",
             budget_bytes=budget,
-            min_feasible_bytes=floor + margin_bytes,
+            min_feasible_bytes=need,
         )
 
+    keep_all = model.evaluate(model.column(0, 1.0), 0)
+    chosen = keep_all if keep_all.peak <= target else model.search(target)
+    if chosen is None:
+        raise infeasible(
+            math.ceil(model.lowest().peak),
+            f"the lowest plan the allowed tiers ({', '.join(tiers)}) and host/NVMe room permit",
+        )
     source = "planner model"
-    chosen = best[0]
-    predicted = Prediction(peak_bytes=int(chosen.peak), step_s=chosen.step_s)
-    anchors = {
-        "keep_all": Prediction(peak_bytes=int(keep_all.peak), step_s=keep_all.step_s),
-        "offload_all": _as_prediction(model.offload_all()),
-        "checkpoint_blocks": _as_prediction(model.evaluate(len(model.blocks), 0)),
+    predicted = Prediction(peak_bytes=math.ceil(chosen.peak), step_s=chosen.step_s)
+    offload_all = model.offload_all()
+    checkpoint = model.evaluate(model.column(len(model.blocks), 1.0), 0)
+    anchor_candidates = {
+        "keep_all": keep_all,
+        "offload_all": offload_all,
+        "checkpoint_blocks": checkpoint,
     }
-    simulated = 0
+    anchors = {
+        name: Prediction(peak_bytes=math.ceil(c.peak), step_s=c.step_s)
+        for name, c in anchor_candidates.items()
+    }
+    simulated: dict[str, float] = {}
+    simulations = 0
     if 0 < len(view.records) <= simulate_records:
+        # See NOTE [ Planner ]: the model's peak bounds the simulator's, so this only confirms;
+        # should it not (a model defect), the lowest plan is the fallback.
         source = "simulator"
-        found = None
-        for cand in best[:_MAX_SIMULATIONS]:
+        sim = simulate(
+            trace, hardware, model.decisions(chosen), step=view.step, max_inflight_bytes=inflight
+        )
+        simulations += 1
+        if sim.peak_bytes > target:
+            chosen = model.lowest()
             sim = simulate(
-                trace, hardware, model.decisions(cand), step=view.step, max_inflight_bytes=inflight
+                trace,
+                hardware,
+                model.decisions(chosen),
+                step=view.step,
+                max_inflight_bytes=inflight,
             )
-            simulated += 1
-            if sim.peak_bytes <= target:
-                found = (cand, sim)
-                break
-        if found is None:
-            # The model was optimistic for every candidate: fall back to the lowest plan.
-            cand = model.lowest()
-            sim = simulate(
-                trace, hardware, model.decisions(cand), step=view.step, max_inflight_bytes=inflight
-            )
-            simulated += 1
+            simulations += 1
             if sim.peak_bytes > target:
-                raise BudgetInfeasibleError(
-                    f"gpu_budget {format_bytes(budget)} cannot be met: the lowest plan peaks at "
-                    f"{format_bytes(sim.peak_bytes)} in simulation, above the "
-                    f"{format_bytes(target)} the budget less its margin allows; the smallest "
-                    f"feasible budget is about {format_bytes(sim.peak_bytes + margin_bytes)}",
-                    budget_bytes=budget,
-                    min_feasible_bytes=sim.peak_bytes + margin_bytes,
-                )
-            found = (cand, sim)
-        chosen, sim = found
-        predicted = Prediction(peak_bytes=sim.peak_bytes, step_s=sim.step_s)
-        anchors = {
-            name: Prediction(peak_bytes=s.peak_bytes, step_s=s.step_s)
-            for name, s in _simulated_anchors(trace, hardware, model, view.step, inflight).items()
-        }
+                raise infeasible(sim.peak_bytes, "the lowest plan, in simulation,")
+        predicted = Prediction(peak_bytes=sim.peak_bytes, step_s=chosen.step_s)
+        simulated = {"simulated_step_s": sim.step_s}
+        for name, c in anchor_candidates.items():
+            placements = None if c is keep_all else model.decisions(c)
+            s = simulate(trace, hardware, placements, step=view.step, max_inflight_bytes=inflight)
+            simulations += 1
+            anchors[name] = Prediction(peak_bytes=s.peak_bytes, step_s=c.step_s)
     return Plan(
         gpu_budget_bytes=budget,
         margin_bytes=margin_bytes,
@@ -256,40 +309,41 @@ def _plan(
         metadata={
             "planning_s": round(time.perf_counter() - started, 6),
             "candidates_scored": model.scored,
-            "simulations": simulated,
+            "simulations": simulations,
             "records": len(view.records),
             "recomputed_blocks": chosen.m,
             "offloaded_families": chosen.k,
+            "reload_lead": chosen.lead,
+            "model_peak_bytes": math.ceil(chosen.peak),
+            **simulated,
         },
     )
 
 
-def _as_prediction(c: _Candidate) -> Prediction:
-    return Prediction(peak_bytes=int(c.peak), step_s=c.step_s)
-
-
-def _simulated_anchors(
-    trace: Trace, hw: HardwareModel, model: _Model, step: int, inflight: int | None
-) -> dict[str, Simulation]:
-    return {
-        "keep_all": simulate(trace, hw, None, step=step, max_inflight_bytes=inflight),
-        "offload_all": simulate(
-            trace, hw, model.decisions(model.offload_all()), step=step, max_inflight_bytes=inflight
-        ),
-        "checkpoint_blocks": simulate(
-            trace,
-            hw,
-            model.decisions(model.evaluate(len(model.blocks), 0)),
-            step=step,
-            max_inflight_bytes=inflight,
-        ),
-    }
+def _min_budget(floor: int, margin_for: Callable[[int], int]) -> int:
+    """The smallest budget ``b`` with ``b - margin_for(b) >= floor`` (the margin grows with ``b``
+    no faster than ``b``)."""
+    lo, hi = floor, max(floor, 1)
+    while hi - margin_for(hi) < floor:
+        lo, hi = hi, 2 * hi
+    while lo < hi:  # invariant: hi meets the floor
+        mid = (lo + hi) // 2
+        if mid - margin_for(mid) >= floor:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 def _tiers_arg(tiers: Iterable[str]) -> tuple[str, ...]:
     if isinstance(tiers, str):
         tiers = (tiers,)
-    out = tuple(tiers)
+    try:
+        out = tuple(tiers)
+    except TypeError:
+        raise TypeError(
+            f"tiers must be a sequence naming 'cpu' and/or 'nvme'; got {type(tiers).__name__}"
+        ) from None
     if not out or any(t not in ("cpu", "nvme") for t in out) or len(set(out)) != len(out):
         raise ValueError(f"tiers must name 'cpu' and/or 'nvme', each once; got {out!r}")
     return out
@@ -310,21 +364,57 @@ def _step_arg(trace: Trace, step: int) -> int:
 
 # -- the step as arrays -------------------------------------------------------------------------
 
+_get = operator.attrgetter
+_KINDS = tuple(EventKind)
+_CODE = {k: i for i, k in enumerate(_KINDS)}
+_FWD_START, _FWD_END = _CODE[EventKind.FORWARD_START], _CODE[EventKind.FORWARD_END]
+_BWD_START, _UNPACK = _CODE[EventKind.BACKWARD_START], _CODE[EventKind.UNPACK]
+
+
+# Enum members carry their definition order as ``_sort_order_`` (CPython 3.11+): read in the same
+# pass of C calls as the time and memory (one structured ``fromiter``), that is a third faster
+# over 500k events than a dict lookup per event (which hashes each str-Enum member in Python).
+# Used only where it is the code below.
+_SORT_ORDER = all(getattr(k, "_sort_order_", None) == i for i, k in enumerate(_KINDS))
+_EVENT_FIELDS = np.dtype([("t", np.float64), ("memory", np.int64), ("kind", np.int8)])
+_RECORD_FIELDS = np.dtype(
+    [
+        ("family", np.int64),
+        ("nbytes", np.int64),
+        ("storage", np.int64),
+        ("pack", np.int64),
+        ("param", np.bool_),
+        ("backward", np.bool_),
+    ]
+)
+
+
+def _event_arrays(events: Sequence[Event]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each event's time, memory probe and kind (as its index in ``EventKind``)."""
+    n = len(events)
+    if _SORT_ORDER:
+        fields = np.fromiter(
+            map(_get("time_s", "memory_bytes", "kind._sort_order_"), events), _EVENT_FIELDS, n
+        )
+        return fields["t"].copy(), fields["memory"].copy(), fields["kind"].copy()
+    t = np.fromiter(map(_get("time_s"), events), np.float64, n)
+    memory = np.fromiter(map(_get("memory_bytes"), events), np.int64, n)
+    kinds = np.fromiter(map(_CODE.__getitem__, map(_get("kind"), events)), np.int8, n)
+    return t, memory, kinds
+
 
 def _step_range(items: tuple, step: int) -> tuple[int, int]:
     """``[lo, hi)`` of the items (events or records, in step order) belonging to ``step``."""
-    key = operator.attrgetter("step")
+    key = _get("step")
     return bisect.bisect_left(items, step, key=key), bisect.bisect_right(items, step, key=key)
 
 
-def _diff(n: int, starts: np.ndarray, stops: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    """Bytes held over events ``0..n-1``, each item from ``starts`` through ``stops - 1``."""
-    w = nbytes.astype(np.float64)
-    d = (
-        np.bincount(starts, w, minlength=n + 2)[: n + 2]
-        - np.bincount(stops, w, minlength=n + 2)[: n + 2]
-    )
-    return np.cumsum(d)[:n]
+def _diff(n: int, starts: np.ndarray, stops: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Sum of ``weights`` over positions ``0..n-1``, each item from ``starts`` to ``stops - 1``."""
+    w = weights.astype(np.float64, copy=False)
+    d = np.bincount(starts, w, minlength=n + 1)[: n + 1]
+    d -= np.bincount(stops, w, minlength=n + 1)[: n + 1]
+    return np.cumsum(d[:n])
 
 
 class _Step:
@@ -338,18 +428,14 @@ class _Step:
             raise ValueError(f"step {step} of the trace has no STEP_START event")
         self.first_event = events[0].index
         n = len(events)
-        self.t = np.fromiter(map(operator.attrgetter("time_s"), events), float, n)
-        self.t -= self.t[0]
-        mem = np.fromiter(map(operator.attrgetter("memory_bytes"), events), np.int64, n)
-        self.base = int(mem[0])
-        self.step_s = float(self.t[-1])
         self.n_events = n
         self.events = events
-        codes = {EventKind.BACKWARD_START: 1, EventKind.UNPACK: 1}
-        kinds = np.fromiter(
-            (codes.get(k, 0) for k in map(operator.attrgetter("kind"), events)), np.int8, n
-        )
-        self.trig = np.nonzero(kinds)[0].astype(np.int64)
+        self.t, mem, codes = _event_arrays(events)
+        self.t -= self.t[0]
+        self.base = int(mem[0])
+        self.step_s = float(self.t[-1])
+        self.codes = codes
+        self.trig = np.flatnonzero((codes == _BWD_START) | (codes == _UNPACK))
         self.trig_t = self.t[self.trig]
         rlo, rhi = _step_range(trace.records, step)
         self.records = trace.records[rlo:rhi]
@@ -358,102 +444,206 @@ class _Step:
         self._families(floor_bytes)
         act = ~self.param
         live = _diff(n, self.fp[act], self.end[act] + 1, self.nbytes[act])
-        self.rest = np.maximum(0.0, mem - self.base - live)
-        self.blocks = _blocks(events)
+        rest = np.maximum(0.0, mem - self.base - live)
+        self.blocks = _blocks(codes, self.t, events)
         # See NOTE [ Planner ]: memory is tracked over frames of consecutive events.
-        self.n_frames = min(n, _MAX_FRAMES)
-        self.frame_of = (np.arange(n + 1, dtype=np.int64) * self.n_frames) // n
-        first = np.searchsorted(self.frame_of[:n], np.arange(self.n_frames), side="left")
-        self.device_base = np.maximum.reduceat(self.base + self.rest, first)
+        nf = min(n, _MAX_FRAMES)
+        self.n_frames = nf
+        frame_of = (np.arange(n + 1, dtype=np.int64) * nf) // n  # frame_of[n] == nf
+        self.frame_of = frame_of
+        first = np.searchsorted(frame_of[:n], np.arange(nf), side="left")
+        self.frame_first = first
+        self.frame_first_t = self.t[first]
+        # Items held over events [a, b): "touch" frames [touch_lo[a], touch_hi[b]) (any event of
+        # the frame), "inner" frames [inner_lo[a], inner_hi[b]) (every event of the frame).
+        self.touch_lo = frame_of
+        self.touch_hi = np.concatenate([[0], frame_of[:n] + 1])
+        self.inner_lo = np.concatenate([[0], frame_of[:n] + 1])
+        self.inner_hi = frame_of
+        self.device_base = np.maximum.reduceat(self.base + rest, first)
 
     def held(self, starts: np.ndarray, stops: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """Bytes held per frame by items held from event ``starts`` through ``stops - 1``: an
         item counts in every frame it touches (an upper bound when frames span several events)."""
-        f = self.frame_of
-        return _diff(self.n_frames, f[starts], f[np.maximum(stops - 1, starts)] + 1, nbytes)
+        lo = self.touch_lo[starts]
+        hi = np.maximum(self.touch_hi[stops], lo)
+        return _diff(self.n_frames, lo, hi, nbytes)
+
+    def freed(self, starts: np.ndarray, stops: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Bytes per frame that items absent over events ``[starts, stops)`` give back: only the
+        frames they are absent from throughout (a lower bound when frames span several events)."""
+        lo = self.inner_lo[starts]
+        hi = np.maximum(self.inner_hi[stops], lo)
+        return _diff(self.n_frames, lo, hi, nbytes)
 
     def _families(self, floor_bytes: int) -> None:
+        recs = self.records
+        r = len(recs)
         first = self.first_event
-        pos: dict[int, int] = {}
-        fid: list[int] = []
-        lo: list[int] = []
-        hi: list[int] = []
-        fp: list[int] = []
-        fu: list[int] = []
-        fl: list[int] = []
-        param: list[bool] = []
-        backward: list[bool] = []
-        keys: list[list[Key]] = []
-        modules: list[str] = []
-        for r in self.records:
-            nbytes = r.nbytes
-            if nbytes == 0:
-                start = extent = 0
-            elif nbytes == r.storage_nbytes:
-                start, extent = 0, nbytes  # the whole storage: the usual activation
-            else:
-                item = r.itemsize
-                start = r.storage_offset * item
-                extent = (
-                    1 + sum((s - 1) * abs(d) for s, d in zip(r.shape, r.stride, strict=True))
-                ) * item
-            u = r.unpack_events
-            i = pos.get(r.family)
-            if i is None:
-                pos[r.family] = len(fid)
-                fid.append(r.family)
-                lo.append(start if extent else -1)
-                hi.append(start + extent)
-                fp.append(r.pack_event - first)
-                if u:
-                    fu.append(u[0] - first)
-                    fl.append(u[-1] - first)
-                else:
-                    fu.append(-1)
-                    fl.append(-1)
-                param.append(r.is_parameter)
-                backward.append(r.in_backward)
-                keys.append([(r.module, r.call_index, r.ordinal)])
-                modules.append(r.module)
-                continue
-            keys[i].append((r.module, r.call_index, r.ordinal))
-            if extent:
-                lo[i] = start if lo[i] < 0 else min(lo[i], start)
-                hi[i] = max(hi[i], start + extent)
-            if u:
-                a, b = u[0] - first, u[-1] - first
-                fu[i] = a if fu[i] < 0 else min(fu[i], a)
-                fl[i] = max(fl[i], b)
-            if r.in_backward:
-                backward[i] = True
-        self.fid = np.asarray(fid, np.int64)
-        lo_a, hi_a = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-        self.nbytes = np.where(lo_a >= 0, hi_a - lo_a, 0)
-        self.fp = np.asarray(fp, np.int64)
-        self.fu = np.asarray(fu, np.int64)
-        fl_a = np.asarray(fl, np.int64)
-        self.end = np.where(fl_a >= 0, fl_a, self.n_events - 1)
-        self.param = np.asarray(param, bool)
-        self.movable = ~self.param & ~np.asarray(backward, bool)
+        fields = np.fromiter(
+            map(
+                _get(
+                    "family",
+                    "nbytes",
+                    "storage_nbytes",
+                    "pack_event",
+                    "is_parameter",
+                    "in_backward",
+                ),
+                recs,
+            ),
+            _RECORD_FIELDS,
+            r,
+        )
+        fam, nbytes, storage = fields["family"], fields["nbytes"], fields["storage"]
+        pack = fields["pack"] - first
+        is_param, in_bwd = fields["param"], fields["backward"]
+        unpacks = list(map(_get("unpack_events"), recs))
+        counts = np.fromiter(map(len, unpacks), np.int64, r)
+        flat = np.fromiter(itertools.chain.from_iterable(unpacks), np.int64, int(counts.sum()))
+        flat -= first
+        stops = np.cumsum(counts)
+        has = counts > 0
+        u_first = np.full(r, -1, np.int64)
+        u_last = np.full(r, -1, np.int64)
+        u_first[has] = flat[(stops - counts)[has]]
+        u_last[has] = flat[stops[has] - 1]
+        self.unpacked_record = np.full(self.n_events, -1, np.int64)  # per event, for unpacks
+        self.unpacked_record[flat] = np.repeat(np.arange(r), counts)
+        # The storage span each record covers: the whole storage (the usual activation), nothing
+        # (empty), or a view's extent from its shape and strides (the same for many views).
+        start = np.zeros(r, np.int64)
+        extent = np.where(nbytes == storage, nbytes, 0)
+        views = np.flatnonzero((nbytes != storage) & (nbytes > 0))
+        if len(views):
+            start[views], extent[views] = _view_spans(
+                list(map(recs.__getitem__, views.tolist())), nbytes[views]
+            )
+        # Families in order of first record (records are in pack order).
+        _, first_rec, inverse = np.unique(fam, return_index=True, return_inverse=True)
+        order = np.argsort(first_rec, kind="stable")
+        position = np.empty(len(order), np.int64)
+        position[order] = np.arange(len(order))
+        pos = position[inverse.reshape(-1)]
+        first_rec = first_rec[order]
+        n_fam = len(first_rec)
+        spans = extent > 0
+        big = np.iinfo(np.int64).max
+        lo = np.full(n_fam, big, np.int64)
+        hi = np.zeros(n_fam, np.int64)
+        np.minimum.at(lo, pos[spans], start[spans])
+        np.maximum.at(hi, pos[spans], (start + extent)[spans])
+        fu = np.full(n_fam, big, np.int64)
+        fl = np.full(n_fam, -1, np.int64)
+        np.minimum.at(fu, pos[has], u_first[has])
+        np.maximum.at(fl, pos[has], u_last[has])
+        backward = np.zeros(n_fam, bool)
+        np.logical_or.at(backward, pos, in_bwd)
+        self.fid = fam[first_rec]
+        self.nbytes = np.where(lo < big, hi - lo, 0)
+        self.fp = pack[first_rec]
+        self.fu = np.where(fu < big, fu, -1)
+        self.end = np.where(fl >= 0, fl, self.n_events - 1)
+        self.param = is_param[first_rec]
+        self.movable = ~self.param & ~backward
         self.candidate = self.movable & (self.nbytes >= max(1, floor_bytes))
-        self.keys = keys
-        self.modules = modules
+        self.record_pos = pos  # family position of each record
+        self.first_rec = first_rec
+        self.record_pack = pack
+        self.record_backward = in_bwd
+        self.keys: list[Key] = list(map(_get("module", "call_index", "ordinal"), recs))
+
+
+def _view_spans(views: list[TensorRecord], nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offset and extent of the storage span each view covers (from its shape, strides
+    and storage offset, in elements), over all views at once."""
+    k = len(views)
+    shapes = list(map(_get("shape"), views))
+    dims = np.fromiter(map(len, shapes), np.int64, k)
+    total = int(dims.sum())
+    size = np.fromiter(itertools.chain.from_iterable(shapes), np.int64, total)
+    stride = np.fromiter(itertools.chain.from_iterable(map(_get("stride"), views)), np.int64, total)
+    offset = np.fromiter(map(_get("storage_offset"), views), np.int64, k)
+    numel = np.ones(k, np.int64)
+    reach = np.ones(k, np.int64)  # elements from the first to the last one the view touches
+    some = dims > 0
+    if some.any():
+        first = (np.cumsum(dims) - dims)[some]
+        numel[some] = np.multiply.reduceat(size, first)
+        reach[some] += np.add.reduceat((size - 1) * np.abs(stride), first)
+    item = nbytes // np.maximum(numel, 1)
+    return offset * item, reach * item
 
 
 @dataclass(frozen=True)
-class _Block:
-    module: str
-    call_index: int
-    start: int  # local event indices
-    end: int
-    duration_s: float
+class _Blocks:
+    """The step's blocks (see :func:`_blocks`), in forward order, as columns."""
+
+    module: list[str]
+    call_index: list[int]
+    start: np.ndarray  # local event indices
+    end: np.ndarray
+    duration_s: list[float]
+
+    def __len__(self) -> int:
+        return len(self.module)
+
+    @classmethod
+    def of(cls, spans: Sequence[tuple[str, int, int, int, float]]) -> _Blocks:
+        """From ``(module, call index, start, end, duration)`` per block."""
+        return cls(
+            [b[0] for b in spans],
+            [b[1] for b in spans],
+            np.asarray([b[2] for b in spans], np.int64),
+            np.asarray([b[3] for b in spans], np.int64),
+            [b[4] for b in spans],
+        )
 
 
-def _blocks(events: Sequence[Event]) -> list[_Block]:
+def _blocks(codes: np.ndarray, t: np.ndarray, events: Sequence[Event]) -> _Blocks:
     """The step's blocks: forward spans at the first nesting level holding two or more spans
     that call modules themselves (a transformer's layers; a lone wrapper is looked through)."""
+    idx = np.flatnonzero((codes == _FWD_START) | (codes == _FWD_END))
+    is_start = codes[idx] == _FWD_START
+    after = np.cumsum(np.where(is_start, 1, -1))
+    if len(after) and after.min() < 0:
+        return _Blocks.of(_blocks_slow(events))  # an end without a start: as the recorder did
+    depth = np.where(is_start, after - 1, after)
+    # Within one depth, starts and ends alternate; each end closes the start just before it.
+    order = np.lexsort((idx, depth))
+    ends = np.flatnonzero(~is_start[order])
+    if not len(ends):
+        return _Blocks.of([])
+    end_at = order[ends]
+    start_at = order[ends - 1]
+    # A span has children when the next forward event after its start is another start.
+    nxt = np.minimum(start_at + 1, len(idx) - 1)
+    children = is_start[nxt] & (nxt != start_at)
+    d = depth[start_at]
+    keep = children & (d >= 1)
+    if not keep.any():
+        return _Blocks.of([])
+    depths, counts = np.unique(d[keep], return_counts=True)
+    many = depths[counts >= 2]
+    level = many[0] if len(many) else 1
+    chosen = keep & (d == level)
+    starts, stops = idx[start_at[chosen]], idx[end_at[chosen]]
+    order = np.argsort(starts, kind="stable")
+    starts, stops = starts[order], stops[order]
+    calls = list(map(_get("module", "call_index"), map(events.__getitem__, starts.tolist())))
+    return _Blocks(
+        [c[0] for c in calls],
+        [c[1] for c in calls],
+        starts,
+        stops,
+        (t[stops] - t[starts]).tolist(),
+    )
+
+
+def _blocks_slow(events: Sequence[Event]) -> list[tuple[str, int, int, int, float]]:
+    """:func:`_blocks` for a timeline whose forward starts and ends do not nest."""
     open_: list[list] = []  # [module, call, start, depth, has_children]
-    spans: list[tuple[int, _Block, bool]] = []
+    spans: list[tuple[int, tuple[str, int, int, int, float], bool]] = []
     t0 = events[0].time_s
     for i, e in enumerate(events):
         if e.kind is EventKind.FORWARD_START:
@@ -463,15 +653,15 @@ def _blocks(events: Sequence[Event]) -> list[_Block]:
         elif e.kind is EventKind.FORWARD_END and open_:
             module, call, start, depth, children = open_.pop()
             dur = (e.time_s - t0) - (events[start].time_s - t0)
-            spans.append((depth, _Block(module, call, start, i, dur), children))
-    by_depth: dict[int, list[_Block]] = {}
+            spans.append((depth, (module, call, start, i, dur), children))
+    by_depth: dict[int, list[tuple[str, int, int, int, float]]] = {}
     for depth, b, children in spans:
         if children and depth >= 1:
             by_depth.setdefault(depth, []).append(b)
     for depth in sorted(by_depth):
         if len(by_depth[depth]) >= 2:
-            return sorted(by_depth[depth], key=lambda b: b.start)
-    return sorted(by_depth.get(1, []), key=lambda b: b.start)
+            return sorted(by_depth[depth], key=lambda b: b[2])
+    return sorted(by_depth.get(1, []), key=lambda b: b[2])
 
 
 # -- the model and the search -------------------------------------------------------------------
@@ -480,16 +670,61 @@ def _blocks(events: Sequence[Event]) -> list[_Block]:
 @dataclass
 class _Candidate:
     m: int  # recomputed blocks (latest first)
-    k: int  # offloaded families (earliest packed first)
-    lead: float  # 1.0: reloads as late as possible; 0.0: at the first unpack (least memory)
+    lead: float  # 1.0: reloads as late as the link allows; 0.0: at the first unpack
+    k: int  # offloaded families (a prefix of the column's order)
     peak: float
     step_s: float
-    host_ok: bool
-    moved: np.ndarray  # family positions offloaded
+    moved: np.ndarray  # family positions offloaded, in pack order
     nvme: np.ndarray  # bool per moved: goes to NVMe
     trigger: np.ndarray  # local event index of each moved family's reload start (-1: none)
-    recomputed: np.ndarray  # family positions recomputed
-    unit_of: np.ndarray  # block index per recomputed family
+
+
+class _Column:
+    """The candidates of one ``m``, as arrays in pack order, and the order they are offloaded in."""
+
+    def __init__(self, model: _Model, m: int, variant: int) -> None:
+        v = model.v
+        self.m = m
+        self.variant = variant
+        rec, unit_of = model.recomputed(m)
+        self.recomputed, self.unit_of = rec, unit_of
+        self.recompute_s = model.recompute_s[m]
+        fams = model.pack_order
+        if len(rec):
+            keep = np.ones(len(v.fid), bool)
+            keep[rec] = False
+            fams = fams[keep[fams]]
+        self.fams = fams  # family positions, pack order
+        n = len(fams)
+        self.n = n
+        # Offload order (see NOTE [ Planner ]): rank of each family in it.
+        free = model.free_mask(fams, m, variant)
+        ahead = np.cumsum(free) - 1
+        n_free = int(free.sum())
+        self.rank = np.where(free, ahead, n_free + np.arange(n) - ahead - 1)
+        self.fp = v.fp[fams]
+        self.end = v.end[fams]
+        self.b = model.b[fams]
+        self.base = model.base_memory(m)  # per frame, nothing offloaded
+        self.peak0 = float(self.base.max()) if len(self.base) else 0.0
+        # Bytes of the first k (in offload order) held throughout the frame where
+        # nothing-offloaded memory peaks: what offloading them can take off that peak, at most.
+        f = int(np.argmax(self.base)) if len(self.base) else 0
+        lo_ev = int(v.frame_first[f]) if len(self.base) else 0
+        hi_ev = int(v.frame_first[f + 1]) - 1 if f + 1 < v.n_frames else v.n_events - 1
+        relief = np.zeros(n, np.float64)
+        across = (self.fp <= lo_ev) & (self.end >= hi_ev)
+        relief[self.rank[across]] = self.b[across]
+        self.cum_relief = np.cumsum(relief)
+        self.top = model.room(self)
+
+    def least_k(self, target: float) -> int:
+        """A k below which no candidate of this column fits ``target``; ``n + 1``: none does."""
+        need = self.peak0 - target
+        if need <= 0:
+            return 0
+        k = int(np.searchsorted(self.cum_relief, need, side="left")) + 1
+        return k if k <= self.n else self.n + 1
 
 
 class _Model:
@@ -502,280 +737,508 @@ class _Model:
         disk_cap: float,
         inflight: int | None,
     ) -> None:
+        v = view
         self.v, self.hw, self.tiers = view, hw, tiers
         self.host_cap, self.disk_cap, self.inflight = host_cap, disk_cap, inflight
         self.blocks = view.blocks
         self.scored = 0
-        # Recompute units, latest block first: families first packed inside a block, except its
-        # first (the block's input, which checkpoint keeps).
-        order = np.argsort(view.fp, kind="stable")
-        self.unit_families: list[np.ndarray] = []
-        movable = order[view.movable[order]]
-        first_pack = view.fp[movable]  # sorted
-        for b in reversed(self.blocks):
-            lo = np.searchsorted(first_pack, b.start, side="left")
-            hi = np.searchsorted(first_pack, b.end, side="right")
-            self.unit_families.append(movable[lo + 1 : hi])
-        self.pack_order = order[view.candidate[order]]
-        self._order_cache: dict[int, np.ndarray] = {}
-        self._unit_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        durations = [b.duration_s for b in reversed(self.blocks)]
-        self._recompute_s = [0.0, *itertools.accumulate(durations)]
-
-    # -- search ----------------------------------------------------------------------------
-
-    def search(self, target: float) -> list[_Candidate]:
-        """Feasible candidates, best (fastest, then fewest moved bytes) first."""
-        found: list[_Candidate] = []
-        for m in _ladder(len(self.blocks)):
-            for lead in (1.0, 0.5, 0.0):
-                c = self._smallest_k(m, target, lead)
-                if c is not None:
-                    found.append(c)
-                    break
-        if found:
-            best_m = min(found, key=lambda c: c.step_s).m
-            # Refine between the ladder's neighbours of the best m.
-            ladder = _ladder(len(self.blocks))
-            i = ladder.index(best_m)
-            lo = ladder[i - 1] if i > 0 else 0
-            hi = ladder[i + 1] if i + 1 < len(ladder) else len(self.blocks)
-            for m in sorted({(lo + best_m) // 2, (best_m + hi) // 2} - set(ladder)):
-                c = self._smallest_k(m, target, 1.0)
-                if c is not None:
-                    found.append(c)
-        found.sort(key=lambda c: (c.step_s, self._moved_bytes(c)))
-        return found
-
-    def _moved_bytes(self, c: _Candidate) -> int:
-        return int(self.v.nbytes[c.moved].sum())
-
-    def _smallest_k(self, m: int, target: float, lead: float) -> _Candidate | None:
-        n = len(self._candidates(m))
-        top = self.evaluate(m, n, lead)
-        if not (top.host_ok and top.peak <= target):
-            return None
-        lo, hi = 0, n  # invariant: hi fits
-        best = top
-        # To within 1/256 of the candidates: a few more offloaded families cost little, and the
-        # bisection is most of the planning time on large traces.
-        tolerance = max(1, n // 256)
-        while hi - lo >= tolerance and lo < hi:
-            mid = (lo + hi) // 2
-            c = self.evaluate(m, mid, lead)
-            if c.host_ok and c.peak <= target:
-                hi, best = mid, c
-            else:
-                lo = mid + 1
-        return best
-
-    def min_peak(self) -> float:
-        return self.lowest().peak
-
-    def lowest(self) -> _Candidate:
-        """The least-memory candidate the host and disk room allow."""
-        best = None
-        for m in _ladder(len(self.blocks)):
-            c = self.evaluate(m, len(self._candidates(m)), 0.0)
-            if c.host_ok and (best is None or c.peak < best.peak):
-                best = c
-        assert best is not None
-        return best
-
-    def offload_all(self) -> _Candidate:
-        return self.evaluate(0, len(self.pack_order), 1.0)
-
-    def _candidates(self, m: int) -> np.ndarray:
-        """Offload order with ``m`` blocks recomputed: first the families the D2H link can take
-        without falling behind the packs by more than the in-flight bound (in pack order), then
-        the rest (in pack order)."""
-        cached = self._order_cache.get(m)
-        if cached is not None:
-            return cached
-        fams = self.pack_order
-        if m:
-            fams = fams[~np.isin(fams, np.concatenate(self.unit_families[:m]))]
-        v, hw = self.v, self.hw
-        if hw.copies_overlap_compute and len(fams) and math.isfinite(hw.d2h_bytes_per_s):
-            dur = (v.nbytes[fams] / hw.d2h_bytes_per_s).tolist()
-            packed = v.t[v.fp[fams]].tolist()
-            largest = int(v.nbytes[fams].max())
-            cap = self.inflight or max(_DEFAULT_MIN_INFLIGHT_BYTES, 2 * largest)
-            slack = cap / hw.d2h_bytes_per_s
-            free = []
-            done = 0.0  # when the link finishes the families taken so far
-            for d, tp in zip(dur, packed, strict=True):
-                end = (done if done > tp else tp) + d
-                ok = end - tp <= slack
-                free.append(ok)
-                if ok:
-                    done = end
-            mask = np.asarray(free, bool)
-            fams = np.concatenate([fams[mask], fams[~mask]])
-        self._order_cache[m] = fams
-        return fams
-
-    # -- the model ---------------------------------------------------------------------------
-
-    def _units(self, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Recomputed families with ``m`` blocks checkpointed, their unit, and the device bytes
-        over the events of everything not offloadable (kept families and recomputed units)."""
-        cached = self._unit_cache.get(m)
-        if cached is not None:
-            return cached
-        v = self.v
-        n = v.n_events
-        units = self.unit_families[:m]
-        recomputed = np.concatenate(units) if units else np.zeros(0, np.int64)
-        sizes = [len(u) for u in units]
-        unit_of = np.repeat(np.arange(m, dtype=np.int64), sizes) if units else recomputed
-        keep = ~v.param
-        keep[self.pack_order] = False
-        keep[recomputed] = False
-        fixed = v.held(v.fp[keep], v.end[keep] + 1, v.nbytes[keep])
-        if len(recomputed):
-            fu_r = v.fu[recomputed]
-            has = fu_r >= 0
-            first = np.full(m, n, np.int64)
-            np.minimum.at(first, unit_of[has], fu_r[has])
-            start_r = first[unit_of]
-            live = has & (start_r < n)
-            fixed = fixed + v.held(
-                start_r[live], v.end[recomputed][live] + 1, v.nbytes[recomputed][live]
-            )
-        # Candidates of this m that the search leaves on the device are added per evaluation.
-        out = (recomputed, unit_of, v.device_base + fixed)
-        self._unit_cache[m] = out
-        return out
-
-    def evaluate(self, m: int, k: int, lead: float = 1.0) -> _Candidate:
-        self.scored += 1
-        v, hw = self.v, self.hw
-        t = v.t
-        order = self._candidates(m)
-        moved, kept = order[:k], order[k:]
-        recomputed, unit_of, fixed = self._units(m)
-        b = v.nbytes[moved].astype(float)
-        overlap = hw.copies_overlap_compute
-        nvme, host_ok = self._tiers_for(moved)
-        tp = t[v.fp[moved]]
-        # Copies out: one FIFO in pack order.
-        if overlap and len(moved):
-            dur = b / hw.d2h_bytes_per_s
-            cum = np.cumsum(dur)
-            c = np.maximum.accumulate(tp - (cum - dur)) + cum
+        self.overlap = hw.copies_overlap_compute
+        b = v.nbytes.astype(np.float64)
+        self.b = b
+        self.d2h_s = b / hw.d2h_bytes_per_s
+        self.h2d_s = b / hw.h2d_bytes_per_s
+        self.read_s = b / hw.disk_read_bytes_per_s
+        self.write_s = b / hw.disk_write_bytes_per_s
+        # The in-flight bound each family's copy out meets, fixed per family whatever else is
+        # offloaded (NOTE [ Planner ], (2)): the executor's default, twice the family, at least
+        # 256 MiB (the executor's grows with the largest family stored so far: this is the
+        # cautious end of it).
+        order = np.argsort(v.fp, kind="stable")
+        if inflight is not None:
+            bound = np.maximum(float(inflight), b)
+            grown = bound
         else:
-            c = tp.copy()
-        avail = c.copy()
-        if nvme.any():
-            w_dur = b[nvme] / hw.disk_write_bytes_per_s
-            w_cum = np.cumsum(w_dur)
-            avail[nvme] = np.maximum.accumulate(c[nvme] - (w_cum - w_dur)) + w_cum
-        fu = v.fu[moved]
-        unpacked = fu >= 0
-        u = np.where(unpacked, t[np.maximum(fu, 0)], np.inf)
-        # A family unpacked before its copy out completed keeps its source: it never left.
-        away = unpacked & (c < u)
-        gone_until = np.maximum(np.searchsorted(t, c, side="left"), v.fp[moved] + 1)
-        trigger = np.full(len(moved), -1, np.int64)
-        stall_bwd = 0.0
-        sync_s = 0.0
-        rdur = b / hw.h2d_bytes_per_s
-        if nvme.any():
-            rdur = rdur + np.where(nvme, b / hw.disk_read_bytes_per_s, 0.0)
-        idx = np.nonzero(away)[0]
-        if len(idx) and len(v.trig):
-            by_use = idx[np.argsort(u[idx], kind="stable")]
-            uo, do = u[by_use], rdur[by_use]
-            if overlap:
-                rc = np.cumsum(do[::-1])[::-1]  # durations from i to the end
-                nxt = np.append(rc[1:], 0.0)
-                alap = np.minimum.accumulate((uo + nxt)[::-1])[::-1] - rc
-                start = uo - lead * (uo - alap)
-            else:
-                start = uo
-            pos = np.searchsorted(v.trig_t, start, side="right") - 1
-            ev = v.trig[np.maximum(pos, 0)]
-            ev = np.minimum(ev, fu[by_use])
-            ev = np.maximum(ev, gone_until[by_use])  # never before the copy out is done
-            trigger[by_use] = ev
-            if overlap:
-                st = np.maximum(avail[by_use], t[ev])
-                cum = np.cumsum(do)
-                fin = np.maximum.accumulate(st - (cum - do)) + cum
-                stall_bwd = max(0.0, float(np.max(fin - uo)))
-            else:
-                sync_s += float(do.sum())
-        stall_fwd = 0.0
-        if len(moved):
-            if overlap:
-                cap = self.inflight or max(_DEFAULT_MIN_INFLIGHT_BYTES, 2 * int(b.max()))
-                lag = (c - tp) - cap / hw.d2h_bytes_per_s
-                stall_fwd = max(0.0, float(lag.max()))
-            else:
-                sync_s += float((b / hw.d2h_bytes_per_s).sum())
-        recompute_s = self._recompute_s[m]
-        # Device memory over the events: fixed part, candidates left on the device, moved ones
-        # until their copy out completes and from their reload to their last use.
-        mb = v.nbytes[moved]
-        back = away & (trigger >= 0)
-        starts = np.concatenate([v.fp[kept], v.fp[moved], trigger[back]])
-        stops = np.concatenate(
-            [v.end[kept] + 1, np.where(away, gone_until, v.end[moved] + 1), v.end[moved][back] + 1]
+            bound = np.maximum(float(_DEFAULT_MIN_INFLIGHT_BYTES), 2 * b)
+            largest = np.zeros(len(b))
+            picked = order[v.candidate[order]]
+            if len(picked):
+                largest[picked] = np.maximum.accumulate(b[picked])
+            grown = np.maximum(bound, 2 * largest)
+        self.slack_s = bound / hw.d2h_bytes_per_s
+        # Which families the link takes without falling behind decides the offload order; two
+        # orders are searched where they differ: by the bound above, and by the executor's as it
+        # grows with the largest family stored so far (neither wins on every trace).
+        self.order_slacks = [self.slack_s]
+        if np.any(grown != bound):
+            self.order_slacks.append(grown / hw.d2h_bytes_per_s)
+        self.u = np.where(v.fu >= 0, v.t[np.maximum(v.fu, 0)], np.inf)
+        both = hw.h2d_bytes_per_s + hw.d2h_bytes_per_s
+        self.duplex = 1.0 if hw.duplex_bytes_per_s >= both else hw.duplex_bytes_per_s / both
+        self.t0 = float(v.trig_t[0]) if len(v.trig) else math.inf  # backward's first event
+        # What an evaluation gathers per offloaded family: pack time, bytes, D2H / H2D / disk
+        # read / disk write seconds, back-pressure slack, first-unpack time; first-unpack event,
+        # the first backward event after the pack, the first frame after it.
+        self.floats = np.stack(
+            [v.t[v.fp], b, self.d2h_s, self.h2d_s, self.read_s, self.write_s, self.slack_s, self.u]
         )
-        sizes = np.concatenate([v.nbytes[kept], mb, mb[back]])
-        peak = float(np.max(fixed + v.held(starts, stops, sizes)))
-        return _Candidate(
-            m=m,
-            k=k,
-            lead=lead,
-            peak=peak,
-            step_s=v.step_s + stall_fwd + stall_bwd + sync_s + recompute_s,
-            host_ok=host_ok,
-            moved=moved,
-            nvme=nvme,
-            trigger=trigger,
-            recomputed=recomputed,
-            unit_of=unit_of,
+        self.ints = np.stack(
+            [v.fu, np.searchsorted(v.trig, v.fp + 1, side="left"), v.inner_lo[v.fp + 1]]
         )
+        # Recompute units, latest block first: the movable families first packed inside a
+        # block, except its first (the block's input, which checkpoint keeps).
+        movable = order[v.movable[order]]
+        first_pack = v.fp[movable]
+        lo = np.searchsorted(first_pack, self.blocks.start, side="left") + 1
+        hi = np.maximum(np.searchsorted(first_pack, self.blocks.end, side="right"), lo)
+        self._movable_by_pack = movable
+        self._unit_lo, self._unit_hi = lo, hi  # ranges of movable_by_pack, per block
+        self.recompute_s = [0.0, *itertools.accumulate(reversed(self.blocks.duration_s))]
+        self.pack_order = order[v.candidate[order]]
+        unpacked = np.flatnonzero(v.fu >= 0)
+        self.use_order = unpacked[np.argsort(v.fu[unpacked], kind="stable")]
+        self._index = np.zeros(len(v.fid), np.int64)  # scratch: family position -> index
+        # Nothing offloaded, nothing recomputed: the trace's memory, per frame.
+        act = ~v.param
+        self._base0 = v.device_base + v.held(v.fp[act], v.end[act] + 1, v.nbytes[act])
+        self._unit_start: np.ndarray | None = None
+        self._columns: dict[tuple[int, int], _Column] = {}
+        self._recomputed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._tops: dict[tuple[int, float, int], _Candidate] = {}
+        self._free_prefix: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.ladder = _ladder(len(self.blocks))
 
-    def _tiers_for(self, moved: np.ndarray) -> tuple[np.ndarray, bool]:
-        """Per moved family: NVMe or not; and whether host and disk room suffice. The host
-        first; past ``cpu_budget``, the longest-lived (earliest packed) go to NVMe."""
+    # -- columns ---------------------------------------------------------------------------
+
+    def column(self, m: int, lead: float, variant: int = 0) -> tuple[_Column, float]:
+        col = self._columns.get((m, variant))
+        if col is None:
+            col = self._columns[(m, variant)] = _Column(self, m, variant)
+        return col, lead
+
+    def recomputed(self, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """Families recomputed with the last ``m`` blocks checkpointed, and each one's block
+        (0: the last block)."""
+        got = self._recomputed.get(m)
+        if got is not None:
+            return got
+        nb = len(self.blocks)
+        if m == 0:
+            got = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        else:
+            lo, hi = self._unit_lo[nb - m :][::-1], self._unit_hi[nb - m :][::-1]
+            sizes = hi - lo
+            offsets = np.repeat(lo - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+            index = np.arange(int(sizes.sum()), dtype=np.int64) + offsets
+            got = self._movable_by_pack[index], np.repeat(np.arange(m, dtype=np.int64), sizes)
+        self._recomputed[m] = got
+        return got
+
+    def base_memory(self, m: int) -> np.ndarray:
+        """Device bytes per frame with ``m`` blocks checkpointed and nothing offloaded."""
+        if m == 0:
+            return self._base0
+        v = self.v
+        rec, unit = self.recomputed(m)
+        if self._unit_start is None:
+            # Each block's recomputation starts at the first unpack of one of its families.
+            nb = len(self.blocks)
+            all_rec, all_unit = self.recomputed(nb)
+            fu = v.fu[all_rec]
+            first = np.full(nb, v.n_events, np.int64)
+            ok = fu >= 0
+            np.minimum.at(first, all_unit[ok], fu[ok])
+            self._unit_start = first
+        start = self._unit_start[unit]  # unit 0 is the last block for every m
+        start = np.minimum(np.where(v.fu[rec] >= 0, start, v.n_events), v.end[rec] + 1)
+        # A recomputed family is absent from its first pack until its block runs again.
+        return self._base0 - v.freed(v.fp[rec], start, v.nbytes[rec])
+
+    def free_mask(self, fams: np.ndarray, m: int, variant: int) -> np.ndarray:
+        """Per family of ``fams`` (pack order): whether the D2H link takes it without falling
+        behind the packs by more than the in-flight bound, given the ones taken before it. Those
+        are offloaded first (see NOTE [ Planner ])."""
+        hw = self.hw
+        if not (self.overlap and len(fams) and math.isfinite(hw.d2h_bytes_per_s)):
+            return np.ones(len(fams), bool)
+        # The pass over the families before the first recomputed one is the same for every m:
+        # run it once over all candidates and resume from there.
+        if variant not in self._free_prefix:
+            self._free_prefix[variant] = self._free_pass(self.pack_order, 0.0, variant)
+        free0, done0 = self._free_prefix[variant]
+        if m == 0:
+            return free0
+        rec, _ = self.recomputed(m)
+        cut = len(fams)
+        if len(rec):
+            cut = int(np.searchsorted(self.v.fp[self.pack_order], self.v.fp[rec].min()))
+        cut = min(cut, len(fams))  # fams[:cut] == pack_order[:cut]
+        done = float(done0[cut - 1]) if cut else 0.0
+        tail, _ = self._free_pass(fams[cut:], done, variant)
+        return np.concatenate([free0[:cut], tail])
+
+    def _free_pass(
+        self, fams: np.ndarray, done: float, variant: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per family (pack order): taken by the link within its slack, given the link is busy
+        until ``done`` with the families taken before; and the busy-until time after each."""
+        dur = self.d2h_s[fams]
+        packed = self.v.t[self.v.fp[fams]]
+        # Taken iff the link is free by pack + slack - duration (the slack is at least the
+        # duration, so an idle link never refuses).
+        latest = (packed + self.order_slacks[variant][fams] - dur).tolist()
+        free = [False] * len(latest)
+        busy_from = done
+        for i, (last, tp, d) in enumerate(zip(latest, packed.tolist(), dur.tolist(), strict=True)):
+            if done <= last:
+                free[i] = True
+                done = (done if done > tp else tp) + d
+        taken = np.asarray(free, bool)
+        # Busy-until after each family: the FIFO of the ones taken, from ``done`` on.
+        d = np.where(taken, dur, 0.0)
+        cum = np.cumsum(d)
+        start = np.where(taken, packed, -math.inf)
+        return taken, np.maximum(np.maximum.accumulate(start - (cum - d)), busy_from) + cum
+
+    # -- room on the host and the disk -----------------------------------------------------
+
+    def room(self, col: _Column) -> int:
+        """The largest k whose families the host and disk room can hold (more never fits less)."""
+        if not (math.isfinite(self.host_cap) or math.isfinite(self.disk_cap)):
+            return col.n
+        if self._fits(col, col.n):
+            return col.n
+        lo, hi = 0, col.n  # invariant: lo fits, hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._fits(col, mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _fits(self, col: _Column, k: int) -> bool:
+        return self._tiers_for(col, np.flatnonzero(col.rank < k))[1]
+
+    def _tiers_for(self, col: _Column, moved: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Per moved family (positions in ``col``, pack order): NVMe or not; and whether host and
+        disk room suffice. The host first; past ``cpu_budget``, the earliest packed go to NVMe
+        (a time threshold, so a larger k never sends a family back to the host)."""
         nvme = np.zeros(len(moved), bool)
         if "cpu" not in self.tiers:
             nvme[:] = True
-        host_ok = True
+        ok = True
         if (
             "cpu" in self.tiers
             and len(moved)
             and math.isfinite(self.host_cap)
-            and self._resident_peak(moved) > self.host_cap
+            and self._resident_peak(col, moved) > self.host_cap
         ):
             if "nvme" not in self.tiers:
                 return nvme, False
-            by_pack = np.argsort(self.v.fp[moved], kind="stable")
             lo, hi = 0, len(moved)
             while lo < hi:  # the fewest earliest-packed families sent to NVMe
                 mid = (lo + hi) // 2
-                on_host = np.ones(len(moved), bool)
-                on_host[by_pack[:mid]] = False
-                if self._resident_peak(moved[on_host]) <= self.host_cap:
+                if self._resident_peak(col, moved[mid:]) <= self.host_cap:
                     hi = mid
                 else:
                     lo = mid + 1
-            nvme[by_pack[:lo]] = True
-            host_ok = self._resident_peak(moved[~nvme]) <= self.host_cap
+            nvme[:lo] = True
         if nvme.any() and math.isfinite(self.disk_cap):
-            host_ok = host_ok and self._resident_peak(moved[nvme]) <= self.disk_cap
-        return nvme, host_ok
+            ok = self._resident_peak(col, moved[nvme]) <= self.disk_cap
+        return nvme, ok
 
-    def _resident_peak(self, fams: np.ndarray) -> float:
-        """Peak bytes held off the device by ``fams`` (from pack to last use)."""
-        if not len(fams):
+    def _resident_peak(self, col: _Column, moved: np.ndarray) -> float:
+        """Peak bytes held off the device by ``moved`` (from pack to last use; per frame, so at
+        most what a finer count would give)."""
+        if not len(moved):
             return 0.0
+        return float(np.max(self.v.held(col.fp[moved], col.end[moved] + 1, col.b[moved])))
+
+    # -- scoring ---------------------------------------------------------------------------
+
+    def evaluate(self, column: tuple[_Column, float], k: int, *, memory: bool = True) -> _Candidate:
+        """Predicted step time (and, with ``memory``, peak) offloading the first ``k``
+        families of ``column``'s offload order. See NOTE [ Planner ]."""
+        self.scored += 1
+        col, lead = column
         v = self.v
-        return float(np.max(v.held(v.fp[fams], v.end[fams] + 1, v.nbytes[fams])))
+        step_s = v.step_s + col.recompute_s
+        none = np.zeros(0, np.int64)
+        if k == 0:
+            return _Candidate(col.m, lead, 0, col.peak0, step_s, none, none.astype(bool), none)
+        sel = np.flatnonzero(col.rank < k)  # moved families (positions in col), pack order
+        fam = col.fams[sel]
+        nvme, _ = self._tiers_for(col, sel)
+        tp, b, d2h, h2d, read, write, slack, u_all = np.take(self.floats, fam, axis=1)
+        fu_all, trig_after_pack, frame_after_pack = np.take(self.ints, fam, axis=1)
+        if self.overlap:
+            cum = np.cumsum(d2h)
+            c = np.maximum.accumulate(tp - (cum - d2h)) + cum  # copy-out completions, FIFO
+            step_s += max(0.0, float(np.max(c - tp - slack)))
+        else:
+            c = tp
+        # For memory only (an upper bound on when a copy out completes): once reloads may run,
+        # D2H may get only its share of the duplex rate. Reloads are placed by the full rate:
+        # one asked for before its copy completes simply waits for it (NOTE [ Reload policy ]).
+        c_memory = c
+        if self.overlap and self.duplex < 1.0:
+            late = c > self.t0
+            c_memory = c.copy()
+            c_memory[late] = self.t0 + (c[late] - self.t0) / self.duplex
+        # c does not decrease along pack order: only the copies completing in backward need a
+        # search for the first backward event after them.
+        trig, n_trig = v.trig, len(v.trig)
+        nxt = np.zeros(len(sel), np.int64)
+        late_from = int(np.searchsorted(c, self.t0, side="right"))
+        nxt[late_from:] = np.searchsorted(v.trig_t, c[late_from:], side="left")
+        nxt = np.maximum(nxt, trig_after_pack)  # and not before the pack
+        avail = c
+        rd = h2d
+        if nvme.any():
+            avail = c.copy()
+            w_cum = np.cumsum(write[nvme])
+            avail[nvme] = np.maximum.accumulate(c[nvme] - (w_cum - write[nvme])) + w_cum
+            rd = h2d + np.where(nvme, read, 0.0)
+        # Reloads: every unpacked moved family, in the order backward needs them.
+        member = np.zeros(len(v.fid), bool)
+        member[fam] = True
+        index = self._index
+        index[fam] = np.arange(len(fam))
+        at = index[self.use_order[member[self.use_order]]]  # into sel, use order
+        u = u_all[at]
+        do = rd[at]
+        if self.overlap:
+            if len(at):
+                after = np.where(nxt < n_trig, v.trig_t[np.minimum(nxt, n_trig - 1)], math.inf)
+                # When each reload can start at the earliest (lead 0.0: at its first unpack).
+                ready = u if lead == 0.0 else np.minimum(np.maximum(avail, after)[at], u)
+                cum = np.cumsum(do)
+                fin = np.maximum.accumulate(ready - (cum - do)) + cum
+                late = max(0.0, float(np.max(fin - u)))
+                step_s += max(late, float(do[ready >= u].sum()))
+        else:
+            step_s += float(d2h.sum()) + float(do.sum())
+        if not memory:
+            return _Candidate(col.m, lead, k, math.nan, step_s, none, none.astype(bool), none)
+        # Memory: each moved family is absent from its copy's completion to its reload's start.
+        trigger = np.full(len(sel), -1, np.int64)
+        away = (fu_all < 0) | (c < u_all)
+        if len(at):
+            if self.overlap and lead != 0.0:
+                # As late as the link allows, counting only the reloads that happen (a family
+                # unpacked before its copy out completes uses its source). The step time above
+                # counts them all, which keeps it monotone in k; the start times only place
+                # reloads, and so only change memory.
+                busy = np.where(away[at], do, 0.0)
+                rc = np.cumsum(busy[::-1])[::-1]  # durations from each reload to the last
+                following = np.append(rc[1:], 0.0)
+                start = np.minimum.accumulate((u + following)[::-1])[::-1] - rc
+            else:
+                start = u
+            fu = fu_all[at]
+            pos = np.searchsorted(v.trig_t, start, side="right") - 1
+            ev = np.minimum(trig[np.maximum(pos, 0)], fu)
+            first_after = np.where(nxt < n_trig, trig[np.minimum(nxt, n_trig - 1)], v.n_events)
+            ev = np.maximum(ev, first_after[at])
+            back = away[at] & (ev <= fu)
+            trigger[at[back]] = ev[back]
+            away[at[~back]] = False
+        # In frames: absent from the first frame after the copy out through the frame before the
+        # reload (see _Step.freed).
+        first_frame = np.searchsorted(v.frame_first_t, c_memory, side="left")
+        lo = np.maximum(first_frame, frame_after_pack)[away]
+        hi = v.inner_hi[np.where(trigger >= 0, trigger, v.n_events)][away]
+        freed = _diff(v.n_frames, lo, np.maximum(hi, lo), b[away])
+        peak = float(np.max(col.base - freed))
+        return _Candidate(col.m, lead, k, peak, step_s, fam, nvme, trigger)
+
+    # -- the search ------------------------------------------------------------------------
+
+    def search(self, target: float) -> _Candidate | None:
+        """The fastest column result that fits ``target`` (see NOTE [ Planner ])."""
+        best: _Candidate | None = None
+        bound = math.inf  # the step time of a feasible candidate seen: the result is no slower
+        # Heap entries: (lower bound, stage, tie-break, m, lead, order variant). Columns' bounds
+        # are refined in stages, each costlier than the last: 0, the trace plus the recompute
+        # time; 1, plus the copies out of the least k that could fit (the same for both leads);
+        # 2, lead 1.0's step at that k (lead 0.0's steps are no shorter); 3, the column's own
+        # step at that k; then the column is bisected. Stage _LEAVES: the boundary columns
+        # above m (see _next_leaf).
+        heap: list[tuple[float, int, int, int, float, int]] = []
+        queued: set[tuple[int, float, int]] = set()
+        tie = itertools.count()
+        variants = range(len(self.order_slacks))
+
+        def queue(m: int, lead: float) -> None:
+            for variant in variants:
+                if (m, lead, variant) not in queued:
+                    queued.add((m, lead, variant))
+                    low = self.v.step_s + self.recompute_s[m]
+                    heapq.heappush(heap, (low, 0, next(tie), m, lead, variant))
+
+        for m in self.ladder:
+            for lead in _LEADS:
+                queue(m, lead)
+        # m = 0 is on the ladder: the boundary columns worth adding start above it.
+        first = self.v.step_s + self.recompute_s[min(1, len(self.blocks))]
+        heapq.heappush(heap, (first, _LEAVES, next(tie), 0, _LEADS[0], 0))
+        copies_out: dict[tuple[int, int], float] = {}  # (m, variant) -> stage 1's bound
+        first_lead: dict[tuple[int, int], float] = {}  # (m, variant) -> lead 1.0's stage 3
+        while heap:
+            low, stage, _, m, lead, variant = heapq.heappop(heap)
+            if low > bound:
+                break
+            if stage == _LEAVES:
+                leaf = self._next_leaf(target, m, lead)
+                if leaf is not None:
+                    queue(leaf, lead)
+                    if leaf < len(self.blocks):
+                        above = self.v.step_s + self.recompute_s[leaf + 1]
+                        heapq.heappush(heap, (above, _LEAVES, next(tie), leaf, lead, 0))
+                continue
+            column = self.column(m, lead, variant)
+            col = column[0]
+            least = col.least_k(target)
+            if least > col.top:
+                continue  # not even every family the room allows fits
+            key = (m, variant)
+            if stage == 0:
+                if key not in copies_out:
+                    copies_out[key] = self._copies_out_bound(col, least)
+                stage, low = 1, max(low, copies_out[key])
+            elif stage == 1:
+                if lead != _LEADS[0] and key in first_lead:
+                    stage, low = 2, max(low, first_lead[key])
+                else:
+                    stage = 3
+                    if least > 0:
+                        low = max(low, self.evaluate(column, least, memory=False).step_s)
+                    if lead == _LEADS[0]:
+                        first_lead[key] = low
+            elif stage == 2:
+                stage = 3
+                if least > 0:
+                    low = max(low, self.evaluate(column, least, memory=False).step_s)
+            else:
+                found = self._bisect(column, target, least, low, bound)
+                if found is not None:
+                    bound = min(bound, found.step_s)
+                    if best is None or _better(found, best, self.v):
+                        best = found
+                continue
+            heapq.heappush(heap, (low, stage, next(tie), m, lead, variant))
+        return best
+
+    def _next_leaf(self, target: float, after: int, lead: float) -> int | None:
+        """The smallest ``m`` above ``after`` that a boundary bisection returns for some target
+        at most ``target`` (see _boundary); ``None``: there is none."""
+        t = target
+        while True:
+            leaf, flips = self._boundary(t, lead)
+            if leaf is None:
+                return None
+            if leaf > after:
+                return leaf
+            # Below the largest fitting peak on its path, the bisection turns right there.
+            t = max(flips) - 0.5
+
+    def _boundary(self, target: float, lead: float) -> tuple[int | None, list[float]]:
+        """The smallest ``m`` whose column's top fits ``target``, by bisection over all ``m`` with
+        a fixed bracket and probe rule (to within 1/_BOUNDARY_STEPS of the blocks), and the peaks
+        that fitted on the way. The result never grows with the target; the set of results for
+        all targets up to a budget only grows with it, so its columns may join the search."""
+        nb = len(self.blocks)
+        peak = self._top(nb, lead).peak
+        if peak > target:
+            return None, []
+        fitted = [peak]
+        lo, hi = 0, nb  # invariant: hi fits
+        tolerance = max(1, nb // _BOUNDARY_STEPS)
+        while hi - lo >= tolerance and lo < hi:
+            mid = (lo + hi) // 2
+            col = self.column(mid, lead)[0]
+            # Known not to fit without scoring it when even all its room cannot relieve the peak.
+            fits = col.least_k(target) <= col.top and self._top(mid, lead).peak <= target
+            if fits:
+                hi = mid
+                fitted.append(self._top(mid, lead).peak)
+            else:
+                lo = mid + 1
+        return hi, fitted
+
+    def _top(self, m: int, lead: float, variant: int = 0) -> _Candidate:
+        """Column ``(m, lead)`` with every family the room allows offloaded (kept for reuse)."""
+        got = self._tops.get((m, lead, variant))
+        if got is None:
+            column = self.column(m, lead, variant)
+            got = self._tops[(m, lead, variant)] = self.evaluate(column, column[0].top)
+        return got
+
+    def _copies_out_bound(self, col: _Column, k: int) -> float:
+        """A lower bound on the step time of ``col``'s first ``k`` families offloaded: the trace,
+        the recompute time, and the copies out (their back-pressure, or their time where copies
+        do not overlap compute)."""
+        step_s = self.v.step_s + col.recompute_s
+        if k == 0:
+            return step_s
+        fam = col.fams[col.rank < k]
+        d2h = self.d2h_s[fam]
+        if not self.overlap:
+            return step_s + float(d2h.sum())
+        tp = self.floats[0][fam]
+        cum = np.cumsum(d2h)
+        c = np.maximum.accumulate(tp - (cum - d2h)) + cum
+        return step_s + max(0.0, float(np.max(c - tp - self.slack_s[fam])))
+
+    def _bisect(
+        self,
+        column: tuple[_Column, float],
+        target: float,
+        least: int,
+        low: float,
+        bound: float,
+    ) -> _Candidate | None:
+        """The column's smallest k that fits, by bisection over ``[0, top]``; ``None`` when the
+        top does not fit, or when the result cannot beat ``bound`` (``low`` bounds it below)."""
+        col = column[0]
+        top = self._top(col.m, column[1], col.variant)
+        if top.peak > target:
+            return None
+        best = top
+        bound = min(bound, top.step_s)
+        lo, hi = 0, col.top  # invariant: hi fits
+        tolerance = max(1, col.top // _BISECTION_STEPS)
+        while hi - lo >= tolerance and lo < hi:
+            mid = (lo + hi) // 2
+            if mid < least:
+                lo = mid + 1  # known not to fit: see _Column.least_k
+                continue
+            c = self.evaluate(column, mid)
+            if c.peak <= target:
+                hi, best = mid, c
+                bound = min(bound, c.step_s)
+            else:
+                lo = mid + 1
+                low = max(low, c.step_s)  # the result has more families: it is no faster
+                if low > bound:
+                    return None
+        return best
+
+    def lowest(self) -> _Candidate:
+        """The least-memory candidate: every family the room allows offloaded, reloads at first
+        use, on the ``m`` that peaks lowest."""
+        best = None
+        for m in self.ladder:
+            for variant in range(len(self.order_slacks)):
+                c = self._top(m, 0.0, variant)
+                if best is None or c.peak < best.peak:
+                    best = c
+        assert best is not None
+        return best
+
+    def offload_all(self) -> _Candidate:
+        column = self.column(0, 1.0)
+        return self.evaluate(column, column[0].n)
 
     # -- the plan out of a candidate ---------------------------------------------------------
 
@@ -786,81 +1249,138 @@ class _Model:
 
     def entries(self, c: _Candidate) -> tuple[PlanEntry, ...]:
         v = self.v
-        keep = (Placement.KEEP, None, -1, "")
-        chosen: dict[int, tuple[Placement, Trigger | None, int, str]] = {}
-        triggers: dict[int, Trigger] = {}
-        for pos, nvme, ev in zip(
-            c.moved.tolist(), c.nvme.tolist(), c.trigger.tolist(), strict=True
-        ):
-            trigger = None
-            if ev >= 0:
-                trigger = triggers.get(ev)
-                if trigger is None:
-                    trigger = triggers[ev] = self._trigger(ev)
-            placement = Placement.NVME if nvme else Placement.CPU
-            chosen[pos] = (placement, trigger, v.first_event + ev if ev >= 0 else -1, "")
-        names = [b.module for b in reversed(self.blocks)]
-        for pos, unit in zip(c.recomputed.tolist(), c.unit_of.tolist(), strict=True):
-            chosen[pos] = (Placement.RECOMPUTE, None, -1, names[unit])
-        out = []
-        fids, sizes = v.fid.tolist(), v.nbytes.tolist()
-        for pos in np.nonzero(v.movable)[0].tolist():
-            placement, trigger, event, module = chosen.get(pos, keep)
-            out.append(
-                PlanEntry(
-                    family=fids[pos],
-                    keys=tuple(v.keys[pos]),
-                    nbytes=sizes[pos],
-                    module=v.modules[pos],
-                    placement=placement,
-                    reload=trigger,
-                    reload_event=event,
-                    recompute_module=module,
-                )
-            )
-        return tuple(out)
+        n_fam = len(v.fid)
+        # Per family: 0 keep, 1 cpu, 2 nvme, 3 recompute; reload event; recompute block.
+        kind = np.zeros(n_fam, np.int8)
+        kind[c.moved] = np.where(c.nvme, 2, 1)
+        event = np.full(n_fam, -1, np.int64)
+        event[c.moved] = c.trigger
+        unit = np.full(n_fam, -1, np.int64)
+        if c.m:
+            recomputed, unit_of = self.recomputed(c.m)
+            kind[recomputed] = 3
+            unit[recomputed] = unit_of
+        names = [*reversed(self.blocks.module), ""]  # unit -1: ""
+        placements = (Placement.KEEP, Placement.CPU, Placement.NVME, Placement.RECOMPUTE)
+        positions = np.flatnonzero(v.movable)
+        event = event[positions]
+        triggers: dict[int, Trigger | None] = {-1: None}
+        triggers.update(self._triggers(np.unique(event[event >= 0])))
+        keys = self._family_keys(positions)
+        first = operator.itemgetter(0)
+        # Valid by construction (see _bulk): every field below is of its declared type.
+        entries = _bulk(
+            PlanEntry,
+            len(positions),
+            {
+                "family": v.fid[positions].tolist(),
+                "keys": keys,
+                "nbytes": v.nbytes[positions].tolist(),
+                "module": map(first, map(first, keys)),
+                "placement": map(placements.__getitem__, kind[positions].tolist()),
+                "reload": map(triggers.__getitem__, event.tolist()),
+                "reload_event": np.where(event >= 0, event + v.first_event, -1).tolist(),
+                "recompute_module": map(names.__getitem__, unit[positions].tolist()),
+            },
+        )
+        return tuple(entries)
 
-    def _trigger(self, local_event: int) -> Trigger:
-        e = self.v.events[local_event]
-        if e.kind is EventKind.UNPACK:
-            r = self.v.records[e.record - self.v.first_seq]
-            return Trigger(
-                kind="unpack", module=r.module, call_index=r.call_index, ordinal=r.ordinal
+    def _family_keys(self, positions: np.ndarray) -> list[tuple[Key, ...]]:
+        """Record keys of the families at ``positions``, in pack order."""
+        v = self.v
+        keys = v.keys
+        out: list[tuple[Key, ...]] = list(zip(map(keys.__getitem__, v.first_rec.tolist())))
+        # Families of several records (views of one storage): their records, grouped.
+        members = np.bincount(v.record_pos, minlength=len(out))
+        shared = np.flatnonzero(members[v.record_pos] > 1)
+        if len(shared):
+            grouped = shared[np.argsort(v.record_pos[shared], kind="stable")]
+            owners = v.record_pos[grouped]
+            starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+            stops = np.r_[starts[1:], len(grouped)]
+            ordered = list(map(keys.__getitem__, grouped.tolist()))
+            for pos, lo, hi in zip(
+                owners[starts].tolist(), starts.tolist(), stops.tolist(), strict=True
+            ):
+                out[pos] = tuple(ordered[lo:hi])
+        return list(map(out.__getitem__, positions.tolist()))
+
+    def _triggers(self, local_events: np.ndarray) -> dict[int, Trigger]:
+        """The executor's name for each of ``local_events`` (backward starts and unpacks)."""
+        v = self.v
+        n = len(local_events)
+        unpack = v.codes[local_events] == _UNPACK
+        # An unpack is named by its record's key, a backward start by its module call.
+        by_record = np.flatnonzero(unpack)
+        records = v.unpacked_record[local_events[by_record]].tolist()
+        by_call = np.flatnonzero(~unpack)
+        calls = list(
+            map(
+                _get("module", "call_index"),
+                map(v.events.__getitem__, local_events[by_call].tolist()),
             )
-        return Trigger(kind="backward", module=e.module, call_index=e.call_index)
+        )
+        module = np.empty(n, object)
+        call = np.empty(n, object)
+        ordinal = np.full(n, -1, np.int64)
+        keys = list(map(v.keys.__getitem__, records))
+        module[by_record] = list(map(operator.itemgetter(0), keys))
+        call[by_record] = list(map(operator.itemgetter(1), keys))
+        ordinal[by_record] = list(map(operator.itemgetter(2), keys))
+        module[by_call] = list(map(operator.itemgetter(0), calls))
+        call[by_call] = list(map(operator.itemgetter(1), calls))
+        # Valid by construction: kinds are "backward" (ordinal -1) or "unpack".
+        made = _bulk(
+            Trigger,
+            n,
+            {
+                "kind": map(("backward", "unpack").__getitem__, unpack.tolist()),
+                "module": module.tolist(),
+                "call_index": call.tolist(),
+                "ordinal": ordinal.tolist(),
+            },
+        )
+        return dict(zip(local_events.tolist(), made, strict=True))
 
     def recompute_calls(self, c: _Candidate) -> tuple[tuple[str, int], ...]:
-        blocks = self.blocks[len(self.blocks) - c.m :] if c.m else []
-        return tuple((b.module, b.call_index) for b in blocks)
+        first = len(self.blocks) - c.m
+        blocks = self.blocks
+        return tuple(zip(blocks.module[first:], blocks.call_index[first:], strict=True))
 
     def expected_keys(self, c: _Candidate) -> tuple[Key, ...]:
         v = self.v
-        blocks = self.blocks[len(self.blocks) - c.m :] if c.m else []
-        starts = np.asarray([b.start for b in blocks], np.int64)
-        ends = np.asarray([b.end for b in blocks], np.int64)
-        packs = np.fromiter((r.pack_event for r in v.records), np.int64, len(v.records))
-        packs -= v.first_event
+        packs = v.record_pack
         # Blocks are disjoint and sorted: the one starting last at or before a pack is the only
         # one that can hold it.
-        inside = np.zeros(len(packs), bool)
-        if len(blocks):
+        show = ~v.record_backward
+        if c.m:
+            first = len(self.blocks) - c.m
+            starts, ends = self.blocks.start[first:], self.blocks.end[first:]
             i = np.searchsorted(starts, packs, side="right") - 1
-            inside = (i >= 0) & (packs <= ends[np.maximum(i, 0)])
-        return tuple(
-            r.key
-            for r, gone in zip(v.records, inside.tolist(), strict=True)
-            if not gone and not r.in_backward
-        )
+            show &= ~((i >= 0) & (packs <= ends[np.maximum(i, 0)]))
+        return tuple(itertools.compress(v.keys, show.tolist()))
+
+
+def _better(a: _Candidate, b: _Candidate, v: _Step) -> bool:
+    """Faster; then fewer bytes moved; then fewer blocks recomputed."""
+    if a.step_s != b.step_s:
+        return a.step_s < b.step_s
+    moved_a, moved_b = int(v.nbytes[a.moved].sum()), int(v.nbytes[b.moved].sum())
+    if moved_a != moved_b:
+        return moved_a < moved_b
+    return (a.m, -a.lead) < (b.m, -b.lead)
 
 
 def _ladder(n: int) -> list[int]:
-    """0, then about a dozen geometric steps from 1 up to n (n itself included)."""
-    ratio = max(2.0, n ** (1 / 12)) if n > 1 else 2.0
+    """The ``m`` values searched: every one up to ``_LADDER_STEPS``, else 0 and about that many
+    geometric steps from 1 up to n (n itself included)."""
+    if n <= _LADDER_STEPS:
+        return list(range(n + 1))
+    ratio = n ** (1 / _LADDER_STEPS)
     out, m = [0], 1.0
     while m < n:
         if int(m) != out[-1]:
             out.append(int(m))
         m *= ratio
-    if n > 0:
-        out.append(n)
+    out.append(n)
     return out

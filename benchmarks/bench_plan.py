@@ -1,0 +1,288 @@
+"""Planning speed: ``lifecycle.plan()`` on synthetic transformer traces of 1k, 10k and 100k records.
+
+Run (CPU; about 3 minutes on 2 cores, most of it simulating at 10k records and, with
+--baseline-rev, running the old planner):
+    python benchmarks/bench_plan.py [--records 1008 10080 100800] [--budgets 0.25 0.5 0.75]
+        [--repeats 5] [--baseline-rev REV] [--out benchmarks/results/cpu]
+
+Each trace is ``lifecycle.transformer_trace(layers=records // 12, hidden=4096, tokens=1024,
+base_bytes=10 GiB)`` (12 records, 9 alias families and 60 events per layer), planned for
+``base + share x peak saved bytes`` with ``min_offload_bytes=0`` on ``HardwareModel.h200()``.
+Trace construction is not timed. Per size and budget share:
+
+* ``plan (model)``: ``plan(..., simulate_records=0)``, the planner alone (search, closed-form
+  model, entries); median and min of ``--repeats`` runs in one process, after one warm-up run;
+* ``plan (default)``: ``plan(...)`` as users call it: up to 20k records it also replays the plan
+  and the three anchors with ``lifecycle.simulate`` (median of fewer runs where that is slow);
+* ``simulate()``: one replay of the chosen plan's decisions (at 1k and 10k records only): why
+  the planner has its own model.
+
+``--baseline-rev REV`` also times ``lifecycle/_planner.py`` as committed at git revision ``REV``
+(read with ``git show``, nothing checked out) on the same traces, in the same process, for a
+before/after figure measured side by side. The machine is named from /proc/cpuinfo; the load
+average before and after is recorded, since a shared machine's timings move with it.
+Writes ``plan.json`` and ``plan.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+import lifecycle
+from lifecycle import HardwareModel, Trace, simulate, transformer_trace
+
+_BASE_BYTES = 10 << 30
+_SIMULATE_MAX_RECORDS = 10_000  # simulate() and the default plan() above this take minutes
+
+
+def _cpu() -> dict[str, Any]:
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": name,
+        "cores": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+    }
+
+
+def _times(fn: Callable[[], Any], repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _summary(times: list[float]) -> dict[str, Any]:
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "runs_s": [round(t, 6) for t in times],
+    }
+
+
+def _baseline(rev: str) -> ModuleType:
+    """``lifecycle/_planner.py`` at git revision ``rev``, imported beside the current one."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(
+        ["git", "show", f"{rev}:lifecycle/_planner.py"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    name = "lifecycle._planner_baseline"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    exec(compile(source, f"{rev}:lifecycle/_planner.py", "exec"), module.__dict__)
+    return module
+
+
+def _one_size(
+    records: int,
+    shares: list[float],
+    repeats: int,
+    hw: HardwareModel,
+    baseline: ModuleType | None,
+) -> dict[str, Any]:
+    layers = max(1, records // 12)
+    t = time.perf_counter()
+    trace = transformer_trace(layers=layers, hidden=4096, tokens=1024, base_bytes=_BASE_BYTES)
+    built_s = time.perf_counter() - t
+    saved = trace.peak_saved_bytes
+    out: dict[str, Any] = {
+        "layers": layers,
+        "records": len(trace.records),
+        "events": len(trace.events),
+        "families": len({r.family for r in trace.records}),
+        "peak_saved_bytes": saved,
+        "trace_build_s": built_s,
+        "budgets": [],
+    }
+    for share in shares:
+        budget = _BASE_BYTES + int(share * saved)
+        row = _one_budget(trace, budget, share, repeats, hw, baseline)
+        out["budgets"].append(row)
+        print(
+            f"{len(trace.records):>7} records, budget base + {share:.0%}: plan (model) "
+            f"{row['plan_model']['median_s'] * 1e3:.0f} ms median"
+            + (
+                f", baseline {row['baseline_plan']['median_s'] * 1e3:.0f} ms"
+                if "baseline_plan" in row
+                else ""
+            ),
+            flush=True,
+        )
+    return out
+
+
+def _one_budget(
+    trace: Trace,
+    budget: int,
+    share: float,
+    repeats: int,
+    hw: HardwareModel,
+    baseline: ModuleType | None,
+) -> dict[str, Any]:
+    kw: dict[str, Any] = {"min_offload_bytes": 0}
+
+    def model_only() -> lifecycle.Plan:
+        return lifecycle.plan(trace, budget, hw, simulate_records=0, **kw)
+
+    chosen = model_only()  # warm-up, and the plan the other figures describe
+    row: dict[str, Any] = {
+        "share": share,
+        "gpu_budget_bytes": budget,
+        "plan_model": _summary(_times(model_only, repeats)),
+        "predicted_step_s": chosen.predicted_step_s,
+        "predicted_peak_bytes": chosen.predicted_peak_bytes,
+        "keep_all_step_s": chosen.anchors["keep_all"].step_s,
+        "recomputed_blocks": chosen.metadata["recomputed_blocks"],
+        "offloaded_families": chosen.metadata["offloaded_families"],
+        "candidates_scored": chosen.metadata["candidates_scored"],
+        "bytes_by_placement": chosen.bytes_by_placement(),
+    }
+    n = len(trace.records)
+    if n <= _SIMULATE_MAX_RECORDS:
+        slow = max(1, min(repeats, 3 if n > 2000 else repeats))
+        default = lifecycle.plan(trace, budget, hw, **kw)
+        row["plan_default"] = _summary(
+            _times(lambda: lifecycle.plan(trace, budget, hw, **kw), slow)
+        )
+        row["plan_default_source"] = default.prediction_source
+        row["plan_default_simulations"] = default.metadata["simulations"]
+        decisions = chosen.decisions()
+        sim = simulate(trace, hw, decisions)
+        row["simulate"] = _summary(_times(lambda: simulate(trace, hw, decisions), slow))
+        row["simulated_step_s"] = sim.step_s
+        row["simulated_peak_bytes"] = sim.peak_bytes
+    if baseline is not None:
+        old = baseline.plan(trace, budget, hw, simulate_records=0, **kw)
+        row["baseline_plan"] = _summary(
+            _times(lambda: baseline.plan(trace, budget, hw, simulate_records=0, **kw), repeats)
+        )
+        row["baseline_predicted_step_s"] = old.predicted_step_s
+        row["baseline_predicted_peak_bytes"] = old.predicted_peak_bytes
+    return row
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    base = result.get("baseline_rev")
+    lines = [
+        "# Planning speed (benchmarks/bench_plan.py)",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, numpy {m['numpy']}; "
+        f"load average {result['load_before'][0]:.2f} before, {result['load_after'][0]:.2f} "
+        "after (a shared machine: timings move with it).",
+        "Traces: `transformer_trace(layers=records // 12, hidden=4096, tokens=1024, "
+        "base_bytes=10 GiB)`; budget = base + share x peak saved bytes; "
+        "`min_offload_bytes=0`; `HardwareModel.h200()`. Median (min) of "
+        f"{result['repeats']} warm runs; trace construction not timed.",
+        "",
+        "| records | events | budget | plan (model) ms | "
+        + (f"plan at {base} ms | " if base else "")
+        + "plan (default) ms | simulate() ms | predicted step / keep-all | recomputed blocks | "
+        "offloaded families |",
+        "|---|---|---|---|" + ("---|" if base else "") + "---|---|---|---|---|",
+    ]
+
+    def ms(d: dict[str, Any] | None) -> str:
+        if d is None:
+            return "-"
+        return f"{d['median_s'] * 1e3:.0f} ({d['min_s'] * 1e3:.0f})"
+
+    for size in result["sizes"]:
+        for row in size["budgets"]:
+            lines.append(
+                f"| {size['records']} | {size['events']} | +{row['share']:.0%} | "
+                f"{ms(row['plan_model'])} | "
+                + (f"{ms(row.get('baseline_plan'))} | " if base else "")
+                + f"{ms(row.get('plan_default'))} | {ms(row.get('simulate'))} | "
+                f"{row['predicted_step_s'] / row['keep_all_step_s']:.4f} | "
+                f"{row['recomputed_blocks']} | {row['offloaded_families']} |"
+            )
+    lines += [
+        "",
+        "plan (model): `simulate_records=0`, the planner's own search and model. plan (default): "
+        "as called with its defaults; up to 20k records it replays the plan and the three "
+        "anchors with `lifecycle.simulate` (the simulated peak is the one reported). "
+        "simulate(): one replay of the chosen plan.",
+    ]
+    if base:
+        lines.append(
+            f"plan at {base}: the planner as committed at `{base}`, `simulate_records=0`, same "
+            "traces and process."
+        )
+    target = [
+        row["plan_model"]["median_s"]
+        for size in result["sizes"]
+        if size["records"] >= 99_000
+        for row in size["budgets"]
+    ]
+    if target:
+        lines.append(
+            f"Target: 100k records planned in under 1 s; measured median "
+            f"{max(target) * 1e3:.0f} ms at the slowest budget."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, nargs="+", default=[1008, 10_080, 100_800])
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--baseline-rev", default=None, help="git revision to time beside this one")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu"))
+    args = ap.parse_args(argv)
+    hw = HardwareModel.h200()
+    baseline = _baseline(args.baseline_rev) if args.baseline_rev else None
+    load_before = os.getloadavg()
+    sizes = [_one_size(n, args.budgets, args.repeats, hw, baseline) for n in args.records]
+    result = {
+        "benchmark": "bench_plan",
+        "machine": _cpu(),
+        "hardware_model": "HardwareModel.h200()",
+        "repeats": args.repeats,
+        "baseline_rev": args.baseline_rev,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "sizes": sizes,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "plan.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    md = _markdown(result)
+    with open(os.path.join(args.out, "plan.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""Budget mode: the manager profiles a signature, plans it, and executes the plan, with gradients
+bitwise equal to a run without offloading (CPU tensors as the device, real files for NVMe)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from models import ALL_MODELS, ModelCase
+from torch import nn
+
+import offload
+from lifecycle import HardwareModel, Placement, Plan
+
+# Copies as fast as this CPU's memcpy roughly; the planner then prefers offloading.
+FAST = HardwareModel.cpu_only(
+    copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
+)
+# A link so slow that moving bytes costs more than recomputing them: recompute is chosen.
+SLOW = HardwareModel.cpu_only(
+    copy_bytes_per_s=1e6, disk_write_bytes_per_s=1e6, disk_read_bytes_per_s=1e6
+)
+STEPS = 4
+
+
+def reference(name: str, steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
+    case = ALL_MODELS[name](seed=0)
+    out = []
+    for s in range(steps):
+        case.step(s)
+        out.append(case.grads())
+    return out
+
+
+def keep_all_peak(case: ModelCase) -> int:
+    trace = offload.profile(lambda: case.step(0), case.model, warmup_steps=0)
+    case.model.zero_grad(set_to_none=True)
+    return trace.peak_saved_bytes
+
+
+def run(
+    case: ModelCase, mgr: offload.ActivationOffloader, steps: int = STEPS, first: int = 0
+) -> tuple[list[dict[str, torch.Tensor]], list[offload.StepStats]]:
+    grads, stats = [], []
+    for s in range(first, first + steps):
+        case.model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = case.loss(case.batch(s))
+        loss.backward()
+        grads.append(case.grads())
+        stats.append(mgr.stats.last)
+    return grads, stats
+
+
+def assert_bitwise(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for k in w:
+            assert torch.equal(g[k], w[k]), k
+
+
+# LSTM saves one large gate buffer per step that no budget below it can split; it is covered by
+# the infeasible test below.
+MODELS = sorted(n for n in ALL_MODELS if n != "lstm")
+
+
+@pytest.mark.parametrize("tiers", [("cpu",), ("cpu", "nvme")], ids=["cpu", "cpu+nvme"])
+@pytest.mark.parametrize("name", MODELS)
+def test_planned_steps_are_bitwise_and_follow_the_plan(name: str, tiers, tmp_path) -> None:
+    want = reference(name)
+    case = ALL_MODELS[name](seed=0)
+    budget = int(0.6 * keep_all_peak(case))
+    kw = {"nvme_dir": tmp_path} if "nvme" in tiers else {}
+    mgr = offload.ActivationOffloader(
+        case.model, gpu_budget=budget, hardware=FAST, tiers=tiers, min_offload_bytes=0, **kw
+    )
+    try:
+        got, stats = run(case, mgr)
+        plan = mgr.plan
+    finally:
+        mgr.close()
+    assert_bitwise(got, want)
+    assert isinstance(plan, Plan) and plan.gpu_budget_bytes == budget
+    assert plan.predicted_peak_bytes <= plan.target_bytes
+    # Step 1 profiled in min-memory mode; the later ones executed the plan, every key matched.
+    assert stats[0].predicted_peak_bytes == 0
+    for s in stats[1:]:
+        assert s.predicted_peak_bytes == plan.predicted_peak_bytes
+        assert s.unplanned_records == 0
+        moved = plan.bytes_by_placement()
+        assert s.bytes_offloaded_cpu + s.bytes_offloaded_nvme <= moved["cpu"] + moved["nvme"]
+    assert mgr.plans == {plan.signature: plan}
+
+
+def test_each_signature_is_profiled_and_planned_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Tanh())
+    sizes = [32, 32, 48, 32, 48, 48]
+    ref = [p.detach().clone() for p in model.parameters()]
+    mgr = offload.ActivationOffloader(model, gpu_budget="96KiB", hardware=FAST, min_offload_bytes=0)
+    predicted = []
+    with mgr:
+        pass  # a step without forward changes nothing
+    for i, n in enumerate(sizes):
+        x = torch.randn(n, 64, generator=torch.Generator().manual_seed(i))
+        model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = model(x).sum()
+        loss.backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        # The same step without the manager.
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        for g, p in zip(got, model.parameters(), strict=True):
+            assert torch.equal(g, p.grad)
+        predicted.append(mgr.stats.last.predicted_peak_bytes)
+    mgr.close()
+    assert [torch.equal(a, b) for a, b in zip(ref, model.parameters(), strict=True)]
+    assert sorted(mgr.plans) == ["float32[32,64]", "float32[48,64]"]
+    # First step of each signature profiles (no prediction); later ones execute their plan.
+    assert predicted[0] == 0 and predicted[2] == 0
+    assert predicted[1] == predicted[3] == mgr.plans["float32[32,64]"].predicted_peak_bytes
+    assert predicted[4] == predicted[5] == mgr.plans["float32[48,64]"].predicted_peak_bytes
+
+
+class Blocks(nn.Module):
+    def __init__(self, n: int = 6, width: int = 128) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(width, 2 * width),
+                nn.GELU(),
+                nn.Linear(2 * width, width),
+                nn.LayerNorm(width),
+            )
+            for _ in range(n)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def _blocks_case() -> tuple[nn.Module, torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Blocks()
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    model(x).pow(2).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return model, x, want
+
+
+def test_recompute_under_a_slow_link_is_bitwise_and_restores_forward() -> None:
+    model, x, want = _blocks_case()
+    trace = offload.profile(lambda: model(x).pow(2).sum().backward(), model, warmup_steps=0)
+    model.zero_grad(set_to_none=True)
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=trace.peak_saved_bytes // 2, hardware=SLOW, min_offload_bytes=0
+    )
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        for g, w in zip((p.grad for p in model.parameters()), want, strict=True):
+            assert torch.equal(g, w)
+    plan = mgr.plan
+    assert plan is not None and plan.recompute_calls
+    last = mgr.stats.last
+    assert last.bytes_recomputed == plan.bytes_by_placement()["recompute"] > 0
+    assert last.unplanned_records == 0
+    recomputed = {m for m, _ in plan.recompute_calls}
+    assert all("forward" in model.get_submodule(m).__dict__ for m in recomputed)
+    mgr.close()
+    # close() gives the modules their own forward back.
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_recomputed_blocks_drop_their_saved_tensors() -> None:
+    """What the plan recomputes is not saved: the executed step packs fewer tensors."""
+    model, x, _ = _blocks_case()
+    trace = offload.profile(lambda: model(x).pow(2).sum().backward(), model, warmup_steps=0)
+    model.zero_grad(set_to_none=True)
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=trace.peak_saved_bytes // 2, hardware=SLOW, min_offload_bytes=0
+    )
+    records = []
+    for _ in range(2):
+        with mgr:
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        records.append(mgr.stats.last.records)
+    mgr.close()
+    plan = mgr.plan
+    assert plan is not None
+    gone = sum(len(e.keys) for e in plan.entries if e.placement is Placement.RECOMPUTE)
+    assert gone > 0
+    # Profiled step: every pack; planned step: those of the recomputed calls are gone, and
+    # each recomputed call saves its input once instead.
+    assert records[1] <= records[0] - gone + len(plan.recompute_calls)
+
+
+def test_infeasible_budget_raises_with_the_smallest_feasible_one() -> None:
+    case = ALL_MODELS["mlp"](seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model, gpu_budget=1024, hardware=FAST, min_offload_bytes=0
+    )
+    with mgr:
+        loss = case.loss(case.batch(0))
+    loss.backward()
+    with pytest.raises(offload.BudgetInfeasibleError) as info:
+        with mgr:
+            pass
+    e = info.value
+    assert isinstance(e, offload.OffloadError) and isinstance(e, ValueError)
+    assert e.budget_bytes == 1024 and e.min_feasible_bytes > 1024
+    assert "smallest feasible budget" in str(e)
+    mgr.close()
+    # That budget is feasible.
+    mgr = offload.ActivationOffloader(
+        case.model, gpu_budget=e.min_feasible_bytes, hardware=FAST, min_offload_bytes=0
+    )
+    run(case, mgr, steps=2)
+    assert mgr.plan is not None
+    mgr.close()
+
+
+def test_later_infeasible_signature_runs_min_memory_when_asked() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    small = torch.randn(8, 64)
+    large = torch.randn(512, 64)
+    budget = 40 << 10  # fits the small batch's activations, not the large one's
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0, on_infeasible="min_memory"
+    )
+    for x in (small, small, large):
+        with mgr:
+            loss = model(x).sum()
+        loss.backward()
+    with pytest.warns(RuntimeWarning, match="min-memory"):
+        with mgr:
+            loss = model(large).sum()
+        loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    assert mgr.stats.last.predicted_peak_bytes == 0  # min-memory: no plan
+    assert mgr.stats.last.bytes_offloaded_cpu > 0
+    assert list(mgr.plans) == ["float32[8,64]"]
+    model.zero_grad(set_to_none=True)
+    for x in (small, small, large, large):
+        model(x).sum().backward()
+    for g, p in zip(got, model.parameters(), strict=True):
+        assert torch.equal(g, p.grad)
+    mgr.close()
+    # The default raises for any signature.
+    mgr = offload.ActivationOffloader(model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0)
+    for x in (small, small, large):
+        with mgr:
+            loss = model(x).sum()
+        loss.backward()
+    with pytest.raises(offload.BudgetInfeasibleError):
+        with mgr:
+            pass
+    mgr.close()
+
+
+def test_a_given_plan_runs_from_the_first_step(tmp_path) -> None:
+    want = reference("gpt_block", steps=2)
+    case = ALL_MODELS["gpt_block"](seed=0)
+    trace = offload.profile(lambda: case.step(0), case.model, warmup_steps=0)
+    case.model.zero_grad(set_to_none=True)
+    plan = offload.plan(trace, trace.peak_saved_bytes // 2, FAST, min_offload_bytes=0, margin=0)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    mgr = offload.ActivationOffloader(case.model, plan=str(path), min_offload_bytes=0)
+    got, stats = run(case, mgr, steps=2)
+    mgr.close()
+    assert_bitwise(got, want)
+    assert mgr.plan is not None and mgr.plan.entries == plan.entries
+    for s in stats:
+        assert s.predicted_peak_bytes == plan.predicted_peak_bytes
+        assert s.unplanned_records == 0
+        assert s.bytes_offloaded_cpu == plan.bytes_by_placement()["cpu"]
+
+
+def test_no_hardware_probes_this_machine_once(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
+    case = ALL_MODELS["mlp"](seed=0)
+    budget = int(0.6 * keep_all_peak(case))
+    mgr = offload.ActivationOffloader(case.model, gpu_budget=budget, min_offload_bytes=0)
+    run(case, mgr, steps=2)
+    plan = mgr.plan
+    mgr.close()
+    assert plan is not None and plan.hardware.source.startswith("measured")
+    assert not plan.hardware.copies_overlap_compute
+    assert list(tmp_path.glob("hardware-*.json"))
+
+
+def test_reload_triggers_start_reloads_before_their_unpack() -> None:
+    """Under a plan with an ideal link, every planned reload starts at its trigger: no stalls."""
+    ideal = HardwareModel(
+        h2d_bytes_per_s=math.inf,
+        d2h_bytes_per_s=math.inf,
+        duplex_bytes_per_s=math.inf,
+        disk_write_bytes_per_s=1e9,
+        disk_read_bytes_per_s=1e9,
+        copies_overlap_compute=False,
+    )
+    model, x, want = _blocks_case()
+    trace = offload.profile(lambda: model(x).pow(2).sum().backward(), model, warmup_steps=0)
+    model.zero_grad(set_to_none=True)
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=trace.peak_saved_bytes // 3, hardware=ideal, min_offload_bytes=0
+    )
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = model(x).pow(2).sum()
+        loss.backward()
+    plan = mgr.plan
+    assert plan is not None and not plan.recompute_calls
+    moved = [e for e in plan.entries if e.placement.moves]
+    assert moved and all(e.reload is not None for e in moved)
+    last = mgr.stats.last
+    assert last.stalls == 0 and last.reloads == len(moved)
+    for g, w in zip((p.grad for p in model.parameters()), want, strict=True):
+        assert torch.equal(g, w)
+    mgr.close()
+
+
+def test_min_memory_mode_is_unchanged_without_a_budget() -> None:
+    case = ALL_MODELS["mlp"](seed=0)
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(case, mgr, steps=2)
+    assert mgr.plan is None and mgr.plans == {}
+    mgr.close()
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="Python < 3.11: no add_note")
+def test_an_oom_inside_a_planned_step_carries_the_budget_and_the_kept_modules() -> None:
+    case = ALL_MODELS["gpt_block"](seed=0)
+    budget = int(0.6 * keep_all_peak(case))
+    mgr = offload.ActivationOffloader(
+        case.model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0
+    )
+    run(case, mgr, steps=2)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        with mgr:
+            case.loss(case.batch(0))
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"gpu_budget={budget}" in notes and "largest kept modules" in notes
+    assert str(mgr.plan.predicted_peak_bytes) in notes
+    # The failed step released its bytes; the next step runs as planned.
+    run(case, mgr, steps=1)
+    assert mgr.stats.last.unplanned_records == 0
+    mgr.close()
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_planned_step_holds_no_more_than_the_budget(share: float) -> None:
+    """On CPU the budget bounds the saved bytes on the device: measured with LiveBytes (every
+    storage ops allocate, alive), a planned step's peak less the no-offload step's transients
+    stays under the budget (reloads start at their planned triggers, not through a window)."""
+    from offload._live import LiveBytes
+
+    torch.manual_seed(0)
+    model = Blocks()
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    trace = offload.profile(lambda: model(x).pow(2).sum().backward(), model, warmup_steps=0)
+    # Gradients exist from here on and are zeroed in place: their allocation is not a transient
+    # of the measured steps.
+    model.zero_grad(set_to_none=False)
+    with LiveBytes() as plain:
+        model(x).pow(2).sum().backward()
+    transients = plain.peak - trace.peak_saved_bytes
+    budget = int(share * trace.peak_saved_bytes)
+    mgr = offload.ActivationOffloader(model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0)
+    for _ in range(2):  # the profiling step, then a planned one
+        model.zero_grad(set_to_none=False)
+        with mgr:
+            loss = model(x).pow(2).sum()
+        loss.backward()
+    model.zero_grad(set_to_none=False)
+    with LiveBytes() as planned:
+        with mgr:
+            loss = model(x).pow(2).sum()
+        loss.backward()
+    assert mgr.stats.last.predicted_peak_bytes > 0 and mgr.stats.last.unplanned_records == 0
+    mgr.close()
+    assert planned.peak - transients <= budget, (
+        planned.peak,
+        transients,
+        budget,
+        plain.peak,
+        trace.peak_saved_bytes,
+    )

@@ -1,0 +1,492 @@
+"""The planner: every plan checked against the simulator and against facts read off the trace.
+
+Oracles, not snapshots: a plan's peak is replayed by :func:`lifecycle.simulate` and must fit the
+target; budgets are swept from the smallest feasible one to the keep-all peak and the predicted
+step may never grow with the budget; reload triggers, recomputed calls and expected keys are
+checked event by event against the trace they were planned from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from models import ALL_MODELS, Block
+
+import offload
+from lifecycle import (
+    BudgetInfeasibleError,
+    EventKind,
+    HardwareModel,
+    Placement,
+    Plan,
+    Trace,
+    plan,
+    simulate,
+    transformer_trace,
+)
+from lifecycle._units import format_bytes
+
+CPU, NVME, KEEP, RECOMPUTE = Placement.CPU, Placement.NVME, Placement.KEEP, Placement.RECOMPUTE
+
+
+def _hw(rate: float, *, disk: float = 2e9, duplex: float | None = None) -> HardwareModel:
+    return HardwareModel(
+        h2d_bytes_per_s=rate,
+        d2h_bytes_per_s=rate,
+        duplex_bytes_per_s=2 * rate if duplex is None else duplex,
+        disk_write_bytes_per_s=disk,
+        disk_read_bytes_per_s=disk,
+    )
+
+
+H200 = HardwareModel.h200()
+SLOW = _hw(5e9, duplex=8e9)  # a link that hides little at these sizes, duplex shared
+CPU_ONLY = HardwareModel.cpu_only(
+    copy_bytes_per_s=10e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=2e9
+)
+IDEAL = _hw(math.inf, disk=math.inf)
+FAST_DISK = _hw(55e9, disk=40e9, duplex=85e9)  # NVMe nearly as fast as the link: spilling is cheap
+GLACIAL = _hw(1e6, disk=1e6)  # 1 MB/s: no transfer hides behind compute
+HARDWARE = {"h200": H200, "slow": SLOW, "cpu_only": CPU_ONLY}
+
+# -- traces -----------------------------------------------------------------------------------
+
+
+def _synthetic(layers: int, hidden: int, tokens: int = 2048) -> Trace:
+    return transformer_trace(layers=layers, hidden=hidden, tokens=tokens, base_bytes=1 << 30)
+
+
+SYNTHETIC = {
+    "gpt2x1024": lambda: _synthetic(2, 1024),
+    "gpt4x4096": lambda: _synthetic(4, 4096),
+    "gpt6x8192": lambda: _synthetic(6, 8192, tokens=4096),
+}
+
+
+def _stack_trace() -> Trace:
+    """Three transformer blocks in a Sequential, profiled as the brief's users would."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block(64, 4) for _ in range(3)])
+    x = torch.randn(4, 32, 64)
+    return offload.profile(lambda: model(x).sum().backward(), model)
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict[str, Trace]:
+    out = {name: make() for name, make in SYNTHETIC.items()}
+    out["block_stack"] = _stack_trace()
+    for name, factory in ALL_MODELS.items():
+        case = factory(seed=0)
+        out[name] = offload.profile(case.step, case.model)
+    return out
+
+
+TRACE_NAMES = [*SYNTHETIC, "block_stack", *ALL_MODELS]
+
+
+def _plan(trace: Trace, budget: int, hw: HardwareModel, **kw) -> Plan:
+    kw.setdefault("margin", 0)
+    kw.setdefault("min_offload_bytes", 0)
+    return plan(trace, budget, hw, **kw)
+
+
+def _floor(trace: Trace, hw: HardwareModel, **kw) -> int:
+    """The smallest feasible budget, as the planner reports it."""
+    with pytest.raises(BudgetInfeasibleError) as info:
+        _plan(trace, 0, hw, **kw)
+    return info.value.min_feasible_bytes
+
+
+def _ladder(trace: Trace, hw: HardwareModel, n: int, **kw) -> list[int]:
+    """``n`` budgets from the smallest feasible one to just above the keep-all peak, on an
+    uneven grid (so they are not the planner's own ladder of anything)."""
+    lo = _floor(trace, hw, **kw)
+    hi = simulate(trace, hw).peak_bytes + 1
+    steps = np.linspace(0.0, 1.0, n) ** 1.5
+    return sorted({int(lo + (hi - lo) * s) for s in steps})
+
+
+def _activation_families(trace: Trace) -> dict[int, object]:
+    """Families a plan places: not parameters, not packed while a backward ran."""
+    records = trace.records
+    return {
+        f.family: f
+        for f in trace.families()
+        if not f.is_parameter and not any(records[s].in_backward for s in f.records)
+    }
+
+
+# -- every plan fits, as the simulator sees it --------------------------------------------------
+
+
+@pytest.mark.parametrize("hw_name", list(HARDWARE))
+@pytest.mark.parametrize("name", TRACE_NAMES)
+def test_plans_fit_their_target_in_simulation(
+    traces: dict[str, Trace], name: str, hw_name: str
+) -> None:
+    trace, hw = traces[name], HARDWARE[hw_name]
+    for budget in _ladder(trace, hw, 6):
+        p = _plan(trace, budget, hw)
+        assert p.prediction_source == "simulator"
+        sim = simulate(trace, hw, p.decisions())
+        assert sim.peak_bytes <= p.target_bytes == budget
+        assert sim.peak_bytes == p.predicted_peak_bytes
+        assert p.metadata["simulated_step_s"] == sim.step_s
+        # The planner's own model never promises less memory than the simulator finds.
+        assert p.metadata["model_peak_bytes"] >= sim.peak_bytes
+        # Without the simulator's check the plan still fits (the model bounds the peak).
+        q = _plan(trace, budget, hw, simulate_records=0)
+        assert q.prediction_source == "planner model"
+        assert simulate(trace, hw, q.decisions()).peak_bytes <= q.predicted_peak_bytes <= budget
+        assert q.entries == p.entries and q.predicted_step_s == p.predicted_step_s
+
+
+def test_frames_keep_the_peak_bound_on_a_long_step() -> None:
+    # 150 layers: 9000 events, more than the model's 8192 memory frames.
+    trace = _synthetic(150, 256, tokens=1024)
+    assert len(trace.events) > 8192
+    keep = simulate(trace, H200).peak_bytes
+    floor = _floor(trace, H200)
+    for share in (0.0, 0.5):
+        budget = int(floor + share * (keep - floor))
+        p = _plan(trace, budget, H200, simulate_records=0)
+        assert simulate(trace, H200, p.decisions()).peak_bytes <= p.predicted_peak_bytes <= budget
+
+
+# -- a larger budget never predicts a slower step -----------------------------------------------
+
+
+@pytest.mark.parametrize("hw_name", [*HARDWARE, "glacial"])
+@pytest.mark.parametrize("name", TRACE_NAMES)
+def test_larger_budget_never_predicts_a_slower_step(
+    traces: dict[str, Trace], name: str, hw_name: str
+) -> None:
+    trace = traces[name]
+    hw = GLACIAL if hw_name == "glacial" else HARDWARE[hw_name]
+    budgets = _ladder(trace, hw, 24)
+    steps = [_plan(trace, b, hw, simulate_records=0).predicted_step_s for b in budgets]
+    for i in range(1, len(budgets)):
+        assert steps[i] <= steps[i - 1], (
+            f"budget {budgets[i - 1]} -> {steps[i - 1]} s, larger budget {budgets[i]} -> {steps[i]} s"
+        )
+    # At the keep-all peak nothing needs to move: the step is the trace's.
+    assert steps[-1] == _plan(trace, budgets[-1], hw).trace_step_s
+
+
+@pytest.mark.parametrize(
+    ("layers", "hidden", "hw_name"), [(8, 8192, "slow"), (16, 1024, "h200"), (8, 4096, "h200")]
+)
+def test_larger_budget_never_predicts_a_slower_step_when_simulated(
+    layers: int, hidden: int, hw_name: str
+) -> None:
+    # Traces and links on which choosing by one model and reporting another's time broke the
+    # order; here the simulator checks every plan.
+    trace = _synthetic(layers, hidden, tokens=4096)
+    hw = HARDWARE[hw_name]
+    budgets = _ladder(trace, hw, 20)
+    plans = [_plan(trace, b, hw) for b in budgets]
+    assert {p.prediction_source for p in plans} == {"simulator"}
+    steps = [p.predicted_step_s for p in plans]
+    assert steps == sorted(steps, reverse=True)
+
+
+@pytest.mark.parametrize("name", ["gpt4x4096", "block_stack"])
+def test_larger_budget_never_predicts_a_slower_step_with_nvme_spill(
+    traces: dict[str, Trace], name: str
+) -> None:
+    trace = traces[name]
+    kw = {"tiers": ("cpu", "nvme"), "cpu_budget": trace.peak_saved_bytes // 4}
+    budgets = _ladder(trace, H200, 16, **kw)
+    steps = [_plan(trace, b, H200, simulate_records=0, **kw).predicted_step_s for b in budgets]
+    assert steps == sorted(steps, reverse=True)
+
+
+# -- infeasible budgets -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt4x4096", "block_stack", "conv_net", "lstm"])
+def test_infeasible_budget_names_the_smallest_feasible_one(
+    traces: dict[str, Trace], name: str
+) -> None:
+    trace = traces[name]
+    for margin in (
+        0,
+        12345,
+        None,
+    ):  # None: the default, a share of the budget (and 256 MiB on CUDA)
+        with pytest.raises(BudgetInfeasibleError) as info:
+            plan(trace, 1000, H200, margin=margin, min_offload_bytes=0)
+        err = info.value
+        assert err.budget_bytes == 1000
+        assert err.min_feasible_bytes > 1000
+        assert format_bytes(1000) in str(err)
+        floor = err.min_feasible_bytes
+        p = plan(trace, floor, H200, margin=margin, min_offload_bytes=0)
+        assert p.gpu_budget_bytes == floor
+        assert simulate(trace, H200, p.decisions()).peak_bytes <= p.target_bytes
+        # ... and it is the smallest: one byte less is refused again.
+        with pytest.raises(BudgetInfeasibleError) as again:
+            plan(trace, floor - 1, H200, margin=margin, min_offload_bytes=0)
+        assert again.value.min_feasible_bytes == floor
+
+
+def test_infeasible_error_survives_pickling() -> None:
+    trace = _synthetic(2, 1024)
+    with pytest.raises(BudgetInfeasibleError) as info:
+        plan(trace, 1, H200)
+    err = pickle.loads(pickle.dumps(info.value))
+    assert isinstance(err, BudgetInfeasibleError)
+    assert (err.budget_bytes, err.min_feasible_bytes) == (1, info.value.min_feasible_bytes)
+
+
+# -- recompute where the link cannot hide copies, offload where it can ----------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt4x4096", "gpt6x8192", "block_stack"])
+def test_slow_link_recomputes_and_ideal_link_offloads(traces: dict[str, Trace], name: str) -> None:
+    trace = traces[name]
+    checkpoint = _plan(trace, 10**15, GLACIAL).anchors["checkpoint_blocks"]
+    keep = simulate(trace, GLACIAL).peak_bytes
+    assert checkpoint.peak_bytes < keep
+    budget = (checkpoint.peak_bytes + keep) // 2
+
+    slow = _plan(trace, budget, GLACIAL)
+    by = slow.bytes_by_placement()
+    assert slow.recompute_calls and by["recompute"] > 0
+    assert by["cpu"] == by["nvme"] == 0  # a copy at 1 MB/s costs more than any recompute
+    assert slow.predicted_step_s > slow.trace_step_s
+
+    ideal = _plan(trace, budget, IDEAL)
+    by = ideal.bytes_by_placement()
+    assert not ideal.recompute_calls and by["recompute"] == 0 and by["cpu"] > 0
+    assert ideal.predicted_step_s == ideal.trace_step_s  # no slowdown at all
+    assert ideal.metadata["simulated_step_s"] == pytest.approx(ideal.trace_step_s, rel=1e-9)
+    # Even the smallest feasible budget needs no recompute on an ideal link.
+    floor = _plan(trace, _floor(trace, IDEAL), IDEAL)
+    assert not floor.recompute_calls and floor.predicted_step_s == floor.trace_step_s
+
+
+# -- host room and NVMe -------------------------------------------------------------------------
+
+
+def _host_peak(trace: Trace, p: Plan, placement: Placement) -> int:
+    """Peak bytes the plan's ``placement`` families hold off the device (pack to last use)."""
+    families = {f.family: f for f in trace.families()}
+    delta: dict[int, int] = {}
+    for e in p.entries:
+        if e.placement is placement:
+            f = families[e.family]
+            delta[f.first_pack_event] = delta.get(f.first_pack_event, 0) + e.nbytes
+            delta[f.last_use_event + 1] = delta.get(f.last_use_event + 1, 0) - e.nbytes
+    live, peak = 0, 0
+    for i in sorted(delta):
+        live += delta[i]
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("name", ["gpt4x4096", "gpt6x8192", "block_stack"])
+def test_nvme_takes_the_longest_lived_families_when_the_host_is_short(
+    traces: dict[str, Trace], name: str
+) -> None:
+    trace = traces[name]
+    families = {f.family: f for f in trace.families()}
+    floor = _floor(trace, FAST_DISK)
+    budget = floor + (simulate(trace, FAST_DISK).peak_bytes - floor) // 2
+    roomy = _plan(trace, budget, FAST_DISK)
+    on_host = _host_peak(trace, roomy, CPU)
+    assert on_host > 0
+
+    cap = on_host // 2
+    p = _plan(trace, budget, FAST_DISK, tiers=("cpu", "nvme"), cpu_budget=cap)
+    nvme = [families[e.family] for e in p.entries if e.placement is NVME]
+    cpu = [families[e.family] for e in p.entries if e.placement is CPU]
+    assert nvme and cpu
+    assert _host_peak(trace, p, CPU) <= cap
+    # The NVMe families are the earliest packed, hence the longest lived.
+    assert max(f.first_pack_event for f in nvme) < min(f.first_pack_event for f in cpu)
+
+    def life(f: object) -> int:
+        return f.last_use_event - f.first_pack_event  # type: ignore[attr-defined]
+
+    assert min(life(f) for f in nvme) >= max(life(f) for f in cpu)
+    assert simulate(trace, FAST_DISK, p.decisions()).peak_bytes <= p.target_bytes
+
+    # Host only, and less host room than anything that fits needs: no plan.
+    tight = _plan(trace, floor, FAST_DISK).bytes_by_placement()["cpu"]
+    assert tight > 0
+    with pytest.raises(BudgetInfeasibleError):
+        _plan(trace, floor, FAST_DISK, tiers=("cpu",), cpu_budget=0)
+    # NVMe alone is a tier too.
+    only = _plan(trace, budget, FAST_DISK, tiers=("nvme",))
+    assert {e.placement for e in only.entries} <= {KEEP, NVME, RECOMPUTE}
+    assert only.bytes_by_placement()["nvme"] > 0
+
+
+# -- the plan as data -------------------------------------------------------------------------
+
+
+def _mixed_plan(trace: Trace) -> Plan:
+    """A plan that keeps, offloads to both tiers and (on a layered trace) recomputes."""
+    floor = _floor(trace, FAST_DISK)
+    budget = floor + (simulate(trace, FAST_DISK).peak_bytes - floor) // 5
+    roomy = _plan(trace, budget, FAST_DISK)
+    p = _plan(
+        trace,
+        budget,
+        FAST_DISK,
+        tiers=("cpu", "nvme"),
+        cpu_budget=_host_peak(trace, roomy, CPU) // 2,
+        signature="x: (4, 32, 64) float32",
+    )
+    by = p.bytes_by_placement()
+    assert by["keep"] > 0 and by["cpu"] > 0 and by["nvme"] > 0
+    return p
+
+
+@pytest.mark.parametrize("name", ["gpt6x8192", "block_stack"])
+def test_json_round_trip(traces: dict[str, Trace], name: str, tmp_path) -> None:
+    p = _mixed_plan(traces[name])
+    if name == "gpt6x8192":
+        assert p.recompute_calls and p.bytes_by_placement()["recompute"] > 0
+    path = tmp_path / "plan.json"
+    p.save(path)
+    q = Plan.load(path)
+    assert q == p
+    assert dataclasses.replace(q, metadata={}) == dataclasses.replace(p, metadata={})
+    assert q.decisions() == p.decisions()
+    assert pickle.loads(pickle.dumps(p)) == p  # entries and triggers are slotted dataclasses
+    # A trace is not a plan; the message says which format was expected.
+    trace_path = tmp_path / "trace.json"
+    traces[name].save(trace_path)
+    with pytest.raises(ValueError, match=r"offload\.plan"):
+        Plan.load(trace_path)
+
+
+def test_planning_is_pure_and_deterministic(traces: dict[str, Trace]) -> None:
+    trace = traces["gpt4x4096"]
+    budget = _ladder(trace, SLOW, 3)[1]
+    a, b = _plan(trace, budget, SLOW), _plan(trace, budget, SLOW)
+    assert dataclasses.replace(a, metadata={}) == dataclasses.replace(b, metadata={})
+
+
+@pytest.mark.parametrize("name", ["gpt6x8192", "block_stack", "checkpointed", "gpt_block"])
+def test_expected_keys_drop_the_packs_of_recomputed_calls(
+    traces: dict[str, Trace], name: str
+) -> None:
+    trace = traces[name]
+    checkpoint = _plan(trace, 10**15, GLACIAL).anchors["checkpoint_blocks"].peak_bytes
+    p = _plan(trace, (checkpoint + simulate(trace, GLACIAL).peak_bytes) // 2, GLACIAL)
+    spans = [
+        s
+        for s in trace.module_spans()
+        if s.phase == "forward" and (s.module, s.call_index) in set(p.recompute_calls)
+    ]
+    assert len(spans) == len(p.recompute_calls)
+    inside = {
+        r.key
+        for r in trace.records
+        if any(s.start_event <= r.pack_event <= s.end_event for s in spans)
+    }
+    rest = {r.key for r in trace.records if not r.in_backward} - inside
+    assert set(p.expected_keys) == rest
+    assert len(p.expected_keys) == len(rest)
+    assert not inside & set(p.expected_keys)
+    if name in ("gpt6x8192", "block_stack"):
+        assert inside  # something was recomputed
+
+
+@pytest.mark.parametrize("hw_name", ["h200", "slow"])
+@pytest.mark.parametrize("name", TRACE_NAMES)
+def test_entries_cover_each_family_once_with_triggers_inside_its_life(
+    traces: dict[str, Trace], name: str, hw_name: str
+) -> None:
+    trace, hw = traces[name], HARDWARE[hw_name]
+    families = _activation_families(trace)
+    records, events = trace.records, trace.events
+    for budget in _ladder(trace, hw, 4)[:3]:
+        p = _plan(trace, budget, hw)
+        assert sorted(e.family for e in p.entries) == sorted(families)
+        calls = set(p.recompute_calls)
+        spans = {(s.module, s.call_index): s for s in trace.module_spans() if s.phase == "forward"}
+        for e in p.entries:
+            f = families[e.family]
+            members = [records[s] for s in f.records]  # type: ignore[attr-defined]
+            assert e.keys == tuple(r.key for r in members)
+            assert e.nbytes == f.span_bytes and e.module == members[0].module  # type: ignore[attr-defined]
+            if e.placement is RECOMPUTE:
+                assert any(
+                    s.start_event <= f.first_pack_event <= s.end_event  # type: ignore[attr-defined]
+                    for c, s in spans.items()
+                    if c in calls and c[0] == e.recompute_module
+                )
+            if e.reload is None:
+                assert e.reload_event == -1
+                continue
+            assert e.placement in (CPU, NVME)
+            event = events[e.reload_event]
+            first_unpack = min(u for r in members for u in r.unpack_events)
+            assert f.first_pack_event < e.reload_event <= first_unpack  # type: ignore[attr-defined]
+            assert event.step == members[0].step
+            if e.reload.kind == "unpack":
+                assert event.kind is EventKind.UNPACK
+                assert records[event.record].key == (
+                    e.reload.module,
+                    e.reload.call_index,
+                    e.reload.ordinal,
+                )
+            else:
+                assert event.kind is EventKind.BACKWARD_START
+                assert (event.module, event.call_index) == (e.reload.module, e.reload.call_index)
+
+
+@pytest.mark.parametrize("name", ["gpt6x8192", "block_stack"])
+def test_summary_names_the_budget_the_anchors_and_the_placements(
+    traces: dict[str, Trace], name: str
+) -> None:
+    p = _mixed_plan(traces[name])
+    text = p.summary()
+    assert format_bytes(p.gpu_budget_bytes) in text
+    assert format_bytes(p.target_bytes) in text
+    for anchor in ("keep_all", "offload_all", "checkpoint_blocks"):
+        assert anchor in text
+    for placement, nbytes in p.bytes_by_placement().items():
+        if nbytes:
+            assert f"{placement} {format_bytes(nbytes)}" in text
+    for module, call in p.recompute_calls[:8]:
+        assert f"{module}[{call}]" in text
+
+
+# -- arguments --------------------------------------------------------------------------------
+
+
+def test_bad_arguments_name_the_argument(traces: dict[str, Trace]) -> None:
+    trace = traces["gpt2x1024"]
+    cases = [
+        ({"gpu_budget": -1}, ValueError, "gpu_budget"),
+        ({"gpu_budget": "lots"}, ValueError, "gpu_budget"),
+        ({"gpu_budget": 1.5}, TypeError, "gpu_budget"),
+        ({"tiers": ("gpu",)}, ValueError, "tiers"),
+        ({"tiers": ()}, ValueError, "tiers"),
+        ({"tiers": ("cpu", "cpu")}, ValueError, "tiers"),
+        ({"tiers": 3}, TypeError, "tiers"),
+        ({"cpu_budget": -1}, ValueError, "cpu_budget"),
+        ({"nvme_bytes": "x"}, ValueError, "nvme_bytes"),
+        ({"min_offload_bytes": -5}, ValueError, "min_offload_bytes"),
+        ({"margin": -1}, ValueError, "margin"),
+        ({"max_inflight_bytes": -1}, ValueError, "max_inflight_bytes"),
+        ({"step": 3}, ValueError, "step"),
+        ({"simulate_records": "all"}, TypeError, "simulate_records"),
+        ({"trace": "trace.json"}, TypeError, "trace"),
+        ({"hardware": None}, TypeError, "hardware"),
+        ({"hardware": {"h2d_bytes_per_s": 1e9}}, TypeError, "hardware"),
+    ]
+    for change, error, name in cases:
+        kwargs = {"trace": trace, "gpu_budget": 10**12, "hardware": H200, **change}
+        with pytest.raises(error, match=name):
+            plan(**kwargs)
