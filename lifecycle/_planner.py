@@ -124,6 +124,7 @@ def plan(
     step: int = -1,
     simulate_records: int = 20_000,
     signature: str = "",
+    recompute: bool = True,
 ) -> Plan:
     """Plan where each activation family of one traced step waits, to fit ``gpu_budget``.
 
@@ -149,6 +150,8 @@ def plan(
         simulate_records: replay the chosen plan with :func:`lifecycle.simulate` when the step
             has at most this many records (0: never); the plan then reports the simulator's peak.
         signature: a label for the plan (the manager passes the input signature).
+        recompute: allow recomputing blocks (``False`` under tensor parallelism, where a
+            block's forward issues collectives that recomputation would issue again).
 
     Returns:
         A :class:`Plan`.
@@ -195,6 +198,7 @@ def _plan(
     step: int,
     simulate_records: int,
     signature: str,
+    recompute: bool,
 ) -> Plan:
     started = time.perf_counter()
     if not isinstance(trace, Trace):
@@ -230,7 +234,9 @@ def _plan(
 
     margin_bytes = margin_for(budget)
     target = budget - margin_bytes
-    model = _Model(view, hardware, tiers, host_cap, disk_cap, inflight)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be a bool; got {type(recompute).__name__}")
+    model = _Model(view, hardware, tiers, host_cap, disk_cap, inflight, recompute=recompute)
 
     def infeasible(floor: int, what: str) -> BudgetInfeasibleError:
         need = _min_budget(floor, margin_for)
@@ -736,8 +742,11 @@ class _Model:
         host_cap: float,
         disk_cap: float,
         inflight: int | None,
+        *,
+        recompute: bool = True,
     ) -> None:
         v = view
+        self.recompute = recompute
         self.v, self.hw, self.tiers = view, hw, tiers
         self.host_cap, self.disk_cap, self.inflight = host_cap, disk_cap, inflight
         self.blocks = view.blocks
@@ -805,7 +814,8 @@ class _Model:
         self._recomputed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._tops: dict[tuple[int, float, int], _Candidate] = {}
         self._free_prefix: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.ladder = _ladder(len(self.blocks))
+        # Without recompute the search stays on m = 0 (the anchors still use every block).
+        self.ladder = _ladder(len(self.blocks)) if recompute else [0]
 
     # -- columns ---------------------------------------------------------------------------
 
@@ -1080,8 +1090,9 @@ class _Model:
             for lead in _LEADS:
                 queue(m, lead)
         # m = 0 is on the ladder: the boundary columns worth adding start above it.
-        first = self.v.step_s + self.recompute_s[min(1, len(self.blocks))]
-        heapq.heappush(heap, (first, _LEAVES, next(tie), 0, _LEADS[0], 0))
+        if self.recompute:
+            first = self.v.step_s + self.recompute_s[min(1, len(self.blocks))]
+            heapq.heappush(heap, (first, _LEAVES, next(tie), 0, _LEADS[0], 0))
         copies_out: dict[tuple[int, int], float] = {}  # (m, variant) -> stage 1's bound
         first_lead: dict[tuple[int, int], float] = {}  # (m, variant) -> lead 1.0's stage 3
         while heap:

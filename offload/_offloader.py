@@ -263,6 +263,7 @@ class ActivationOffloader:
         # Each step resets the device's peak counters (stats.peak_allocated_bytes is per step);
         # not under a pipeline, whose steps overlap (see PipelineAttachment).
         self._reset_peaks = True
+        self._saw_dtensor = False  # a DTensor was saved: tensor parallel, no block recompute
         # Closed on garbage collection and at exit too; the finalizer holds only the resources.
         self._resources: list[Any] = []
         self._finalizer = weakref.finalize(
@@ -588,6 +589,8 @@ class ActivationOffloader:
                     min_offload_bytes=self.config.min_offload_bytes,
                     max_inflight_bytes=self.config.max_inflight_bytes,
                     signature=sig,
+                    # Tensor parallel: recomputing a block would issue its collectives again.
+                    recompute=not self._saw_dtensor,
                 )
             except lifecycle.BudgetInfeasibleError as e:
                 if first or self.config.on_infeasible == "raise":
@@ -715,6 +718,7 @@ class ActivationOffloader:
         local = t
         if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):  # a DTensor: its shard
             dtensor = (t.device_mesh, t.placements, t.shape, t.stride())  # type: ignore[attr-defined]
+            self._saw_dtensor = True
         if type(t) is not torch.Tensor:
             local = local_tensor(t)
             if type(local) is not torch.Tensor and not _has_storage(local):

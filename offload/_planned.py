@@ -237,6 +237,7 @@ def make_plan(
     min_offload_bytes: int,
     max_inflight_bytes: int,
     signature: str,
+    recompute: bool = True,
 ) -> Plan:
     """:func:`lifecycle.plan` with the manager's settings."""
     return lifecycle.plan(
@@ -249,4 +250,5 @@ def make_plan(
         max_inflight_bytes=max_inflight_bytes or None,
         step=step,
         signature=signature,
+        recompute=recompute,
     )
