@@ -281,11 +281,14 @@ def close_waits(composed: offload.Trace, one: offload.Trace, stages: int, microb
     )
 
 
-def sim_pair(trace: offload.Trace, hw: offload.HardwareModel, min_offload: int
+def sim_pair(trace: offload.Trace, hw: offload.HardwareModel, min_offload: int, window: int
              ) -> tuple[Simulation, Simulation]:  # fmt: skip
-    """(keep everything, offload everything) of one trace, as predict_1f1b simulates a stage."""
+    """(keep everything, offload everything) of one trace, as predict_1f1b simulates a stage:
+    reloads look one microbatch (``window`` bytes) ahead, as ``mgr.attach`` does."""
     keep = simulate(trace, hw)
-    moved = simulate(trace, hw, offload_all(trace, min_offload_bytes=min_offload))
+    moved = simulate(
+        trace, hw, offload_all(trace, min_offload_bytes=min_offload), prefetch_bytes=window
+    )
     return keep, moved
 
 
@@ -313,8 +316,8 @@ def predict(args: argparse.Namespace, ones: list[offload.Trace],
     one, schedule = median_trace(ones), median_trace(schedules)
     stage0 = predict_1f1b(one, hw, stages=p, microbatches=m, min_offload_bytes=floor)[0]
     composed = pipeline_trace(one, stage=0, stages=p, microbatches=m)
-    closed = sim_pair(close_waits(composed, one, p, m), hw, floor)
-    replayed = sim_pair(schedule, hw, floor)
+    closed = sim_pair(close_waits(composed, one, p, m), hw, floor, one.peak_saved_bytes)
+    replayed = sim_pair(schedule, hw, floor, one.peak_saved_bytes)
     out: dict[str, Any] = {
         "stashed_microbatches": stage0.stashed_microbatches,
         "one_microbatch_profiles_s": [step_s(t) for t in ones],
