@@ -154,6 +154,7 @@ class Executor:
         # backwards), and they must still be retired (their sources dropped) and counted by
         # back-pressure.
         self._inflight: deque[Family] = deque()
+        self._deferred_releases: deque[Family] = deque()  # see release()
         self._inflight_bytes = 0
         self._ahead_bytes = 0  # see _mark_ahead
         # GPU + NVMe: records whose file write runs from pinned staging, oldest first.
@@ -180,6 +181,7 @@ class Executor:
 
     def begin_step(self, index: int) -> StepStats:
         with self.lock:
+            self._drain_releases()
             self.step = _StepState(index)
             self._collect_pending()
             return self.step.stats
@@ -209,6 +211,7 @@ class Executor:
 
     def live_families(self) -> int:
         with self.lock:
+            self._drain_releases()
             return sum(1 for f in self._live if f.life is not Life.FREED)
 
     # -- offload -----------------------------------------------------------------------------
@@ -406,6 +409,7 @@ class Executor:
     def poll(self) -> None:
         """Retire finished copies out (drop their sources) and free what waited for events."""
         with self.lock:
+            self._drain_releases()
             while self._inflight and self._copy_out_done(self._inflight[0]):
                 fam = self._inflight.popleft()
                 self._inflight_bytes -= fam.nbytes
@@ -727,15 +731,35 @@ class Executor:
     # -- release -----------------------------------------------------------------------------
 
     def release(self, fam: Family) -> None:
-        """One member handle died; free the family's bytes when it was the last."""
-        with self.lock:
-            fam.members -= 1
-            if fam.members > 0 or fam.life is Life.FREED:
-                return
-            if fam.life is Life.COPYING_OUT and fam in self._inflight:
-                self._inflight.remove(fam)
-                self._inflight_bytes -= fam.nbytes
-            self._free(fam)
+        """One member handle died; free the family's bytes when it was the last.
+
+        Runs from ``_Member.__del__``, so on any thread and at any allocation (a GC pass), also
+        on a copy engine or I/O thread in the middle of completing a transfer that the thread
+        holding the lock waits for: blocking on the lock there deadlocked ``close()``. Such a
+        release is queued instead and done by the next lock holder (``_drain_releases``).
+        """
+        if not self.lock.acquire(blocking=False):
+            self._deferred_releases.append(fam)  # deque.append is atomic
+            return
+        try:
+            self._release(fam)
+            self._drain_releases()
+        finally:
+            self.lock.release()
+
+    def _drain_releases(self) -> None:
+        # Caller holds the lock.
+        while self._deferred_releases:
+            self._release(self._deferred_releases.popleft())
+
+    def _release(self, fam: Family) -> None:
+        fam.members -= 1
+        if fam.members > 0 or fam.life is Life.FREED:
+            return
+        if fam.life is Life.COPYING_OUT and fam in self._inflight:
+            self._inflight.remove(fam)
+            self._inflight_bytes -= fam.nbytes
+        self._free(fam)
 
     def _free(self, fam: Family) -> None:
         self._mark_ahead(fam, False)
@@ -814,6 +838,7 @@ class Executor:
         """Release every family's bytes (later unpacks raise) and wait for copies in flight."""
         with self.lock:
             self._abandon(list(self._live), "the offload manager was closed")
+            self._drain_releases()
             for fam in self._pending_free:
                 self._drop(fam)
             for region, _ in self._pending_regions:
