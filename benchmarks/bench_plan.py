@@ -45,7 +45,7 @@ import lifecycle
 from lifecycle import HardwareModel, Trace, simulate, transformer_trace
 
 _BASE_BYTES = 10 << 30
-_SIMULATE_MAX_RECORDS = 10_000  # simulate() and the default plan() above this take minutes
+_SIMULATE_MAX_RECORDS = 20_000  # plan()'s default simulate_records: the simulator's range
 
 
 def _cpu() -> dict[str, Any]:

@@ -1249,6 +1249,8 @@ class _Model:
 
     def offload_all(self) -> _Candidate:
         column = self.column(0, 1.0)
+        if column[0].top == column[0].n:
+            return self._top(0, 1.0)  # the same candidate, maybe scored already
         return self.evaluate(column, column[0].n)
 
     # -- the plan out of a candidate ---------------------------------------------------------
