@@ -95,7 +95,7 @@ from lifecycle._plan import (
     Trigger,
     _bulk,
 )
-from lifecycle._simulate import Decision, Placement, simulate
+from lifecycle._simulate import Decision, Placement, _step_index, simulate
 from lifecycle._trace import Event, EventKind, TensorRecord, Trace
 from lifecycle._units import format_bytes, parse_bytes
 
@@ -222,7 +222,7 @@ def _plan(
         if max_inflight_bytes is None
         else parse_bytes(max_inflight_bytes, name="max_inflight_bytes")
     )
-    view = _Step(trace, _step_arg(trace, step), floor_bytes)
+    view = _Step(trace, _step_index(trace, step), floor_bytes)
     on_cuda = str(trace.metadata.get("device", view.device)).startswith("cuda")
     excess = int(trace.metadata.get("reserved_excess_bytes", 0) or 0) if on_cuda else 0
 
@@ -353,19 +353,6 @@ def _tiers_arg(tiers: Iterable[str]) -> tuple[str, ...]:
     if not out or any(t not in ("cpu", "nvme") for t in out) or len(set(out)) != len(out):
         raise ValueError(f"tiers must name 'cpu' and/or 'nvme', each once; got {out!r}")
     return out
-
-
-def _step_arg(trace: Trace, step: int) -> int:
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ValueError(f"step must be an int; got {step!r}")
-    if trace.steps < 1:
-        raise ValueError("the trace has no recorded step")
-    if not -trace.steps <= step < trace.steps:
-        raise ValueError(
-            f"step must be in [{-trace.steps}, {trace.steps - 1}] for a trace of {trace.steps} "
-            f"step(s); got {step}"
-        )
-    return step % trace.steps
 
 
 # -- the step as arrays -------------------------------------------------------------------------
