@@ -80,6 +80,7 @@ from bench_step import (  # noqa: E402
     CheckpointedBlock,
     LiveBytes,
     machine,
+    resolve_device_and_shape,
     runtime_version,
 )
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -237,20 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", default=None)
     args = ap.parse_args(argv)
 
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-        ap.error(f"--device must be cpu or cuda[:i], with CUDA available; got {args.device!r}")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    args.device, cuda = dev, dev.type == "cuda"
-    args.config = args.config or ("h2048" if cuda else "cpu-tiny")
-    args.shape = dict(CONFIGS[args.config])
-    overridden = False
-    for key, default in CONFIGS[args.config].items():
-        value = getattr(args, key)
-        if value is not None:
-            overridden |= value != default
-            args.shape[key] = value
+    cuda, overridden = resolve_device_and_shape(ap, args, CONFIGS, "h2048")
     args.stem = "budget" if args.config == "cpu-tiny" else f"budget-{args.config}"
     args.stem += "-custom" if overridden else ""
     try:
@@ -271,7 +259,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.out is None:
         sub = "cpu"
         if cuda:
-            sub = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(dev).lower()).strip("-")
+            sub = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(args.device).lower()).strip(
+                "-"
+            )
         args.out = os.path.join(_ROOT, "benchmarks", "results", sub)
     return args
 

@@ -89,7 +89,15 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # bench_step puts examples/ on the path; its hardware naming, CPU peak counter and helpers are
 # shared so that both benchmarks report alike.
-from bench_step import LiveBytes, _mib, _ms, _row, machine, runtime_version  # noqa: E402
+from bench_step import (  # noqa: E402
+    LiveBytes,
+    _mib,
+    _ms,
+    _row,
+    machine,
+    resolve_device_and_shape,
+    runtime_version,
+)
 from gpt import GPT, GPTConfig  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -360,20 +368,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", default=None)
     args = ap.parse_args(argv)
 
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-        ap.error(f"--device must be cpu or cuda[:i], with CUDA available; got {args.device!r}")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    args.device, cuda = dev, dev.type == "cuda"
-    args.config = args.config or ("h4096" if cuda else "cpu-tiny")
-    args.shape = dict(CONFIGS[args.config])
-    overridden = args.stages != 4 or args.microbatches != 8
-    for key, default in CONFIGS[args.config].items():
-        value = getattr(args, key)
-        if value is not None:
-            overridden |= value != default
-            args.shape[key] = value
+    cuda, overridden = resolve_device_and_shape(ap, args, CONFIGS, "h4096")
+    overridden |= args.stages != 4 or args.microbatches != 8
     if min(args.stages, args.microbatches, *args.shape.values()) < 1:
         ap.error("--stages, --microbatches and the shape must be >= 1")
     args.stem = "pipeline" if args.config == "cpu-tiny" else f"pipeline-{args.config}"
@@ -386,7 +382,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.out is None:
         sub = "cpu"
         if cuda:
-            sub = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(dev).lower()).strip("-")
+            sub = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(args.device).lower()).strip(
+                "-"
+            )
         args.out = os.path.join(_ROOT, "benchmarks", "results", sub)
     return args
 

@@ -475,20 +475,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", default=None)
     args = ap.parse_args(argv)
 
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-        ap.error(f"--device must be cpu or cuda[:i], with CUDA available; got {args.device!r}")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    args.device, cuda = dev, dev.type == "cuda"
-    args.config = args.config or ("h2048" if cuda else "cpu-tiny")
-    args.shape = dict(CONFIGS[args.config])
-    overridden = False
-    for key, default in CONFIGS[args.config].items():
-        value = getattr(args, key)
-        if value is not None:
-            overridden |= value != default
-            args.shape[key] = value
+    cuda, overridden = resolve_device_and_shape(ap, args, CONFIGS, "h2048")
     args.stem = "step" if args.config == "cpu-tiny" else f"step-{args.config}"
     args.stem += "-custom" if overridden else ""
     if (n := args.max_inflight_bytes) is not None:
@@ -505,9 +492,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.out is None:
         sub = "cpu"
         if cuda:
-            sub = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(dev).lower()).strip("-")
+            sub = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(args.device).lower()).strip(
+                "-"
+            )
         args.out = os.path.join(_ROOT, "benchmarks", "results", sub)
     return args
+
+
+def resolve_device_and_shape(
+    ap: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    configs: dict[str, dict[str, int]],
+    cuda_config: str,
+) -> tuple[bool, bool]:
+    """Resolve ``--device`` and ``--config`` (with its per-field overrides) in ``args``: sets
+    ``args.device``, ``args.config`` and ``args.shape``; returns (on CUDA, a field overridden)."""
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        ap.error(f"--device must be cpu or cuda[:i], with CUDA available; got {args.device!r}")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    args.device, cuda = dev, dev.type == "cuda"
+    args.config = args.config or (cuda_config if cuda else "cpu-tiny")
+    args.shape = dict(configs[args.config])
+    overridden = False
+    for key, default in configs[args.config].items():
+        value = getattr(args, key)
+        if value is not None:
+            overridden |= value != default
+            args.shape[key] = value
+    return cuda, overridden
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
