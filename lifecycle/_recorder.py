@@ -21,7 +21,7 @@ import enum
 import gc
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -284,6 +284,12 @@ class Recorder:
     def add_parameters(self, module: nn.Module) -> None:
         """Treat ``module``'s parameters and buffers (by storage) as parameters, not activations."""
         self._params.add(module)
+
+    def add_held(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Treat the storages of ``tensors`` as parameters too: something else holds them for
+        the whole step (a pipeline stage keeps each microbatch's inputs until its backward), so
+        their records are not activations a plan could move."""
+        self._params.add_tensors(tensors)
 
     @contextmanager
     def attach(self, model: nn.Module) -> Iterator[Recorder]:

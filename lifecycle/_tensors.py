@@ -86,6 +86,13 @@ class ParameterStorages:
             st = local_tensor(t).untyped_storage()
             self._refs[id(st)] = weakref.ref(st)
 
+    def add_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Register the storages of ``tensors`` too (tensors someone else holds for the whole
+        step, such as a pipeline stage's microbatch inputs)."""
+        for t in tensors:
+            st = local_tensor(t).untyped_storage()
+            self._refs[id(st)] = weakref.ref(st)
+
     def holds(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``t`` (a plain or local tensor whose storage is ``storage``) is a weight."""
         ref = self._refs.get(id(storage))

@@ -21,11 +21,14 @@ class LiveBytes(TorchDispatchMode):
     An op's output counts when its storage is none of the op's inputs' (views, in-place and
     ``out=`` ops allocate nothing) and is new to the counter; it stops counting when a finalizer
     on the storage object fires. Host-pool regions are views of slabs allocated before the step.
+    Storages created while ``paused`` is above 0 are not counted (code whose memory the
+    measurement leaves out, such as another pipeline stage's chunks on the same device).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0
+        self.paused = 0
         self._tracked: dict[int, weakref.finalize] = {}
         # Finalizers run on whichever thread drops a storage: they only append to a deque
         # (thread-safe), and the dispatching thread drains it.
@@ -33,6 +36,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         flat_in = tree_flatten((args, kwargs))[0]
         inputs = {t.untyped_storage()._cdata for t in flat_in if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:

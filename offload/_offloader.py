@@ -37,7 +37,7 @@ from lifecycle._units import parse_bytes
 from offload._device import compute_device
 from offload._errors import OffloadError, from_infeasible
 from offload._executor import Executor
-from offload._pipelining import PipelineAttachment
+from offload._pipelining import PipelineAttachment, PipelineRound
 from offload._planned import (
     KEEP,
     MAX_SIGNATURES,
@@ -264,6 +264,10 @@ class ActivationOffloader:
         # not under a pipeline, whose steps overlap (see PipelineAttachment).
         self._reset_peaks = True
         self._saw_dtensor = False  # a DTensor was saved: tensor parallel, no block recompute
+        # A budgeted pipeline stage's schedule round (see NOTE [ Pipelining ]): its forward chunks
+        # are steps of the executor but one step of the profile and the plan.
+        self._round: PipelineRound | None = None
+        self._stage_inputs_held = False  # attached to a pipeline stage: its inputs stay
         # Closed on garbage collection and at exit too; the finalizer holds only the resources.
         self._resources: list[Any] = []
         self._finalizer = weakref.finalize(
@@ -309,16 +313,23 @@ class ActivationOffloader:
         manager: each forward chunk of a microbatch is a step whose saved tensors leave the
         device, and each backward chunk (B, I, W) first starts the reloads of its microbatch.
 
+        With ``gpu_budget`` the first schedule round (every microbatch's forward and backward on
+        this stage) is profiled in min-memory mode and planned as one step against this stage's
+        budget, so each microbatch's wait for its backward decides where its tensors wait; later
+        rounds run the plan.
+
         Args:
-            target: a ``PipelineStage``, or a schedule (all of its stages on this rank).
+            target: a ``PipelineStage``, or a schedule (all of its stages on this rank; one stage
+                with ``gpu_budget``).
 
         Returns:
             A handle whose ``detach()`` (or ``with`` exit) restores the stages.
 
         Raises:
             TypeError: ``target`` is neither a stage nor a schedule.
-            OffloadError: the manager has a ``gpu_budget`` (not built for pipelines yet), or a
-                stage is already attached.
+            OffloadError: a stage is already attached; or, with ``gpu_budget``: the target has
+                several stages on this rank, the stage's module is not this manager's, or
+                another budgeted manager already runs a stage on this device.
 
         See NOTE [ Pipelining ] in ``offload/_pipelining.py``. Tensor parallel and FSDP2 need no
         attach: build the manager on the already parallelised model.
@@ -335,7 +346,9 @@ class ActivationOffloader:
                 raise OffloadError("this ActivationOffloader is closed; make a new one")
             if self._in_step:
                 raise OffloadError("a step of this manager is already running; steps do not nest")
-            if self._budget_bytes is not None:
+            rnd = self._round
+            continuing = rnd is not None and rnd.steps > 0
+            if self._budget_bytes is not None and not continuing:
                 # Plans the last profiling step (its backward has ended): may raise
                 # BudgetInfeasibleError, before this step has changed any state.
                 self._plan_profiled()
@@ -353,11 +366,17 @@ class ActivationOffloader:
             self._step_added = False
             self._backward_seen = False
             self._stack.clear()
-            self._calls.clear()
-            self._outside_packs = 0
-            self._kept_seq.clear()
-            self._active = None
-            self._profiling = None
+            if continuing:
+                assert rnd is not None
+                self._continue_round(rnd)
+            else:
+                self._calls.clear()
+                self._outside_packs = 0
+                self._kept_seq.clear()
+                self._active = None
+                self._profiling = None
+            if rnd is not None:
+                rnd.steps += 1
             self._refresh_params()
             if self.device.type == "cuda" and self._reset_peaks:
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -527,9 +546,39 @@ class ActivationOffloader:
 
     # -- budget mode (NOTE [ Budget mode ] in _planned.py) -------------------------------------
 
+    def _continue_round(self, rnd: PipelineRound) -> None:
+        """A later forward chunk of a pipeline round: record keys, the plan and the profile
+        carry on from the round's first chunk (NOTE [ Pipelining ])."""
+        ex, stats, active = self._executor, self._step_stats, self._active
+        if active is None or ex is None or ex.step is None or stats is None:
+            return
+        ex.step.windowed = False
+        # One trigger table for the round: a family's planned reload may start at an event of
+        # another microbatch.
+        ex.step.triggers = rnd.triggers
+        stats.predicted_peak_bytes = active.plan.predicted_peak_bytes
+        stats.predicted_step_s = active.plan.predicted_step_s
+
+    def _end_round(self) -> None:
+        """The round's last backward chunk ended: its profile (if any) ends with it."""
+        with self._lock:
+            if self._profiling is not None:
+                self._profile_ended(self._profiling)
+            self._round = None
+
+    def _abandon_round(self) -> None:
+        """A chunk of the round raised: drop its partial profile; the next round starts over."""
+        with self._lock:
+            if self._profiling is not None and self._profiler is not None:
+                self._profiler.discard()
+            self._profiling = None
+            self._round = None
+
     def _begin_signature(self, args: Any) -> None:
         """At the root's first forward of a step: choose how this step runs."""
         sig = signature_of(args)
+        if self._round is not None:
+            sig += self._round.label
         self._last_signature = sig
         ex, stats = self._executor, self._step_stats
         assert ex is not None and stats is not None
@@ -544,6 +593,8 @@ class ActivationOffloader:
             self._active = active
             if ex.step is not None:
                 ex.step.windowed = False  # see _StepState.windowed
+                if self._round is not None:
+                    self._round.triggers = ex.step.triggers
             self._install_recompute(active)
             stats.predicted_peak_bytes = plan.predicted_peak_bytes
             stats.predicted_step_s = plan.predicted_step_s
@@ -786,7 +837,13 @@ class ActivationOffloader:
             self._backward_seen = True
             # The end of this backward ends the step's clock (and its profile).
             torch.autograd.Variable._execution_engine.queue_callback(
-                _StepEnd(self, self._step_stats, time.perf_counter, self._profiling)
+                # A pipeline round's profile ends with the round, not with one backward chunk.
+                _StepEnd(
+                    self,
+                    self._step_stats,
+                    time.perf_counter,
+                    self._profiling if self._round is None else None,
+                )
             )
         if isinstance(packed, torch.Tensor):
             if self._kept_seq and self._profiler is not None:
@@ -869,6 +926,13 @@ class _ForwardPre:
             and mgr._executor is not None
         ):
             mgr._begin_signature(args)
+        if not mgr._stack and self.name == "" and mgr._stage_inputs_held:
+            # A pipeline stage holds each microbatch's inputs until its backward (its forward
+            # cache): copying them out would free nothing. Kept, and not activations to plan.
+            held = list(tensors_in(args))
+            mgr._params.add_tensors(held)
+            if mgr._profiling is not None and mgr._profiler is not None:
+                mgr._profiler.recorder.add_held(held)
         # [module path, kept, families this call packed itself, call index, packs so far]
         mgr._stack.append([self.name, self.kept or outer_kept, [], call, 0])
         if mgr._executor is not None:

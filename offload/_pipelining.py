@@ -15,14 +15,30 @@ NOTE [ Pipelining ]
         the end before it. Bytes are released when the graph of m dies (after B, or after W).
     Everything else is the manager's own: the schedule's first-step shape inference and the last
     stage's loss run outside any F and are not offloaded, and each rank's manager is its own.
-    Budget mode (``gpu_budget``) is not built for pipelines yet: a microbatch's plan would need
-    to know how long it waits for its backward; ``attach`` refuses a budgeted manager.
+
+    Budget mode (``gpu_budget``, or ``plan=``): a round is one pass of the schedule over the
+    stage's ``chunks`` microbatches, from the forward of the first to the last backward (B, or
+    W). Each F is still a step of the executor (its own handles, released with its own graph),
+    but the round is one step of the profile and of the plan: record keys (module, call,
+    ordinal) count calls across the round, so microbatch m's records are distinct keys, and the
+    profiled timeline is the stage's real one, with every microbatch's wait for its backward
+    and the gaps where the stage waits for its neighbours. The planner then decides per
+    microbatch (a long-waiting one of stage 0 leaves; a short one may stay) against this stage's
+    own ``gpu_budget``, and planned reload triggers may be events of another microbatch (one
+    trigger table per round). The first round of a signature (the root's input shapes, the stage
+    and the microbatch count) runs in min-memory mode while it is recorded; later rounds run the
+    plan. One manager per stage: a rank with several stages (interleaved, zero-bubble V) gives at
+    most one of them a budget, since a budget bounds the whole device and the other stages'
+    memory is taken as the fixed part of the profile (which holds only while they run in
+    min-memory mode).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from offload._errors import OffloadError
@@ -53,17 +69,18 @@ class PipelineAttachment:
     """
 
     def __init__(self, mgr: Any, target: Any) -> None:
-        if mgr._budget_bytes is not None:
-            raise OffloadError(
-                "attach(): a pipeline stage runs in min-memory mode; gpu_budget (planning each "
-                "microbatch's wait) is not built for pipelines yet. Make the manager without "
-                "gpu_budget and plan=."
-            )
         self._mgr = mgr
         self._stages = stages_of(target)
+        self._budgeted = mgr._budget_bytes is not None
+        if self._budgeted:
+            self._check_budgeted(mgr)
+        self._done: set[int] = set()  # microbatches of the round whose last backward ended
         # Microbatch steps overlap: resetting the CUDA peak counters at each forward chunk would
         # wipe the peak a caller measures over the schedule.
         mgr._reset_peaks = False
+        # The stage keeps each microbatch's inputs until its backward (its forward cache):
+        # copying them out would free nothing.
+        mgr._stage_inputs_held = True
         self._steps: dict[tuple[int, int], Any] = {}  # (stage, microbatch) -> executor step
         self._wrapped: list[tuple[Any, str, Callable[..., Any]]] = []
         for stage in self._stages:
@@ -76,6 +93,30 @@ class PipelineAttachment:
             self._wrap(stage, "backward_one_chunk", self._backward)
             self._wrap(stage, "backward_weight_one_chunk", self._backward_weight)
 
+    def _check_budgeted(self, mgr: Any) -> None:
+        if len(self._stages) != 1:
+            raise OffloadError(
+                f"attach(): a manager with gpu_budget runs one pipeline stage; this target has "
+                f"{len(self._stages)} on this rank. Attach each stage to its own manager (made "
+                "on that stage's module), at most one of them with gpu_budget."
+            )
+        stage = self._stages[0]
+        model = mgr._model_ref()
+        if getattr(stage, "submod", None) is not model:
+            raise OffloadError(
+                f"attach(): stage {stage.stage_index}'s module is not the module this manager "
+                "was made on; a budgeted manager plans the calls of its own module. Make it "
+                "with ActivationOffloader(stage.submod, gpu_budget=...)."
+            )
+        for other in list(_budgeted_attachments):
+            if other.attached and other._mgr.device == mgr.device:
+                raise OffloadError(
+                    f"attach(): another budgeted manager already runs a pipeline stage on "
+                    f"{mgr.device}; a budget bounds the whole device, so at most one stage per "
+                    "device can have one (the others run in min-memory mode)."
+                )
+        _budgeted_attachments.add(self)
+
     @property
     def attached(self) -> bool:
         return bool(self._wrapped)
@@ -87,6 +128,8 @@ class PipelineAttachment:
                 del stage.__dict__[name]
         if self._wrapped:
             self._mgr._reset_peaks = True
+            self._mgr._stage_inputs_held = False
+            self._abandon_round()  # a round cut short leaves no partial profile behind
         self._wrapped.clear()
 
     def __enter__(self) -> PipelineAttachment:
@@ -105,11 +148,17 @@ class PipelineAttachment:
 
     def _forward(self, stage: Any, original: Callable[..., Any], mb: int, *a: Any, **k: Any) -> Any:
         mgr = self._mgr
-        with mgr:
-            out = original(mb, *a, **k)
-            ex = mgr._executor
-            if ex is not None and ex.step is not None:
-                self._steps[(stage.stage_index, mb)] = ex.step
+        if self._budgeted and mgr._round is None:
+            self._begin_round(stage)
+        try:
+            with mgr:
+                out = original(mb, *a, **k)
+                ex = mgr._executor
+                if ex is not None and ex.step is not None:
+                    self._steps[(stage.stage_index, mb)] = ex.step
+        except BaseException:
+            self._abandon_round()
+            raise
         return out
 
     def _backward(
@@ -117,12 +166,17 @@ class PipelineAttachment:
     ) -> Any:
         key = (stage.stage_index, mb)
         self._prefetch(key, restart=False)
+        full = k.get("full_backward", a[1] if len(a) > 1 else True)
         try:
-            return original(mb, *a, **k)
-        finally:
-            full = k.get("full_backward", a[1] if len(a) > 1 else True)
-            if full:
-                self._steps.pop(key, None)
+            out = original(mb, *a, **k)
+        except BaseException:
+            self._steps.pop(key, None)
+            self._abandon_round()
+            raise
+        if full:
+            self._steps.pop(key, None)
+            self._backward_done(stage, mb)
+        return out
 
     def _backward_weight(
         self, stage: Any, original: Callable[..., Any], mb: int, *a: Any, **k: Any
@@ -130,15 +184,62 @@ class PipelineAttachment:
         key = (stage.stage_index, mb)
         self._prefetch(key, restart=True)
         try:
-            return original(mb, *a, **k)
+            out = original(mb, *a, **k)
+        except BaseException:
+            self._abandon_round()
+            raise
         finally:
             self._steps.pop(key, None)
+        self._backward_done(stage, mb)
+        return out
+
+    # -- rounds (budget mode) ------------------------------------------------------------------
+
+    def _begin_round(self, stage: Any) -> None:
+        chunks = getattr(stage, "chunks", None)
+        if not isinstance(chunks, int) or chunks < 1:
+            raise OffloadError(
+                f"attach(): stage {stage.stage_index} does not know its number of microbatches "
+                "(stage.chunks); run it through a torch.distributed.pipelining schedule"
+            )
+        self._done.clear()
+        self._mgr._round = PipelineRound(
+            label=f" (pipeline stage {stage.stage_index}, {chunks} microbatches)", chunks=chunks
+        )
+
+    def _backward_done(self, stage: Any, mb: int) -> None:
+        rnd = self._mgr._round
+        if not self._budgeted or rnd is None:
+            return
+        self._done.add(mb)
+        if len(self._done) >= rnd.chunks:
+            self._done.clear()
+            self._mgr._end_round()
+
+    def _abandon_round(self) -> None:
+        if self._budgeted and self._mgr._round is not None:
+            self._done.clear()
+            self._mgr._abandon_round()
 
     def _prefetch(self, key: tuple[int, int], *, restart: bool) -> None:
         ex = self._mgr._executor
         step = self._steps.get(key)
         if ex is not None and step is not None:
             ex.prefetch_step(step, restart=restart)
+
+
+@dataclass(eq=False)
+class PipelineRound:
+    """One pass of a budgeted stage's schedule (NOTE [ Pipelining ]), as the manager sees it."""
+
+    label: str  # appended to the round's input signature
+    chunks: int  # microbatches in the round
+    steps: int = 0  # forward chunks entered so far
+    # The plan's reload triggers of every microbatch of the round (set at its first chunk).
+    triggers: dict[Any, Any] = field(default_factory=dict)
+
+
+_budgeted_attachments: weakref.WeakSet[PipelineAttachment] = weakref.WeakSet()
 
 
 class _Wrapper:

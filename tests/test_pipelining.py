@@ -4,6 +4,8 @@ without offloading, and the stashed microbatches' bytes left the device."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import queue
 import traceback
@@ -12,22 +14,40 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from offload._live import LiveBytes
+
 WORLD = 2
 MICROBATCHES = 4
 WIDTH = 64
+ROWS = 64  # per microbatch: the saved bytes outweigh the weight gradients (32 KiB each)
+# Saved per microbatch by a stage and movable (float32): per block the inputs of GELU and of the
+# second Linear, and the second block's input (the first block's is the stage's input, which the
+# stage itself holds until the backward).
+PER_MICROBATCH = ROWS * (2 * (2 * WIDTH + 2 * WIDTH) + WIDTH) * 4
+BUDGET_BYTES = 3 * PER_MICROBATCH // 2
 TIMEOUT_S = 90
 
 pytestmark = pytest.mark.distributed
 
 
 def _stage_module(index: int) -> torch.nn.Module:
+    # Two blocks, so the planner has something to recompute (a block holding matmuls).
     torch.manual_seed(100 + index)
-    return torch.nn.Sequential(
-        torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.GELU(), torch.nn.Linear(2 * WIDTH, WIDTH)
-    )
+
+    def block() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.GELU(), torch.nn.Linear(2 * WIDTH, WIDTH)
+        )
+
+    return torch.nn.Sequential(block(), block())
 
 
-def _run(rank: int, schedule_name: str, offloaded: bool) -> tuple[dict, dict]:
+def _run(
+    rank: int, schedule_name: str, offloaded: bool, *, budget: str | None = None, steps: int = 2
+) -> tuple[dict, dict]:
+    """``steps`` schedule steps; with ``budget`` ("fast" or "slow": the hardware model), the
+    rank's first stage gets a manager with a gpu_budget of 1.5 microbatches' saved bytes and
+    the others none; the last step then runs under ``LiveBytes``."""
     from torch.distributed import pipelining as pp
 
     import offload
@@ -43,36 +63,70 @@ def _run(rank: int, schedule_name: str, offloaded: bool) -> tuple[dict, dict]:
     managers = []
     handles = []
     if offloaded:
-        for i in indices:
-            mgr = offload.ActivationOffloader(modules[i], min_offload_bytes=0)
+        for i in indices[:1] if budget is not None else indices:
+            kw = {}
+            if budget is not None:
+                kw = {"gpu_budget": BUDGET_BYTES, "hardware": _hardware(budget)}
+            mgr = offload.ActivationOffloader(modules[i], min_offload_bytes=0, **kw)
             managers.append(mgr)
         # One manager per stage module; a schedule with several stages on this rank gets each
-        # stage attached to its own module's manager.
-        for mgr, stage in zip(managers, stages, strict=True):
+        # stage attached to its own manager.
+        for mgr, stage in zip(managers, stages, strict=False):
             handles.append(mgr.attach(stage))
     gen = torch.Generator().manual_seed(7)
-    for _ in range(2):
-        x = torch.randn(MICROBATCHES * 4, WIDTH, generator=gen)
-        y = torch.randn(MICROBATCHES * 4, WIDTH, generator=gen)
+    per_step = []
+    for step in range(steps):
+        x = torch.randn(MICROBATCHES * ROWS, WIDTH, generator=gen)
+        y = torch.randn(MICROBATCHES * ROWS, WIDTH, generator=gen)
         for m in modules.values():
-            m.zero_grad(set_to_none=True)
+            m.zero_grad(set_to_none=False)  # gradients exist after step 1: not a transient
         has_first = 0 in indices
         has_last = n_stages - 1 in indices
-        if has_first and has_last:
-            schedule.step(x, target=y)
-        elif has_first:
-            schedule.step(x)
-        elif has_last:
-            schedule.step(target=y)
-        else:
-            schedule.step()
-    grads = {
-        f"{i}.{n}": p.grad.clone()
-        for i, m in modules.items()
-        for n, p in m.named_parameters()
-        if p.grad is not None
-    }
-    stats = {}
+        measure = budget is not None and step == steps - 1
+        with LiveBytes() if measure else contextlib.nullcontext() as live:
+            if live is not None:
+                # The rank's other stages run without offload and share the "device": their
+                # chunks' allocations are not the budgeted stage's.
+                for other in stages[1:]:
+                    _pause_during_chunks(other, live)
+            if has_first and has_last:
+                schedule.step(x, target=y)
+            elif has_first:
+                schedule.step(x)
+            elif has_last:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+            if live is not None:
+                for other in stages[1:]:
+                    for name in (
+                        "forward_one_chunk",
+                        "backward_one_chunk",
+                        "backward_weight_one_chunk",
+                    ):
+                        del other.__dict__[name]
+        per_step.append(
+            {
+                "grads": {
+                    f"{i}.{n}": p.grad.clone()
+                    for i, m in modules.items()
+                    for n, p in m.named_parameters()
+                    if p.grad is not None
+                },
+                "total": managers[0].stats.total.as_dict() if managers else {},
+                "live_peak": live.peak if live is not None else None,
+            }
+        )
+    grads = per_step[-1]["grads"]
+    stats: dict = {}
+    if budget is not None:
+        mgr = managers[0] if managers else None
+        plan = mgr.plan if mgr is not None else None
+        stats["budget"] = {
+            "stage": indices[0],
+            "steps": per_step,
+            "plan": None if plan is None else plan.to_dict(),
+        }
     for h in handles:
         h.detach()
     for i, mgr in zip(indices, managers, strict=False):
@@ -86,12 +140,57 @@ def _run(rank: int, schedule_name: str, offloaded: bool) -> tuple[dict, dict]:
     return grads, stats
 
 
+def _pause_during_chunks(stage, live: LiveBytes) -> None:
+    """Leave ``stage``'s chunks out of ``live`` (instance attributes, removed after the step)."""
+
+    def paused(name: str):
+        method = getattr(type(stage), name).__get__(stage)
+
+        def run(*a, **k):
+            live.paused += 1
+            try:
+                return method(*a, **k)
+            finally:
+                live.paused -= 1
+
+        return run
+
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        setattr(stage, name, paused(name))
+
+
+def _hardware(kind: str):
+    from lifecycle import HardwareModel
+
+    # "fast": copies cost about what this CPU's memcpy does, so the planner offloads; "slow": a
+    # link so slow that it recomputes instead.
+    rate = 5e9 if kind == "fast" else 1e6
+    return HardwareModel.cpu_only(
+        copy_bytes_per_s=rate, disk_write_bytes_per_s=rate, disk_read_bytes_per_s=rate
+    )
+
+
 SCHEDULES = (
     "ScheduleGPipe",
     "Schedule1F1B",
     "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble",
 )
+
+
+# (schedule, budget): budget None = min-memory; "fast" / "slow" = the rank's first stage has a
+# gpu_budget and plans with that hardware model.
+BUDGET_CASES = (
+    ("Schedule1F1B", "fast"),
+    ("ScheduleGPipe", "fast"),
+    ("Schedule1F1B", "slow"),
+    ("ScheduleInterleavedZeroBubble", "fast"),
+)
+CASES = tuple((name, None) for name in SCHEDULES) + BUDGET_CASES
+
+
+def _same(want: dict, got: dict) -> bool:
+    return want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 def _worker(rank: int, init_file: str, out: mp.SimpleQueue) -> None:
@@ -102,14 +201,24 @@ def _worker(rank: int, init_file: str, out: mp.SimpleQueue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        for name in SCHEDULES:
+        for name, budget in CASES:
+            label = name if budget is None else f"{name}-budget-{budget}"
             try:
-                want, _ = _run(rank, name, offloaded=False)
-                got, stats = _run(rank, name, offloaded=True)
-                same = want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-                out.put((name, rank, same, sorted(want), stats, None))
+                steps = 2 if budget is None else 3
+                want, plain = _run(rank, name, offloaded=False, budget=budget, steps=steps)
+                got, stats = _run(rank, name, offloaded=True, budget=budget, steps=steps)
+                same = _same(want, got)
+                if budget is not None:
+                    # Every step: the profiled round and the planned ones.
+                    want_steps, got_steps = plain["budget"]["steps"], stats["budget"]["steps"]
+                    same = same and all(
+                        _same(w["grads"], g.pop("grads"))
+                        for w, g in zip(want_steps, got_steps, strict=True)
+                    )
+                    stats["plain"] = want_steps[-1]["live_peak"]
+                out.put((label, rank, same, sorted(want), stats, None))
             except Exception:
-                out.put((name, rank, False, [], {}, traceback.format_exc()))
+                out.put((label, rank, False, [], {}, traceback.format_exc()))
                 raise
     finally:
         dist.barrier()
@@ -126,7 +235,7 @@ def results(tmp_path_factory) -> dict[str, list[tuple]]:
     )
     out: dict[str, list[tuple]] = {}
     try:
-        for _ in range(WORLD * len(SCHEDULES)):
+        for _ in range(WORLD * len(CASES)):
             name, *rest = _get(q, TIMEOUT_S)
             out.setdefault(name, []).append(tuple(rest))
             if rest[-1] is not None:
@@ -157,35 +266,115 @@ def test_pipeline_schedules_bitwise_with_offloaded_microbatches(schedule_name, r
         assert same, f"rank {rank}: gradients differ from the pipeline without offloading"
         assert stats.pop("restored"), f"rank {rank}: detach() left wrapped stage methods"
         for stage, s in stats.items():
-            # 2 steps x 4 microbatches, each with its forward activations offloaded: a
-            # [16/4=4, 128] GELU input and output, and the two Linear inputs at least.
-            per_mb = 4 * (WIDTH + 2 * WIDTH + 2 * WIDTH) * 4
-            assert s["bytes_offloaded_cpu"] >= 2 * MICROBATCHES * per_mb, (stage, s)
+            # 2 steps x 4 microbatches, each with its forward activations offloaded, but for
+            # the stage's input: the stage holds it.
+            assert s["bytes_offloaded_cpu"] == 2 * MICROBATCHES * PER_MICROBATCH, (stage, s)
             assert s["steps"] == 2 * MICROBATCHES, (stage, s)
 
 
-def test_attach_rejects_other_objects_and_budgets() -> None:
+def _moved(plan) -> int:
+    return sum(v for k, v in plan.bytes_by_placement().items() if k != "keep")
+
+
+@pytest.mark.parametrize("case", [f"{n}-budget-{b}" for n, b in BUDGET_CASES])
+def test_budgeted_stage_plans_each_microbatch_and_holds_the_budget(case, results) -> None:
+    """A stage with a gpu_budget: its first round is profiled, later rounds run the plan of the
+    whole round (every microbatch's keys, planned per its wait), gradients stay bitwise, the
+    executed round moves exactly what the plan moves, and the live peak stays under budget."""
+    from lifecycle import Plan
+
+    got = sorted(results.get(case, []), key=lambda r: r[0])
+    for rank, *_, error in got:
+        assert error is None, f"rank {rank}:\n{error}"
+    assert len(got) == WORLD, f"{case}: results from {len(got)} of {WORLD} ranks"
+    plans = {}
+    for rank, same, names, stats, _ in got:
+        assert names and same, f"rank {rank}: gradients differ from the pipeline without offloading"
+        assert stats.pop("restored")
+        budgeted = stats["budget"]
+        assert budgeted["plan"] is not None, f"rank {rank}: no plan after the profiled round"
+        plan = Plan.from_dict(budgeted["plan"])
+        plans[budgeted["stage"]] = plan
+        assert plan.signature.endswith(
+            f"(pipeline stage {budgeted['stage']}, {MICROBATCHES} microbatches)"
+        )
+        assert plan.predicted_peak_bytes <= BUDGET_BYTES
+        steps = budgeted["steps"]
+        for before, after in itertools.pairwise(steps):
+            delta = {
+                k: after["total"][k] - before["total"][k]
+                for k in ("steps", "unplanned_records", "bytes_offloaded_cpu")
+            }
+            assert delta["steps"] == MICROBATCHES, delta
+            assert delta["unplanned_records"] == 0, delta
+            assert delta["bytes_offloaded_cpu"] == plan.bytes_by_placement()["cpu"], (
+                delta,
+                [s["total"]["bytes_offloaded_cpu"] for s in steps],
+                plan.bytes_by_placement(),
+                rank,
+                plan.summary(),
+            )
+        # LiveBytes of the last (planned) round, less what the round without offloading
+        # allocated besides its saved tensors (received inputs, gradients in flight, the loss).
+        transients = stats["plain"] - plan.anchors["keep_all"].peak_bytes
+        assert steps[-1]["live_peak"] - transients <= BUDGET_BYTES, (
+            steps[-1]["live_peak"],
+            stats["plain"],
+            plan.anchors["keep_all"].peak_bytes,
+        )
+    if case == "Schedule1F1B-budget-fast":
+        # Under 1F1B stage 1 holds one microbatch at a time (1.5 fit), stage 0 two: only stage
+        # 0's plan moves anything, and what it moves waits for its backward across another
+        # microbatch's forward.
+        assert _moved(plans[1]) == 0 < _moved(plans[0])
+    if case == "ScheduleGPipe-budget-fast":
+        # GPipe holds all four microbatches on both stages: both move at least 2.5 of them.
+        for plan in plans.values():
+            assert _moved(plan) >= (MICROBATCHES * PER_MICROBATCH - BUDGET_BYTES)
+    if case == "Schedule1F1B-budget-slow":
+        assert plans[0].recompute_calls, "a link this slow should make stage 0 recompute"
+
+
+def test_attach_rejects_other_objects_and_unplannable_budgets() -> None:
     import offload
+    from lifecycle import HardwareModel
 
     model = torch.nn.Linear(4, 4)
     mgr = offload.ActivationOffloader(model)
     with pytest.raises(TypeError, match="PipelineStage"):
         mgr.attach(model)
     mgr.close()
-    from lifecycle import HardwareModel
-
-    hw = HardwareModel.cpu_only(
-        copy_bytes_per_s=1e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
-    )
-    mgr = offload.ActivationOffloader(model, gpu_budget="1MiB", hardware=hw)
 
     class FakeStage:
-        stage_index = 0
+        def __init__(self, index: int, submod: torch.nn.Module) -> None:
+            self.stage_index, self.submod, self.chunks = index, submod, 2
 
         def forward_one_chunk(self, *a): ...
         def backward_one_chunk(self, *a): ...
         def backward_weight_one_chunk(self, *a): ...
 
-    with pytest.raises(offload.OffloadError, match="min-memory"):
-        mgr.attach(FakeStage())
-    mgr.close()
+    class FakeSchedule:
+        def __init__(self, *stages: FakeStage) -> None:
+            self._stages = list(stages)
+
+    hw = HardwareModel.cpu_only(
+        copy_bytes_per_s=1e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
+    )
+    other = torch.nn.Linear(4, 4)
+    first = offload.ActivationOffloader(model, gpu_budget="1MiB", hardware=hw)
+    second = offload.ActivationOffloader(other, gpu_budget="1MiB", hardware=hw)
+    with pytest.raises(offload.OffloadError, match="not the module this manager"):
+        first.attach(FakeStage(0, other))
+    with pytest.raises(offload.OffloadError, match="one pipeline stage; this target has 2"):
+        first.attach(FakeSchedule(FakeStage(0, model), FakeStage(2, other)))
+    handle = first.attach(FakeStage(0, model))
+    with pytest.raises(offload.OffloadError, match="at most one stage per device"):
+        second.attach(FakeStage(1, other))
+    handle.detach()
+    second.attach(FakeStage(1, other)).detach()  # the device is free again
+    # A budget-less manager may run the rank's other stages next to a budgeted one.
+    plain = offload.ActivationOffloader(other)
+    with first.attach(FakeStage(0, model)), plain.attach(FakeStage(1, other)):
+        pass
+    for m in (first, second, plain):
+        m.close()
