@@ -7,7 +7,9 @@ backward while the stages after it work: stage 0 waits longest, which is where o
 stage (stages taken as equal), placing every forward and backward where the schedule's
 dependencies allow (forward of microbatch m on stage s after stage s-1's; backward after stage
 s+1's); :func:`predict_1f1b` simulates it for every stage, keeping everything and offloading
-everything.
+everything, and, given a per-stage ``gpu_budget``, plans each stage with :func:`lifecycle.plan`
+on that stage's composed timeline: the planner sees how long each microbatch's activations wait
+on that stage (longest on stage 0) and fits that stage's budget.
 
 Not modelled: point-to-point transfer time between stages, stages of unequal cost, the loss on
 the last stage, the allocator's transients (memory is the base plus live saved bytes).
@@ -16,11 +18,15 @@ the last stage, the allocator's transients (memory is the base plus live saved b
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lifecycle._hardware import HardwareModel
+from lifecycle._plan import BudgetInfeasibleError, Plan
+from lifecycle._planner import plan
 from lifecycle._simulate import Placement, Simulation, offload_all, simulate
 from lifecycle._trace import Event, EventKind, Trace
+from lifecycle._units import parse_bytes
 
 Action = tuple[str, int]  # ("F" | "B", microbatch)
 
@@ -222,12 +228,16 @@ class StagePrediction:
         stage: the stage index.
         stashed_microbatches: how many microbatches' activations the stage holds at most.
         keep / offload: the two simulations (``offload``: every movable family to ``tier``).
+        planned: the stage's :class:`lifecycle.Plan` against its ``gpu_budget`` (planned on the
+            stage's whole 1F1B timeline, so each microbatch's wait on this stage is seen), or
+            ``None`` when :func:`predict_1f1b` was given no budget.
     """
 
     stage: int
     stashed_microbatches: int
     keep: Simulation
     offload: Simulation
+    planned: Plan | None = None
 
     @property
     def overhead(self) -> float:
@@ -241,6 +251,24 @@ class StagePrediction:
         return (self.offload.peak_bytes - self.offload.base_bytes) / kept if kept > 0 else 1.0
 
 
+def _stage_budgets(gpu_budget: int | str | Sequence[int | str], stages: int) -> list[int]:
+    """``gpu_budget`` as one byte count per stage (one value applies to every stage)."""
+    if isinstance(gpu_budget, (int, str)) and not isinstance(gpu_budget, bool):
+        return [parse_bytes(gpu_budget, name="gpu_budget")] * stages
+    if not isinstance(gpu_budget, Sequence):
+        raise TypeError(
+            "gpu_budget must be None, one budget for every stage (an int of bytes or a string "
+            f"like '8GiB') or a sequence of {stages} such budgets, one per stage; "
+            f"got {type(gpu_budget).__name__}"
+        )
+    if len(gpu_budget) != stages:
+        raise ValueError(
+            f"gpu_budget must have one budget per stage ({stages}), or be a single budget for "
+            f"every stage; got {len(gpu_budget)} budgets"
+        )
+    return [parse_bytes(b, name=f"gpu_budget[{s}]") for s, b in enumerate(gpu_budget)]
+
+
 def predict_1f1b(
     trace: Trace,
     hardware: HardwareModel,
@@ -252,6 +280,7 @@ def predict_1f1b(
     max_inflight_bytes: int | str | None = None,
     prefetch_bytes: int | str | None = None,
     step: int = -1,
+    gpu_budget: int | str | Sequence[int | str] | None = None,
 ) -> list[StagePrediction]:
     """Each stage's peak and time under 1F1B, keeping everything and offloading everything.
 
@@ -259,6 +288,33 @@ def predict_1f1b(
     is the reload look-ahead; ``None``: one microbatch's saved bytes, as ``mgr.attach(stage)``
     prefetches the microbatch whose backward chunk starts (the simulator's own default, a
     window over the whole timeline, would bring later microbatches back too early).
+
+    With ``gpu_budget``, each stage is also planned: :func:`lifecycle.plan` runs on the stage's
+    composed timeline (:func:`pipeline_trace`), so the planner sees how long each microbatch's
+    activations wait on that stage (stage 0 waits longest and stashes the most), and fits that
+    stage's budget; ``tier`` is its only tier, ``min_offload_bytes`` and ``max_inflight_bytes``
+    pass through, the margin is the planner's default. The plan is ``StagePrediction.planned``.
+
+    Args:
+        trace: one microbatch's step on one stage.
+        hardware: link and disk bandwidths.
+        stages / microbatches: the pipeline's shape.
+        tier: where offloaded families wait, ``"cpu"`` or ``"nvme"``.
+        min_offload_bytes: families smaller than this stay on the device.
+        max_inflight_bytes: the executor's bound on copies out in flight (``None``: its default).
+        prefetch_bytes: the reload look-ahead (see above).
+        step: which step of ``trace`` is the microbatch (``-1``: the last).
+        gpu_budget: ``None`` (no plans), one budget for every stage, or a sequence of one per
+            stage; each an int of bytes or a size string like ``"8GiB"``, base memory included.
+
+    Returns:
+        One :class:`StagePrediction` per stage, stage 0 first.
+
+    Raises:
+        BudgetInfeasibleError: a stage's budget cannot be met; the message starts with
+            ``"stage N: "`` and ``.min_feasible_bytes`` is that stage's.
+        TypeError / ValueError: a bad argument (the message names it), e.g. a ``gpu_budget``
+            sequence whose length is not ``stages``.
 
     Example:
         >>> import torch, offload
@@ -270,7 +326,17 @@ def predict_1f1b(
         [4, 3, 2, 1]
         >>> stages[0].keep.peak_bytes > stages[3].keep.peak_bytes
         True
+        >>> budget = stages[0].keep.peak_bytes * 3 // 4  # every stage's, below stage 0's peak
+        >>> planned = predict_1f1b(
+        ...     one, HardwareModel.h200(), stages=4, microbatches=8, gpu_budget=budget
+        ... )
+        >>> [s.planned.bytes_by_placement()["cpu"] > 0 for s in planned]  # the deep stashes move
+        [True, True, False, False]
+        >>> all(s.planned.predicted_peak_bytes <= budget for s in planned)
+        True
     """
+    schedule_1f1b(stages, microbatches)  # validates both before a budget is matched to a stage
+    budgets = None if gpu_budget is None else _stage_budgets(gpu_budget, stages)
     out = []
     window = trace.peak_saved_bytes if prefetch_bytes is None else prefetch_bytes
     for s in range(stages):
@@ -285,12 +351,30 @@ def predict_1f1b(
             max_inflight_bytes=max_inflight_bytes,
             prefetch_bytes=window,
         )
+        planned = None
+        if budgets is not None:
+            try:
+                planned = plan(
+                    composed,
+                    budgets[s],
+                    hardware,
+                    tiers=(Placement(tier).value,),  # offload_all above has checked tier
+                    min_offload_bytes=min_offload_bytes,
+                    max_inflight_bytes=max_inflight_bytes,
+                )
+            except BudgetInfeasibleError as e:
+                raise BudgetInfeasibleError(
+                    f"stage {s}: {e}",
+                    budget_bytes=e.budget_bytes,
+                    min_feasible_bytes=e.min_feasible_bytes,
+                ) from e
         out.append(
             StagePrediction(
                 stage=s,
                 stashed_microbatches=min(stages - s, microbatches),
                 keep=keep,
                 offload=moved,
+                planned=planned,
             )
         )
     return out

@@ -7,8 +7,11 @@ import math
 import pytest
 
 from lifecycle import (
+    BudgetInfeasibleError,
     HardwareModel,
+    Plan,
     pipeline_trace,
+    plan,
     predict_1f1b,
     schedule_1f1b,
     simulate,
@@ -82,3 +85,85 @@ def test_bad_arguments() -> None:
         pipeline_trace(_one(), stage=4, stages=4, microbatches=8)
     with pytest.raises(TypeError, match="trace"):
         pipeline_trace("x", stage=0, stages=2, microbatches=2)  # type: ignore[arg-type]
+
+
+def _budget_below_stage0(fraction: float) -> int:
+    """Base plus ``fraction`` of stage 0's kept saved peak (4 stages, 8 microbatches)."""
+    # Kept, a stage peaks at the base plus its saved peak (test_stage_keep_peak_is_...).
+    composed = pipeline_trace(_one(), stage=0, stages=4, microbatches=8)
+    return (1 << 30) + int(fraction * composed.peak_saved_bytes)
+
+
+def _moved(p: Plan | None) -> int:
+    """Bytes a plan does not keep on the device (offloaded or recomputed)."""
+    assert p is not None
+    return sum(v for k, v in p.bytes_by_placement().items() if k != "keep")
+
+
+def test_per_stage_budgets_move_bytes_where_the_stash_is_deep() -> None:
+    budget = _budget_below_stage0(0.6)
+    stages = predict_1f1b(
+        _one(), HardwareModel.h200(), stages=4, microbatches=8, gpu_budget=[budget] * 4
+    )
+    moved = []
+    for s in stages:
+        assert s.planned is not None
+        assert s.planned.gpu_budget_bytes == budget
+        assert s.planned.predicted_peak_bytes <= budget
+        moved.append(_moved(s.planned))
+    # Stage 0 stashes 4 microbatches and must shed 40% of them; the last stash (1 microbatch,
+    # a quarter of stage 0's) fits the budget as it is.
+    assert stages[0].keep.peak_bytes > budget >= stages[-1].keep.peak_bytes
+    assert moved[0] > 0
+    assert moved[-1] < moved[0]
+    assert moved[-1] == 0
+    # The plan is lifecycle.plan's on that stage's composed timeline, not on one microbatch.
+    composed = pipeline_trace(_one(), stage=0, stages=4, microbatches=8)
+    direct = plan(composed, budget, HardwareModel.h200(), tiers=("cpu",), min_offload_bytes=0)
+    assert stages[0].planned.bytes_by_placement() == direct.bytes_by_placement()
+    assert stages[0].planned.predicted_peak_bytes == direct.predicted_peak_bytes
+
+
+def test_one_budget_applies_to_every_stage_and_none_plans_nothing() -> None:
+    # 1.6 microbatches' saved bytes: 2 stages' stage 0 (2 stashed) must move some, stage 1 not.
+    budget = _budget_below_stage0(0.4)
+    as_string = f"{budget}B"
+    one = predict_1f1b(_one(), IDEAL, stages=2, microbatches=4, gpu_budget=as_string)
+    listed = predict_1f1b(_one(), IDEAL, stages=2, microbatches=4, gpu_budget=(budget, budget))
+    for a, b in zip(one, listed, strict=True):
+        assert a.planned is not None and b.planned is not None
+        assert a.planned.gpu_budget_bytes == budget
+        assert a.planned.bytes_by_placement() == b.planned.bytes_by_placement()
+        assert a.planned.predicted_peak_bytes <= budget
+    assert [_moved(s.planned) > 0 for s in one] == [True, False]
+    assert all(s.planned is None for s in predict_1f1b(_one(), IDEAL, stages=2, microbatches=4))
+
+
+def test_bad_gpu_budget() -> None:
+    def run(budget: object) -> None:
+        predict_1f1b(_one(), IDEAL, stages=4, microbatches=8, gpu_budget=budget)  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match=r"gpu_budget.*one budget per stage \(4\).*got 3"):
+        run(["8GiB"] * 3)
+    with pytest.raises(TypeError, match=r"gpu_budget must be None, one budget.*got float"):
+        run(8.0e9)
+    with pytest.raises(TypeError, match=r"gpu_budget"):
+        run(True)
+    with pytest.raises(TypeError, match=r"gpu_budget\[2\]"):
+        run(["8GiB", "8GiB", None, "8GiB"])
+    with pytest.raises(ValueError, match=r"gpu_budget\[1\]='lots'"):
+        run(["8GiB", "lots", "8GiB", "8GiB"])
+
+
+def test_infeasible_stage_budget_names_the_stage() -> None:
+    big, tiny = _budget_below_stage0(1.0) * 2, 1 << 30  # tiny: the base alone
+    with pytest.raises(BudgetInfeasibleError, match=r"^stage 2: gpu_budget") as info:
+        predict_1f1b(
+            _one(), HardwareModel.h200(), stages=4, microbatches=8, gpu_budget=[big, big, tiny, big]
+        )
+    composed = pipeline_trace(_one(), stage=2, stages=4, microbatches=8)
+    with pytest.raises(BudgetInfeasibleError) as direct:
+        plan(composed, tiny, HardwareModel.h200(), tiers=("cpu",), min_offload_bytes=0)
+    assert info.value.budget_bytes == tiny
+    assert info.value.min_feasible_bytes == direct.value.min_feasible_bytes > tiny
+    assert str(info.value) == f"stage 2: {direct.value}"

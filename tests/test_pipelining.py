@@ -378,3 +378,20 @@ def test_attach_rejects_other_objects_and_unplannable_budgets() -> None:
         pass
     for m in (first, second, plain):
         m.close()
+
+
+def test_pipeline_example_with_a_stage_budget_runs() -> None:
+    """examples/pipeline_offload.py with --gpu-budget, as the README gives it (2 gloo ranks)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "pipeline_offload.py"
+    cmd = [sys.executable, str(example), "--schedule", "1F1B", "--gpu-budget", "50%"]
+    cmd += ["--microbatches", "4", "--steps", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == WORLD, done.stdout
+    for line in lines:
+        assert "stage plan for a budget of" in line and line.endswith("no offloading: yes"), line
