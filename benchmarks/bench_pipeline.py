@@ -16,8 +16,10 @@ the actions run back to back, and the stash pattern (up to ``stages`` microbatch
 waiting for their backward) is stage 0's. Variants, round robin in one process (the first one
 rotates each round, to cancel drift), every one on the same weights, inputs and gradients:
 ``1f1b`` (no offload, the reference), ``1f1b_offload`` (``offload.ActivationOffloader`` on a copy
-of the stage, each F inside ``with mgr:``) and ``gpipe`` (all F, then all B, no offload: the
-stash depth of ``microbatches`` instead of ``stages``).
+of the stage, each F inside ``with mgr:``), ``1f1b_budget`` (a copy attached with
+``mgr.attach`` to a manager with ``gpu_budget``: the kept schedule's peak less half its stash; its
+first schedule is profiled and planned as one round) and ``gpipe`` (all F, then all B, no
+offload: the stash depth of ``microbatches`` instead of ``stages``).
 
 Per variant: schedule time (median, min, max of --reps timed schedules after --warmup; on GPU
 between ``torch.cuda.synchronize`` calls), ratio to ``1f1b``, peak memory, the saved-activation
@@ -112,7 +114,9 @@ CONFIGS: dict[str, dict[str, int]] = {
     "h4096": dict(layers=4, heads=32, d_model=4096, seq=2048, batch=4),
 }
 LABELS = {"1f1b": "1F1B, no offload", "1f1b_offload": "1F1B, offload everything (cpu)",
+    "1f1b_budget": "1F1B, gpu_budget (planned round, mgr.attach)",
     "gpipe": "GPipe order (all F, then all B), no offload"}  # fmt: skip
+BUDGET_SHARE = 0.5  # of the kept stash that the budgeted variant must do without
 VARIANTS = tuple(LABELS)
 DEFAULT_MIN_OFFLOAD = (
     inspect.signature(offload.ActivationOffloader).parameters["min_offload_bytes"].default
@@ -161,6 +165,33 @@ class Variant:
     exact: list[dict[str, Any]] = field(default_factory=list)
     live_peak: int | None = None  # CPU: LiveBytes over one untimed schedule
     stash: int | None = None  # peak live saved bytes of a profiled schedule (no offload)
+    stage: BenchStage | None = None  # run through mgr.attach(stage) (budget mode)
+
+
+class BenchStage:
+    """Stage 0's chunks under the names ``mgr.attach`` wraps (as ``torch.distributed.pipelining``
+    calls them), for the budgeted variant: the manager then plans a whole schedule round."""
+
+    stage_index = 0
+
+    def __init__(self, args: argparse.Namespace, model: Stage, data: Data, chunks: int) -> None:
+        self.args, self.submod, self.data, self.chunks = args, model, data, chunks
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.input_grads: dict[int, torch.Tensor | None] | None = None
+
+    def forward_one_chunk(self, i: int, *args: Any, **kwargs: Any) -> None:
+        x = self.data.inputs[i].clone().requires_grad_()
+        with autocast(self.args):
+            self.held[i] = (x, self.submod(x))
+
+    def backward_one_chunk(self, i: int, *args: Any, **kwargs: Any) -> None:
+        x, out = self.held.pop(i)
+        out.backward(self.data.grads[i])
+        if self.input_grads is not None:
+            self.input_grads[i] = x.grad
+
+    def backward_weight_one_chunk(self, i: int, *args: Any, **kwargs: Any) -> None:
+        pass  # 1F1B: B computes the weight gradients too
 
 
 def autocast(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
@@ -187,6 +218,8 @@ def run_schedule(
         v.mgr if v.mgr is not None else contextlib.nullcontext()
     )
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if v.stage is not None:
+        v.stage.held, v.stage.input_grads = held, input_grads
     peak = base = 0
     if cuda:
         torch.cuda.synchronize(dev)
@@ -199,9 +232,14 @@ def run_schedule(
                 # The manager's __enter__ resets the allocator's peak counters (for its own
                 # per-step figure): read the peak so far before every step begins.
                 peak = max(peak, torch.cuda.max_memory_allocated(dev))
+            if v.stage is not None:
+                v.stage.forward_one_chunk(i)
+                continue
             x = data.inputs[i].clone().requires_grad_()
             with step, autocast(args):
                 held[i] = (x, v.model(x))
+        elif v.stage is not None:
+            v.stage.backward_one_chunk(i)
         else:
             x, out = held.pop(i)
             out.backward(data.grads[i])
@@ -430,6 +468,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"variant; 1F1B order {' '.join(f'{k}{i}' for k, i in one_f1b)}", flush=True)  # fmt: skip
     # Measured first, before the runtime's host pool exists; no disk: the tier is host memory.
     hw = offload.probe_hardware(device=device, cache=False)
+    budgeted, budget = budget_variant(args, variants[0], data, hw)
+    variants.insert(2, budgeted)
 
     def one_microbatch() -> None:
         x = data.inputs[0].clone().requires_grad_()
@@ -447,7 +487,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
         timed, check = r >= args.warmup, r < min(2, args.warmup)
         for v in order:
-            before = mgr.stats.total if v.mgr is not None else None
+            before = v.mgr.stats.total if v.mgr is not None else None
             input_grads: dict[int, torch.Tensor | None] | None = {} if check else None
             sched_s, peak = run_schedule(args, v, data, input_grads)
             if check:
@@ -462,8 +502,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if timed:
                 v.times.append(sched_s)
                 v.peaks.append(peak)
-                if before is not None:
-                    v.stats.append(stats_delta(before, mgr.stats.total))
+                if before is not None and v.mgr is not None:
+                    v.stats.append(stats_delta(before, v.mgr.stats.total))
             # Kept allocated (zeroed) so later peaks do not count the gradients' allocation.
             v.model.zero_grad(set_to_none=False)
         ref = ref if r < 1 else None
@@ -480,8 +520,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The stash of each order (the offloaded one cannot be profiled: the profiler's hooks would
     # stand in for the manager's).
     variants[0].stash = median_trace(schedules).peak_saved_bytes
-    run_gpipe = functools.partial(run_schedule, args, variants[2], data)
-    variants[2].stash = offload.profile(run_gpipe, plain, warmup_steps=0).peak_saved_bytes
+    run_gpipe = functools.partial(run_schedule, args, variants[3], data)
+    variants[3].stash = offload.profile(run_gpipe, plain, warmup_steps=0).peak_saved_bytes
     plain.zero_grad(set_to_none=False)
     if device.type == "cpu":  # one more, untimed schedule per variant under the live-bytes counter
         for v in variants:
@@ -495,7 +535,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"  prediction {time.perf_counter() - t_start:.1f} s", flush=True)
     total = mgr.stats.total.as_dict()
     mgr.close()
-    return assemble(args, variants, median_trace(ones), prediction, hw, total, t_start)
+    assert budgeted.mgr is not None
+    plan = budgeted.mgr.plan
+    budget["plan"] = None if plan is None else plan_figures(plan)
+    budgeted.mgr.close()
+    return assemble(args, variants, median_trace(ones), prediction, hw, total, t_start, budget)
+
+
+def budget_variant(args: argparse.Namespace, kept: Variant, data: Data,
+                   hw: offload.HardwareModel) -> tuple[Variant, dict[str, Any]]:  # fmt: skip
+    """The budgeted variant: a copy of the stage attached through :class:`BenchStage` to a
+    manager whose budget is the kept schedule's peak less ``BUDGET_SHARE`` of its stash (on CPU,
+    where the planner counts saved bytes only, that share of the stash)."""
+    dev = args.device
+    run_kept = functools.partial(run_schedule, args, kept, data)
+    stash = offload.profile(run_kept, kept.model, warmup_steps=0).peak_saved_bytes
+    kept.model.zero_grad(set_to_none=False)
+    kept_peak = stash
+    if dev.type == "cuda":
+        start = torch.cuda.memory_allocated(dev)
+        _, above = run_kept()
+        kept.model.zero_grad(set_to_none=False)
+        kept_peak = start + above
+    gpu_budget = int(kept_peak - BUDGET_SHARE * stash)
+    model = copy.deepcopy(kept.model)
+    mgr = offload.ActivationOffloader(
+        model, min_offload_bytes=args.min_offload_bytes, gpu_budget=gpu_budget, hardware=hw
+    )
+    stage = BenchStage(args, model, data, args.microbatches)
+    mgr.attach(stage)
+    variant = Variant("1f1b_budget", kept.order, model, mgr, stage=stage)
+    return variant, dict(gpu_budget_bytes=gpu_budget, kept_peak_bytes=kept_peak,
+                         stash_saved_bytes=stash, share=BUDGET_SHARE)  # fmt: skip
+
+
+def plan_figures(plan: offload.Plan) -> dict[str, Any]:
+    keep = plan.anchors["keep_all"]
+    return dict(
+        signature=plan.signature, predicted_peak_bytes=plan.predicted_peak_bytes,
+        predicted_step_s=plan.predicted_step_s, keep_all_peak_bytes=keep.peak_bytes,
+        keep_all_step_s=keep.step_s, bytes_by_placement=plan.bytes_by_placement(),
+        recompute_calls=len(plan.recompute_calls),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,7 +585,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def assemble(args: argparse.Namespace, variants: list[Variant], one: offload.Trace,
              prediction: dict[str, Any], hw: offload.HardwareModel, total: dict[str, Any],
-             t_start: float) -> dict[str, Any]:  # fmt: skip
+             t_start: float, budget: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     med = statistics.median
     ref_med = med(variants[0].times)
     cuda = args.device.type == "cuda"
@@ -538,6 +619,7 @@ def assemble(args: argparse.Namespace, variants: list[Variant], one: offload.Tra
     held = s["batch"] * s["seq"] * s["d_model"] * 4  # one microbatch's fp32 input, or output
     exact_off = [e["bitwise_equal"] for e in moved["exactness"]]
     exact_gpipe = [e["bitwise_equal"] for e in rows["gpipe"]["exactness"]]
+    exact_budget = [e["bitwise_equal"] for e in rows["1f1b_budget"]["exactness"]]
     control = [e["bitwise_equal"] for e in kept["exactness"]]
     params = list(variants[0].model.parameters())
     return {
@@ -571,10 +653,12 @@ def assemble(args: argparse.Namespace, variants: list[Variant], one: offload.Tra
         "prediction": prediction,
         "measured": measured,
         "prediction_error": errors,
+        "budget": budget,
         "held_input_or_output_bytes": held,
         "exactness": dict(
             offload_equals_1f1b=all(exact_off) and bool(exact_off),
             gpipe_equals_1f1b=all(exact_gpipe) and bool(exact_gpipe),
+            budget_equals_1f1b=all(exact_budget) and bool(exact_budget),
             control_1f1b_repeat=(all(control) if control else None),
         ),
         "wall_s": time.perf_counter() - t_start,
@@ -703,7 +787,8 @@ def markdown(res: dict[str, Any]) -> str:
     notes = [
         f"Exactness (every parameter's gradient and every microbatch's input gradient, "
         f"torch.equal, after a whole schedule from the same weights and inputs): offloaded 1F1B = "
-        f"1F1B: {'PASS' if ex['offload_equals_1f1b'] else 'FAIL'}; GPipe order = 1F1B: "
+        f"1F1B: {'PASS' if ex['offload_equals_1f1b'] else 'FAIL'}; 1F1B under gpu_budget = "
+        f"1F1B: {'PASS' if ex['budget_equals_1f1b'] else 'FAIL'}; GPipe order = 1F1B: "
         f"{'PASS' if ex['gpipe_equals_1f1b'] else 'FAIL'}; 1F1B repeated = itself: "
         f"{'n/a' if ex['control_1f1b_repeat'] is None else _verdict([ex['control_1f1b_repeat']])}.",
         f"predict_1f1b places stage 0's actions where it waits for stages 1..{p - 1} "
@@ -722,6 +807,7 @@ def markdown(res: dict[str, Any]) -> str:
         "microbatch's F) at a time. A stash that fits in the window is predicted to come back "
         "whole at B0 (no peak saving), where the runtime brings back one microbatch's."
     )
+    notes.append(budget_note(res, rows, cuda))
     o = rows["1f1b_offload"]["offload"]
     notes.append(
         f"Offloader per schedule (median): {o['records']:.0f} saved tensors seen, "
@@ -759,9 +845,52 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join([*out, "", *(f"- {n}" for n in notes), "", columns, ""])
 
 
+def budget_note(res: dict[str, Any], rows: dict[str, Any], cuda: bool) -> str:
+    """What the budgeted variant planned and did."""
+    b, row, kept = res["budget"], rows["1f1b_budget"], rows["1f1b"]
+    plan = b["plan"]
+    head = (
+        f"1F1B under gpu_budget: the stage attached to a manager (mgr.attach) with a budget of "
+        f"{_mib(b['gpu_budget_bytes'])} MiB, the kept schedule's "
+        f"{'peak (allocated at start + peak above start)' if cuda else 'stash'} "
+        f"{_mib(b['kept_peak_bytes'])} MiB less {b['share']:.0%} of its stash "
+        f"({_mib(b['stash_saved_bytes'])} MiB); its first (warm-up) schedule was profiled in "
+        "min-memory mode and planned as one round, the others ran the plan. The stage's inputs "
+        "stay (the stage holds them), unlike the offload-everything variant, which copies them."
+    )
+    if plan is None:
+        return head + " No plan was made (see the log)."
+    by = plan["bytes_by_placement"]
+    placed = ", ".join(f"{k} {_mib(v)} MiB" for k, v in by.items() if v)
+    measured = ""
+    if not cuda and row["peak_bytes"] is not None and kept["peak_bytes"] is not None:
+        # The plan's keep-all peak is the stash less the stage's inputs (held by the stage, not
+        # the plan's to move); on CPU the budget bounds those planned bytes only.
+        transients = kept["peak_bytes"] - plan["keep_all_peak_bytes"]
+        measured = (
+            f" Measured live peak {_mib(row['peak_bytes'])} MiB; less the kept schedule's bytes "
+            f"besides the plan's keep-all peak ({_mib(transients)} MiB): "
+            f"{_mib(row['peak_bytes'] - transients)} MiB against the budget (an estimate: on CPU "
+            "the budget bounds saved bytes only, and the backward's own temporaries, such as "
+            "attention-score gradients, peak at other moments than the kept stash does)."
+        )
+    elif cuda:
+        measured = f" Measured peak above start: {_mib(row['peak_bytes'])} MiB."
+    return (
+        f"{head} Plan: predicted peak {_mib(plan['predicted_peak_bytes'])} MiB (keeping all "
+        f"{_mib(plan['keep_all_peak_bytes'])}), predicted round {_ms(plan['predicted_step_s'])} "
+        f"ms (keeping all {_ms(plan['keep_all_step_s'])}); {placed}; "
+        f"{plan['recompute_calls']} recomputed calls.{measured} Schedule time "
+        f"{row['ratio_to_1f1b']:.2f}x 1F1B."
+    )
+
+
 if __name__ == "__main__":
     result = main()
     exact = result["exactness"]
     # A non-repeatable reference (non-deterministic kernels) proves nothing either way.
-    failed = not exact["offload_equals_1f1b"] and exact["control_1f1b_repeat"] is not False
+    failed = (
+        not (exact["offload_equals_1f1b"] and exact["budget_equals_1f1b"])
+        and exact["control_1f1b_repeat"] is not False
+    )
     sys.exit(1 if failed else 0)
