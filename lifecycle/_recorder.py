@@ -491,16 +491,18 @@ class Recorder:
 
     # -- saved-tensor hooks ------------------------------------------------------------------
 
-    def record_pack(self, t: torch.Tensor) -> int:
+    def record_pack(self, t: torch.Tensor, *, parameter: bool = False) -> int:
         """Record a pack made by someone else's saved-tensor hooks; returns its ``seq`` (give it
         to :meth:`record_unpack`), or -1 when no step is being recorded.
 
         For a manager whose own hooks must run (only the innermost pair of saved-tensor hooks
         fires): ``offload.ActivationOffloader`` records its profiling step this way.
+        ``parameter=True`` records it as a parameter: the caller rebuilds it from one at unpack
+        (``offload``'s autocast weight casts), so no plan needs to place it.
         """
         if not self._recording:
             return -1
-        return self._record(t)
+        return self._record(t, parameter)
 
     def record_unpack(self, seq: int) -> None:
         """Record the unpack of the pack :meth:`record_pack` numbered ``seq`` (-1: ignored)."""
@@ -520,14 +522,14 @@ class Recorder:
         self._seq_of[id(d)] = self._record(t)
         return d
 
-    def _record(self, t: torch.Tensor) -> int:
+    def _record(self, t: torch.Tensor, parameter: bool = False) -> int:
         local = t if type(t) is torch.Tensor else local_tensor(t)
         storage = local.untyped_storage()
         sid = id(storage)
         version = local._version
         backward = _current_graph_task_id is not None and _current_graph_task_id() != -1
         fn = t.grad_fn
-        is_param = self._params.holds(local, storage)
+        is_param = parameter or self._params.holds(local, storage)
         # See NOTE [ Alias families ].
         key = (sid, version)
         ref = self._family_ref.get(key)

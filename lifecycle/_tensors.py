@@ -93,6 +93,12 @@ class ParameterStorages:
             st = local_tensor(t).untyped_storage()
             self._refs[id(st)] = weakref.ref(st)
 
+    def registered(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is itself one registered here (no view-of-a-Parameter rule)."""
+        st = t.untyped_storage()
+        ref = self._refs.get(id(st))
+        return ref is not None and ref() is st
+
     def holds(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``t`` (a plain or local tensor whose storage is ``storage``) is a weight."""
         ref = self._refs.get(id(storage))

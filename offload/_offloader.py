@@ -50,6 +50,7 @@ from offload._planned import (
     signature_of,
 )
 from offload._planning import resolve_budget, resolve_hardware
+from offload._recipe import WeightCast, weight_cast
 from offload._stats import OffloadStats, StepStats
 
 log = logging.getLogger("offload")
@@ -792,10 +793,14 @@ class ActivationOffloader:
         ):
             return self._keep(t, stats)
         active = self._active
-        if active is None and _is_weight_cast(t, self._params):
-            # DESIGN.md: autocast's weight casts never cross PCIe (each microbatch and step would
-            # copy the weights again); the planner's recipes will rebuild them instead.
-            return self._keep(t, stats)
+        recipe = weight_cast(t, self._params)
+        if recipe is not None:
+            # NOTE [ Weight casts ] in _recipe.py: cast again at unpack, never stored or copied.
+            stats.records_rebuilt += 1
+            stats.bytes_rebuilt += recipe.nbytes
+            if self._profiling is not None and self._profiler is not None:
+                recipe.seq = self._profiler.recorder.record_pack(t, parameter=True)
+            return recipe
         tier = None
         if active is not None:
             tier = active.action.get(key)
@@ -849,6 +854,10 @@ class ActivationOffloader:
             if self._kept_seq and self._profiler is not None:
                 self._profiler.recorder.record_unpack(self._kept_seq.get(id(packed), -1))
             return packed
+        if isinstance(packed, WeightCast):
+            if packed.seq >= 0 and self._profiler is not None:
+                self._profiler.recorder.record_unpack(packed.seq)
+            return packed.rebuild()
         if packed.seq >= 0 and self._profiler is not None:
             self._profiler.recorder.record_unpack(packed.seq)
         ex = packed.executor
@@ -871,20 +880,6 @@ class ActivationOffloader:
 
 
 _OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
-
-
-def _is_weight_cast(t: torch.Tensor, params: ParameterStorages) -> bool:
-    """``t`` is a dtype cast of a parameter (autocast's weight cast: a ``ToCopyBackward0``
-    whose input is the parameter's gradient accumulator)."""
-    if t._base is not None:  # Linear saves the cast's transpose, a view
-        t = t._base
-    fn = t.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    nxt = fn.next_functions
-    acc = nxt[0][0] if nxt else None
-    var = getattr(acc, "variable", None)
-    return isinstance(var, torch.Tensor) and params.holds(var, var.untyped_storage())
 
 
 def _has_storage(t: torch.Tensor) -> bool:

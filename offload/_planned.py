@@ -20,7 +20,8 @@ NOTE [ Budget mode ]
     always returns the bytes of the handle made at that pack: a wrong match costs time, never
     correctness.
     Not built yet: refining a plan from the executed steps' timings (the profiling step's times
-    include its own copy waits), per-record recompute recipes, and merging per-key byte maxima
+    include its own copy waits), per-record recipes for activation outputs (autocast weight casts
+    are rebuilt already, see NOTE [ Weight casts ] in _recipe.py), and merging per-key byte maxima
     past 8 signatures (later signatures run in min-memory mode, with a warning).
 """
 

@@ -22,6 +22,8 @@ class StepStats:
         records_offloaded_cpu / records_offloaded_nvme: alias families stored in each tier.
         bytes_offloaded_cpu / bytes_offloaded_nvme: bytes stored in each tier.
         bytes_recomputed: bytes rebuilt by recomputation instead of stored (planner; 0 here).
+        records_rebuilt / bytes_rebuilt: autocast weight casts not stored but cast again from
+            their parameter at unpack (see NOTE [ Weight casts ] in ``offload/_recipe.py``).
         reloads: family reloads started (prefetched or not).
         stalls: unpacks that found no reload started and had to load synchronously.
         stall_s: seconds unpack spent waiting for bytes (stalls and late prefetches).
@@ -44,6 +46,8 @@ class StepStats:
     bytes_offloaded_cpu: int = 0
     bytes_offloaded_nvme: int = 0
     bytes_recomputed: int = 0
+    records_rebuilt: int = 0
+    bytes_rebuilt: int = 0
     reloads: int = 0
     stalls: int = 0
     stall_s: float = 0.0

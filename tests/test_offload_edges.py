@@ -722,30 +722,82 @@ def test_sibling_views_share_one_copy_of_their_storage() -> None:
         assert torch.equal(g, w)
 
 
-def test_autocast_weight_casts_stay_on_the_device() -> None:
-    """DESIGN.md: autocast's weight casts never cross PCIe; the activations still do."""
+def _autocast_mlp() -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128)
     )
-    x = torch.randn(64, 128, requires_grad=True)
+    return model, torch.randn(64, 128, requires_grad=True)
 
-    def step(mgr: Any = None) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            with mgr if mgr is not None else contextlib.nullcontext():
-                loss = model(x).float().pow(2).sum()
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
 
-    want = step()
+def _autocast_step(model: torch.nn.Module, x: torch.Tensor, mgr: Any = None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).float().pow(2).sum()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_autocast_weight_casts_are_rebuilt_not_stored() -> None:
+    """DESIGN.md: autocast's weight casts never cross PCIe; they are cast again at unpack (NOTE
+    [ Weight casts ]), bitwise, and hold no memory between forward and backward."""
+    from offload._live import LiveBytes
+
+    model, x = _autocast_mlp()
+    want = _autocast_step(model, x)
     mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
-    got = step(mgr)
+    got = _autocast_step(model, x, mgr)
     last = mgr.stats.last
-    mgr.close()
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     casts = 2 * 128 * 256 * 2  # both Linear weights in bf16, saved as views of their casts
     # x's bf16 cast, the GELU input and output (bf16), and pow's fp32 input.
     activations = 64 * (128 + 256 + 256) * 2 + 64 * 128 * 4
-    assert last.records_kept >= 2
+    assert (last.records_rebuilt, last.bytes_rebuilt) == (2, casts)
     assert last.bytes_offloaded_cpu == activations, (last.bytes_offloaded_cpu, casts)
+    # Between forward and backward nothing of the casts is alive (kept, they were 128 KiB).
+    model.zero_grad(set_to_none=True)
+    with LiveBytes() as live:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with mgr:
+                loss = model(x).float().pow(2).sum()
+        torch.zeros(1)  # the counter settles frees at its next op
+        between = live.live
+        loss.backward()
+    mgr.close()
+    assert between < casts // 2, between
+
+
+def test_parameter_changed_before_backward_fails_loudly() -> None:
+    """A rebuilt cast of a parameter changed in place since forward would be another cast: the
+    unpack raises instead of returning it."""
+    model, x = _autocast_mlp()
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with mgr:
+            loss = model(x).float().pow(2).sum()
+    with torch.no_grad():
+        model[2].weight.mul_(0.5)  # an optimizer step before the backward
+    with pytest.raises(offload.OffloadError, match="changed in place"):
+        loss.backward()
+    mgr.close()
+
+
+def test_planned_steps_leave_weight_casts_out_of_the_plan() -> None:
+    """Budget mode profiles the casts as parameters: no plan entry places them, every planned
+    step rebuilds them, and gradients stay bitwise."""
+    model, x = _autocast_mlp()
+    want = _autocast_step(model, x)
+    hw = offload.HardwareModel.cpu_only(
+        copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
+    )
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0, gpu_budget="200KiB", hardware=hw)
+    for _ in range(3):
+        got = _autocast_step(model, x, mgr)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert mgr.stats.last.records_rebuilt == 2
+    plan = mgr.plan
+    assert plan is not None and mgr.stats.last.unplanned_records == 0
+    # The plan holds the activations only: 64 x (128 + 256 + 256) bf16 + 64 x 128 fp32 bytes.
+    assert sum(plan.bytes_by_placement().values()) == 64 * (128 + 256 + 256) * 2 + 64 * 128 * 4
+    mgr.close()
