@@ -86,6 +86,7 @@ from lifecycle import (
 )
 from lifecycle._pipeline import Action, _start_times  # the dependency timing predict_1f1b uses
 from lifecycle._units import parse_bytes
+from offload._live import SavedBytes
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -164,6 +165,7 @@ class Variant:
     stats: list[dict[str, float]] = field(default_factory=list)  # per timed schedule
     exact: list[dict[str, Any]] = field(default_factory=list)
     live_peak: int | None = None  # CPU: LiveBytes over one untimed schedule
+    saved_peak: int | None = None  # CPU: offload._live.SavedBytes over the same schedule
     stash: int | None = None  # peak live saved bytes of a profiled schedule (no offload)
     stage: BenchStage | None = None  # run through mgr.attach(stage) (budget mode)
 
@@ -525,10 +527,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plain.zero_grad(set_to_none=False)
     if device.type == "cpu":  # one more, untimed schedule per variant under the live-bytes counter
         for v in variants:
-            with LiveBytes() as counter:
+            meter = SavedBytes.on(v.mgr) if v.mgr is not None else contextlib.nullcontext()
+            with LiveBytes() as counter, meter as saved:
                 run_schedule(args, v, data)
             v.model.zero_grad(set_to_none=False)
             v.live_peak = counter.peak
+            v.saved_peak = None if saved is None else saved.peak
     print(f"  stashes{' and live peaks' if device.type == 'cpu' else ''} "
           f"{time.perf_counter() - t_start:.1f} s", flush=True)  # fmt: skip
     prediction = predict(args, ones, schedules, hw)
@@ -598,7 +602,7 @@ def assemble(args: argparse.Namespace, variants: list[Variant], one: offload.Tra
             ratio_to_1f1b=med(v.times) / ref_med,
             peak_bytes=med(v.peaks) if cuda else v.live_peak,
             peak_kind="cuda_above_start" if cuda else "cpu_live_bytes",
-            stash_saved_bytes=v.stash, exactness=v.exact,
+            stash_saved_bytes=v.stash, exactness=v.exact, saved_peak_bytes=v.saved_peak,
         )  # fmt: skip
         if v.stats:
             row["offload"] = {k: med(st[k] for st in v.stats) for k in STAT_KEYS}
@@ -863,12 +867,19 @@ def budget_note(res: dict[str, Any], rows: dict[str, Any], cuda: bool) -> str:
     by = plan["bytes_by_placement"]
     placed = ", ".join(f"{k} {_mib(v)} MiB" for k, v in by.items() if v)
     measured = ""
+    if not cuda and row.get("saved_peak_bytes") is not None:
+        measured = (
+            f" Saved bytes the manager held on the device, counted over one schedule "
+            f"(offload._live.SavedBytes, reload buffers whole): {_mib(row['saved_peak_bytes'])} "
+            f"MiB, {'within' if row['saved_peak_bytes'] <= b['gpu_budget_bytes'] else 'OVER'} "
+            "the budget."
+        )
     if not cuda and row["peak_bytes"] is not None and kept["peak_bytes"] is not None:
         # The plan's keep-all peak is the stash less the stage's inputs (held by the stage, not
         # the plan's to move); on CPU the budget bounds those planned bytes only.
         transients = kept["peak_bytes"] - plan["keep_all_peak_bytes"]
-        measured = (
-            f" Measured live peak {_mib(row['peak_bytes'])} MiB; less the kept schedule's bytes "
+        measured += (
+            f" Live peak of all tensors {_mib(row['peak_bytes'])} MiB; less the kept schedule's bytes "
             f"besides the plan's keep-all peak ({_mib(transients)} MiB): "
             f"{_mib(row['peak_bytes'] - transients)} MiB against the budget (an estimate: on CPU "
             "the budget bounds saved bytes only, and the backward's own temporaries, such as "

@@ -164,6 +164,7 @@ class Executor:
         self._d2h: Any = None
         self._h2d: Any = None
         self._live: weakref.WeakSet[Family] = weakref.WeakSet()
+        self.meter: Any = None  # offload._live.SavedBytes while one counts reload buffers
         if self.cuda:
             # Created here, never at import: see "Importing is free".
             self._d2h = torch.cuda.Stream(device)
@@ -593,6 +594,8 @@ class Executor:
         fam.reload_started_s = time.perf_counter()
         raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
         fam.resident, fam.resident_ref = raw, weakref.ref(raw)
+        if self.meter is not None:
+            self.meter.watch(raw.untyped_storage(), fam.nbytes)
         dst = raw[off : off + fam.nbytes]
         if self.step is not None:
             # Counted in the current step (``stats.last``), like everything backward does; the

@@ -7,12 +7,83 @@ peak. Nothing imports it at ``import offload``.
 from __future__ import annotations
 
 import collections
+import contextlib
+import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+
+class SavedBytes:
+    """Peak bytes of the saved tensors a manager holds on its device: what a plan's predicted
+    peak counts on CPU (no allocator there), measured instead of estimated.
+
+    Counted: each storage a pack leaves in place that is not a parameter's (or a pipeline
+    stage's held input), from that pack until the storage is freed, and each reload buffer,
+    from its allocation until freed; a storage once however many records share it. ``peak``
+    counts whole storages; ``peak_planned`` counts a reload buffer as its family's bytes, as a
+    plan does (the buffer is up to ``ALIGN_BYTES`` longer, to give the bytes their original
+    address alignment). Not counted: what offload never sees (transients, gradients), and
+    copies-out in flight (on CPU a copy completes inside its pack). Install with :meth:`on`;
+    nothing is counted otherwise.
+
+    Example:
+        >>> import torch, offload
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        >>> mgr = offload.ActivationOffloader(model, min_offload_bytes=1 << 20)  # keeps all
+        >>> with SavedBytes.on(mgr) as meter:
+        ...     with mgr:
+        ...         loss = model(torch.randn(4, 8)).sum()
+        ...     loss.backward()
+        >>> meter.peak == 2 * 4 * 8 * 4  # the Linear's input and the Tanh output
+        True
+        >>> mgr.close()
+    """
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+        self.live_planned = self.peak_planned = 0
+        self._tracked: dict[int, weakref.finalize] = {}
+        self._lock = threading.Lock()  # finalizers run on the thread that drops a storage
+
+    @classmethod
+    @contextlib.contextmanager
+    def on(cls, mgr: Any) -> Iterator[SavedBytes]:
+        """Count ``mgr``'s saved bytes inside the block."""
+        meter = cls()
+        mgr._meter = meter
+        if mgr._executor is not None:
+            mgr._executor.meter = meter
+        try:
+            yield meter
+        finally:
+            mgr._meter = None
+            if mgr._executor is not None:
+                mgr._executor.meter = None
+
+    def watch(self, storage: torch.UntypedStorage, planned_bytes: int | None = None) -> None:
+        """Count ``storage`` until it is freed (``planned_bytes`` of it in ``live_planned``)."""
+        key = storage._cdata
+        with self._lock:
+            if key in self._tracked:
+                return
+            n = storage.nbytes()
+            used = n if planned_bytes is None else planned_bytes
+            self._tracked[key] = weakref.finalize(storage, self._free, key, n, used)
+            self.live += n
+            self.live_planned += used
+            self.peak = max(self.peak, self.live)
+            self.peak_planned = max(self.peak_planned, self.live_planned)
+
+    def _free(self, key: int, n: int, used: int) -> None:
+        with self._lock:
+            self.live -= n
+            self.live_planned -= used
+            self._tracked.pop(key, None)
 
 
 class LiveBytes(TorchDispatchMode):

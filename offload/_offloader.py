@@ -269,6 +269,7 @@ class ActivationOffloader:
         # are steps of the executor but one step of the profile and the plan.
         self._round: PipelineRound | None = None
         self._stage_inputs_held = False  # attached to a pipeline stage: its inputs stay
+        self._meter: Any = None  # offload._live.SavedBytes while one counts (tests, benchmarks)
         # Closed on garbage collection and at exit too; the finalizer holds only the resources.
         self._resources: list[Any] = []
         self._finalizer = weakref.finalize(
@@ -491,6 +492,7 @@ class ActivationOffloader:
             pool=pool,
             staging_bytes=staging,
         )
+        ex.meter = self._meter
         self._resources[:] = [ex, *tiers]
         return ex
 
@@ -748,6 +750,13 @@ class ActivationOffloader:
     def _keep(self, t: torch.Tensor, stats: StepStats) -> torch.Tensor:
         stats.records_kept += 1
         d = t.detach()
+        meter = self._meter
+        if meter is not None:
+            local = local_tensor(t)
+            if local.device == self.device and _has_storage(local):
+                st = local.untyped_storage()
+                if not self._params.holds(local, st):
+                    meter.watch(st)
         if self._profiling is not None and self._profiler is not None:
             seq = self._profiler.recorder.record_pack(t)
             if seq >= 0:

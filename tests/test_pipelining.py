@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from offload._live import LiveBytes
+from offload._live import LiveBytes, SavedBytes
 
 WORLD = 2
 MICROBATCHES = 4
@@ -83,7 +83,11 @@ def _run(
         has_first = 0 in indices
         has_last = n_stages - 1 in indices
         measure = budget is not None and step == steps - 1
-        with LiveBytes() if measure else contextlib.nullcontext() as live:
+        metered = measure and managers
+        with (
+            LiveBytes() if measure else contextlib.nullcontext() as live,
+            SavedBytes.on(managers[0]) if metered else contextlib.nullcontext() as saved,
+        ):
             if live is not None:
                 # The rank's other stages run without offload and share the "device": their
                 # chunks' allocations are not the budgeted stage's.
@@ -115,6 +119,8 @@ def _run(
                 },
                 "total": managers[0].stats.total.as_dict() if managers else {},
                 "live_peak": live.peak if live is not None else None,
+                "saved_peak": saved.peak if saved is not None else None,
+                "saved_peak_planned": saved.peak_planned if saved is not None else None,
             }
         )
     grads = per_step[-1]["grads"]
@@ -314,6 +320,12 @@ def test_budgeted_stage_plans_each_microbatch_and_holds_the_budget(case, results
                 rank,
                 plan.summary(),
             )
+        # What the stage held of its saved tensors in the last (planned) round, counted: within
+        # the plan's predicted peak as the plan counts bytes, and within the budget with the
+        # reload buffers' alignment padding too.
+        held = steps[-1]["saved_peak_planned"]
+        assert 0 < held <= plan.predicted_peak_bytes, (held, plan.predicted_peak_bytes)
+        assert steps[-1]["saved_peak"] <= BUDGET_BYTES
         # LiveBytes of the last (planned) round, less what the round without offloading
         # allocated besides its saved tensors (received inputs, gradients in flight, the loss).
         transients = stats["plain"] - plan.anchors["keep_all"].peak_bytes
