@@ -37,6 +37,7 @@ from lifecycle._units import parse_bytes
 from offload._device import compute_device
 from offload._errors import OffloadError, from_infeasible
 from offload._executor import Executor
+from offload._family import span_of
 from offload._pipelining import PipelineAttachment, PipelineRound
 from offload._planned import (
     KEEP,
@@ -47,6 +48,7 @@ from offload._planned import (
     describe,
     load_plan,
     make_plan,
+    merged_trace,
     signature_of,
 )
 from offload._planning import resolve_budget, resolve_hardware
@@ -232,6 +234,7 @@ class ActivationOffloader:
         self._over_budget: set[str | None] = set()
         self._profiler: Profiler | None = None
         self._profiled: dict[str, int] = {}  # signature -> its step in the profiler's trace
+        self._merged: Plan | bool | None = None  # past MAX_SIGNATURES (False: could not be made)
         self._profiling: str | None = None  # signature being profiled in the current step
         self._last_signature: str | None = None
         self._active: ActivePlan | None = None
@@ -589,6 +592,10 @@ class ActivationOffloader:
         user = self._user_plan
         if plan is None and user is not None and not self._plans and user.signature in ("", sig):
             plan = self._plans[sig] = user.with_signature(sig)
+        if plan is None and sig not in self._profiled and len(self._profiled) >= MAX_SIGNATURES:
+            plan = self._merged_plan()
+            if plan is not None:
+                self._plans[sig] = plan
         if plan is not None:
             active = self._active_plans.get(sig)
             if active is None:
@@ -604,12 +611,8 @@ class ActivationOffloader:
             return
         if sig in self._infeasible or sig in self._profiled:
             return  # min-memory (infeasible, or its profile is not planned yet)
-        if len(self._plans) + len(self._profiled) >= MAX_SIGNATURES:
-            self._warn_once(
-                "signatures",
-                f"more than {MAX_SIGNATURES} input signatures: new ones run in min-memory mode",
-            )
-            return
+        if len(self._profiled) >= MAX_SIGNATURES:
+            return  # past the profiled signatures, no merged plan could be made (said once)
         if self._profiler is None:
             return  # the model is gone
         self._profiler.begin()
@@ -620,6 +623,50 @@ class ActivationOffloader:
         if self._profiler is not None and self._profiling == sig:
             self._profiled[sig] = self._profiler.end()
             self._profiling = None
+
+    def _merged_plan(self) -> Plan | None:
+        """Past ``MAX_SIGNATURES`` profiled signatures: one plan for every new one, from per-key
+        byte maxima (NOTE [ Budget mode ]); made once. None when it cannot be made."""
+        if self._merged is not None:
+            return self._merged if isinstance(self._merged, Plan) else None
+        planned = [s for s in self._profiled if s in self._plans]
+        if not planned or self._profiler is None or self._profiler.recording:
+            return None
+        trace, step, group = merged_trace(
+            self._profiler.trace(), [self._profiled[s] for s in planned]
+        )
+        label = f"<per-key maxima of {len(group)} signatures>"
+        try:
+            plan = make_plan(
+                trace,
+                step=step,
+                budget=self._budget_bytes or 0,
+                hardware=self._hardware_model(),
+                tiers=tuple("cpu" if t == "cpu" else "nvme" for t in self.config.tiers),
+                cpu_budget_bytes=self.config.cpu_budget_bytes,
+                min_offload_bytes=self.config.min_offload_bytes,
+                max_inflight_bytes=self.config.max_inflight_bytes,
+                signature=label,
+                recompute=not self._saw_dtensor,
+            )
+        except lifecycle.BudgetInfeasibleError as e:
+            self._merged = False
+            self._warn_once(
+                "signatures",
+                f"more than {MAX_SIGNATURES} input signatures, and the plan of their per-key byte "
+                f"maxima cannot meet gpu_budget ({e}): new signatures run in min-memory mode",
+            )
+            return None
+        self._merged = plan
+        log.warning(
+            "offload: %d input signatures profiled (the most): new ones run one plan made from "
+            "the per-key byte maxima of the %d with the same record keys; a record larger than "
+            "its key's maximum goes to the first tier with room (stats.unplanned_records). %s",
+            len(self._profiled),
+            len(group),
+            describe(plan),
+        )
+        return plan
 
     def _plan_profiled(self) -> None:
         """Plan every profiled signature not planned yet (between steps)."""
@@ -813,6 +860,8 @@ class ActivationOffloader:
         tier = None
         if active is not None:
             tier = active.action.get(key)
+            if tier is not None and _extent(local) > active.limit[key]:
+                tier = None  # larger than planned (DESIGN.md: Keys and signatures)
             if tier is None and (key[0], key[1]) in active.recompute_calls:
                 # Non-reentrant checkpoint saves the recomputed call's inputs itself, as packs
                 # of that call: kept, as the planner assumed (its inputs stay on the device).
@@ -889,6 +938,13 @@ class ActivationOffloader:
 
 
 _OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes of its storage that ``t``'s elements span (an expanded view spans fewer bytes than
+    its elements)."""
+    start, end = span_of(t)
+    return end - start
 
 
 def _has_storage(t: torch.Tensor) -> bool:

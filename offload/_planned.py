@@ -15,14 +15,18 @@ NOTE [ Budget mode ]
     ordinal), KEEP returns the tensor, CPU / NVMe offload to that tier (the others remain as
     fallbacks), and each moved family's reload starts at its planned trigger (a module's
     backward start, or an unpack), with the module that packed it as a fallback trigger; module
-    calls the plan recomputes run under non-reentrant checkpoint. A key the plan does not know
-    goes to the first tier with room and is counted in ``stats.unplanned_records``. Unpack
-    always returns the bytes of the handle made at that pack: a wrong match costs time, never
-    correctness.
+    calls the plan recomputes run under non-reentrant checkpoint. A key the plan does not know,
+    or a record larger than its family's planned bytes, goes to the first tier with room and is
+    counted in ``stats.unplanned_records``. Unpack always returns the bytes of the handle made
+    at that pack: a wrong match costs time, never correctness.
+    At most ``MAX_SIGNATURES`` signatures are profiled. Every later one runs a single plan made
+    once from :func:`merged_trace` of the profiled ones (the largest group with the same record
+    keys, each key at the most bytes it had), announced in a log line; a new shape whose records
+    are no larger needs no profiling step (DESIGN.md, Keys and signatures; its other trigger,
+    "most steps bring a new one", is this cap: such a run reaches it within 8 steps).
     Not built yet: refining a plan from the executed steps' timings (the profiling step's times
-    include its own copy waits), per-record recipes for activation outputs (autocast weight casts
-    are rebuilt already, see NOTE [ Weight casts ] in _recipe.py), and merging per-key byte maxima
-    past 8 signatures (later signatures run in min-memory mode, with a warning).
+    include its own copy waits), and per-record recipes for activation outputs (autocast weight
+    casts are rebuilt already, see NOTE [ Weight casts ] in _recipe.py).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch
 from torch import nn
 
 import lifecycle
-from lifecycle import HardwareModel, Placement, Plan, Recorder, Trace
+from lifecycle import HardwareModel, Placement, Plan, Recorder, TensorRecord, Trace
 from lifecycle._tensors import tensors_in
 from lifecycle._units import format_bytes
 from offload._device import clock_and_probe
@@ -74,12 +78,15 @@ class ActivePlan:
         self.plan = plan
         # key -> "keep" | "host" | "nvme"; members of a family share its decision.
         self.action: dict[tuple[str, int, int], str] = {}
+        # key -> the most bytes a record of it may have and keep its decision (its family's)
+        self.limit: dict[tuple[str, int, int], int] = {}
         # key of a family's first member -> its reload trigger's key (or None)
         self.trigger: dict[tuple[str, int, int], tuple[str, str, int, int] | None] = {}
         for e in plan.entries:
             action = KEEP if e.placement is Placement.KEEP else _TIER_OF.get(e.placement, KEEP)
             for k in e.keys:
                 self.action[k] = action
+                self.limit[k] = e.nbytes
             if e.placement.moves:
                 self.trigger[e.keys[0]] = e.reload.key if e.reload is not None else None
         self.recompute_calls = frozenset(plan.recompute_calls)
@@ -198,6 +205,76 @@ class RecomputeForward:
         if call is None:
             return self.forward(*args, **kwargs)
         return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def merged_trace(trace: Trace, steps: Sequence[int]) -> tuple[Trace, int, list[int]]:
+    """One step standing for many input signatures: ``(trace', step, group)``.
+
+    ``group``: the largest set of ``steps`` whose records have the same keys (module, call,
+    ordinal); with varying sequence lengths or batch sizes every step's keys are the same.
+    ``step``: the one of ``group`` with the most saved bytes, whose timeline (events, times,
+    memory outside saved tensors) the merged step keeps; in ``trace'`` its records carry, per
+    key, the most bytes any step of ``group`` saved under that key (a family's storage: the
+    most of its members'), and its memory curve the bytes that adds. A plan of it holds for
+    every step of the group, and for new signatures with the same keys and no larger records.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        >>> rec = Recorder()
+        >>> with rec.attach(model), rec.hooks():
+        ...     for n in (2, 6, 3):
+        ...         rec.begin_step()
+        ...         model(torch.randn(n, 4)).sum().backward()
+        ...         rec.end_step()
+        >>> trace, step, group = merged_trace(rec.trace(), [0, 1, 2])
+        >>> step, group
+        (1, [0, 1, 2])
+        >>> [r.nbytes for r in trace.records if r.step == 1 and not r.is_parameter]
+        [96, 96]
+    """
+    keys_of: dict[int, list[TensorRecord]] = {s: [] for s in steps}
+    for r in trace.records:
+        if r.step in keys_of:
+            keys_of[r.step].append(r)
+    groups: dict[frozenset[tuple[str, int, int]], list[int]] = {}
+    for s in steps:
+        groups.setdefault(frozenset(_key(r) for r in keys_of[s]), []).append(s)
+    group = max(groups.values(), key=len)
+
+    def saved(s: int) -> int:
+        return sum(r.nbytes for r in keys_of[s] if not r.is_parameter)
+
+    base = max(group, key=saved)
+    most: dict[tuple[str, int, int], tuple[int, int]] = {}
+    for s in group:
+        for r in keys_of[s]:
+            n, st = most.get(_key(r), (0, 0))
+            most[_key(r)] = (max(n, r.nbytes), max(st, r.storage_nbytes))
+    storage: dict[int, int] = {}
+    for r in keys_of[base]:
+        storage[r.family] = max(storage.get(r.family, 0), most[_key(r)][1])
+    grown = {
+        r.seq: dataclasses.replace(r, nbytes=most[_key(r)][0], storage_nbytes=storage[r.family])
+        for r in keys_of[base]
+        if (r.nbytes, r.storage_nbytes) != (most[_key(r)][0], storage[r.family])
+    }
+    if not grown:
+        return trace, base, group
+    before = dict(trace.live_saved_bytes())
+    out = dataclasses.replace(trace, records=tuple(grown.get(r.seq, r) for r in trace.records))
+    after = dict(out.live_saved_bytes())
+    events = tuple(
+        dataclasses.replace(e, memory_bytes=e.memory_bytes + after[e.index] - before[e.index])
+        if e.step == base
+        else e
+        for e in trace.events
+    )
+    return dataclasses.replace(out, events=events), base, group
+
+
+def _key(r: TensorRecord) -> tuple[str, int, int]:
+    return (r.module, r.call_index, r.ordinal)
 
 
 def load_plan(plan: Plan | str | os.PathLike[str] | None) -> Plan | None:

@@ -3,6 +3,7 @@ bitwise equal to a run without offloading (CPU tensors as the device, real files
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -407,3 +408,47 @@ def test_planned_step_holds_no_more_than_the_budget(share: float) -> None:
         plain.peak,
         trace.peak_saved_bytes,
     )
+
+
+def test_signatures_past_the_cap_share_a_plan_of_per_key_maxima(caplog) -> None:
+    """Eight signatures are profiled and planned each; later ones run one plan made from the
+    per-key byte maxima of those eight (DESIGN.md, Keys and signatures): a smaller new shape
+    follows it (no unplanned record, held bytes within budget), a larger one sends its larger
+    records to the first tier with room; gradients stay bitwise throughout."""
+    import logging
+
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    budget = 24 << 10  # the largest profiled shape (64 rows) saves 36 KiB: some must move
+
+    def step(mgr: offload.ActivationOffloader | None, rows: int) -> dict[str, torch.Tensor]:
+        x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(rows))
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    mgr = offload.ActivationOffloader(model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0)
+    profiled = [8 * k for k in range(1, 9)]
+    for rows in profiled:
+        for _ in range(2):  # profiled, then planned
+            assert_bitwise([step(mgr, rows)], [step(None, rows)])
+    assert len(mgr.plans) == len(profiled)  # every one of the eight got its own plan
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        with SavedBytes.on(mgr) as saved:
+            got = step(mgr, 44)  # new, between the profiled shapes
+    assert "per-key byte maxima of the 8" in caplog.text
+    last = mgr.stats.last
+    merged = mgr.plan
+    assert merged is not None and merged.signature == "<per-key maxima of 8 signatures>"
+    assert last.unplanned_records == 0 and last.predicted_peak_bytes == merged.predicted_peak_bytes
+    assert 0 < saved.peak_planned <= merged.predicted_peak_bytes <= budget
+    assert_bitwise([got], [step(None, 44)])
+    # Larger than every profiled shape: its larger records are not the plan's to place.
+    assert_bitwise([step(mgr, 96)], [step(None, 96)])
+    assert mgr.stats.last.unplanned_records > 0
+    assert mgr.plans["float32[96,16]"] is merged
+    mgr.close()
