@@ -107,6 +107,7 @@ class _StepState:
         self.stats = StepStats(steps=1)
         self.started_s = time.perf_counter()
         self.failed = False
+        self.backward_seen = False  # its backward's end is queued (stats.step_s)
 
 
 class Executor:

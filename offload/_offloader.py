@@ -256,7 +256,6 @@ class ActivationOffloader:
         self._hooks_cm: Any = None
         self._step_stats: StepStats | None = None
         self._step_added = True
-        self._backward_seen = False
         # [module path, kept, families this call packed itself (offloaded ones, in pack order)]
         self._stack: list[list[Any]] = []
         self._warned: set[str] = set()
@@ -273,6 +272,7 @@ class ActivationOffloader:
         self._round: PipelineRound | None = None
         self._stage_inputs_held = False  # attached to a pipeline stage: its inputs stay
         self._meter: Any = None  # offload._live.SavedBytes while one counts (tests, benchmarks)
+        self._task_ends: dict[int, _StepEnd] = {}  # backward graph task -> its end callback
         # Closed on garbage collection and at exit too; the finalizer holds only the resources.
         self._resources: list[Any] = []
         self._finalizer = weakref.finalize(
@@ -369,7 +369,6 @@ class ActivationOffloader:
             self._step_index += 1
             self._step_stats = self._executor.begin_step(self._step_index)
             self._step_added = False
-            self._backward_seen = False
             self._stack.clear()
             if continuing:
                 assert rnd is not None
@@ -890,24 +889,31 @@ class ActivationOffloader:
         return member
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if (
-            not self._backward_seen
-            and self._step_stats is not None
-            # Unpack also runs outside backward (``grad_fn._saved_self``), where queue_callback
-            # raises "Final callbacks can only be installed during backward pass".
-            and (_current_graph_task_id is None or _current_graph_task_id() != -1)
-        ):
-            self._backward_seen = True
-            # The end of this backward ends the step's clock (and its profile).
-            torch.autograd.Variable._execution_engine.queue_callback(
-                # A pipeline round's profile ends with the round, not with one backward chunk.
-                _StepEnd(
+        task = _current_graph_task_id() if _current_graph_task_id is not None else 0
+        # Unpack also runs outside backward (``grad_fn._saved_self``), where queue_callback
+        # raises "Final callbacks can only be installed during backward pass".
+        if task != -1:
+            end = self._task_ends.get(task)
+            if end is None:
+                ex = self._executor
+                current = ex.step if ex is not None else None
+                # The end of this backward ends a step's clock (and the current step's profile;
+                # a pipeline round's profile ends with the round instead).
+                end = self._task_ends[task] = _StepEnd(
                     self,
-                    self._step_stats,
+                    task,
+                    current,
                     time.perf_counter,
                     self._profiling if self._round is None else None,
                 )
-            )
+                torch.autograd.Variable._execution_engine.queue_callback(end)
+            if end.step is None:
+                # Whose backward this is: the step that packed the first offloaded tensor it
+                # unpacks (with two forwards before their backwards, pipelining or
+                # accumulation, not the current one). Kept tensors do not say.
+                fam = getattr(packed, "family", None)
+                if fam is not None and fam.step_ref is not None:
+                    end.step = fam.step_ref()
         if isinstance(packed, torch.Tensor):
             if self._kept_seq and self._profiler is not None:
                 self._profiler.recorder.record_unpack(self._kept_seq.get(id(packed), -1))
@@ -1069,23 +1075,37 @@ class _BackwardTrigger:
 
 
 class _StepEnd:
-    __slots__ = ("clock", "mgr", "profiling", "stats")
+    """Queued at a backward's first unpack, run when that backward ends: the step whose backward
+    it was gets its ``step_s`` (once), and a profiling step its profile's end."""
+
+    __slots__ = ("clock", "current", "mgr", "profiling", "step", "task")
 
     def __init__(
-        self, mgr: ActivationOffloader, stats: StepStats, clock: Any, profiling: str | None
+        self, mgr: ActivationOffloader, task: int, current: Any, clock: Any, profiling: str | None
     ) -> None:
-        self.mgr, self.stats, self.clock, self.profiling = mgr, stats, clock, profiling
+        self.mgr, self.task, self.current, self.clock = mgr, task, current, clock
+        self.profiling = profiling
+        self.step: Any = None  # set by the first offloaded tensor the backward unpacks
 
     def __call__(self) -> None:
         mgr = self.mgr
-        ex = mgr._executor
-        if ex is not None and ex.step is not None and ex.step.stats is self.stats:
-            self.stats.step_s = self.clock() - ex.step.started_s
-        if self.profiling is not None:
+        mgr._task_ends.pop(self.task, None)
+        step = self.step if self.step is not None else self.current
+        if step is None or step.backward_seen:
+            return
+        step.backward_seen = True
+        stats = step.stats
+        step_s = stats.step_s = self.clock() - step.started_s
+        with mgr._lock:
+            if stats is not mgr._step_stats:
+                # Another step began before this one's backward ended (pipelining, gradient
+                # accumulation): this one is already in the totals, without its time.
+                mgr._done.step_s += step_s
+        if self.profiling is not None and step is self.current:
             with mgr._lock:
                 mgr._profile_ended(self.profiling)
         budget = mgr._budget_bytes
-        if budget is not None and self.stats.predicted_peak_bytes and mgr.device.type == "cuda":
+        if budget is not None and stats.predicted_peak_bytes and mgr.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(mgr.device)
             if peak > budget and mgr._last_signature not in mgr._over_budget:
                 # DESIGN.md "Budget": no mid-run re-plan; say it once per signature.
@@ -1096,7 +1116,7 @@ class _StepEnd:
                     mgr._last_signature,
                     peak,
                     budget,
-                    self.stats.predicted_peak_bytes,
+                    stats.predicted_peak_bytes,
                 )
 
 

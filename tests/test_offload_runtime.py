@@ -427,3 +427,30 @@ def test_soak_1000_steps_no_growth(tmp_path) -> None:
     finally:
         mgr.close()
         engine.close()
+
+
+def test_step_time_goes_to_the_step_whose_backward_ended() -> None:
+    """Two forwards before their backwards (accumulation, pipelining): each step's ``step_s``
+    runs from its own start to the end of its own backward, and the total holds both."""
+    import time
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    x = torch.randn(16, 32)
+    t_a = time.perf_counter()
+    with mgr:
+        loss_a = model(x).sum()
+    t_b = time.perf_counter()
+    with mgr:
+        loss_b = model(x).pow(2).sum()
+    loss_a.backward()
+    t_a_end = time.perf_counter()
+    loss_b.backward()
+    t_b_end = time.perf_counter()
+    last, total = mgr.stats.last, mgr.stats.total
+    mgr.close()
+    # B's time: from B's start to the end of B's backward, not of A's.
+    assert t_a_end - t_b < last.step_s <= t_b_end - t_b
+    a = total.step_s - last.step_s  # A's time, credited after A was folded into the total
+    assert t_a_end - t_b < a <= t_a_end - t_a
