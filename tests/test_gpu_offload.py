@@ -207,3 +207,79 @@ def test_budget_bounds_the_measured_peak_from_the_second_planned_step() -> None:
     assert mgr.stats.last.unplanned_records == 0
     # Step 1 profiles in min-memory mode; steps 2.. execute the plan; from step 3 the bound holds.
     assert max(peaks[2:]) <= budget, (peaks, budget, plan.predicted_peak_bytes)
+
+
+class _Stage0:
+    """Stage 0 of a 1F1B pipeline in one process, under the method names ``mgr.attach`` wraps:
+    F(i) runs microbatch i's forward and holds its input and output; B(i) runs its backward with
+    a fixed gradient (as if from stage 1)."""
+
+    stage_index = 0
+
+    def __init__(self, model: nn.Module, inputs: list[torch.Tensor], grads: list[torch.Tensor]):
+        self.submod, self.inputs, self.grads, self.chunks = model, inputs, grads, len(inputs)
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward_one_chunk(self, i: int, *a, **k) -> None:
+        x = self.inputs[i].clone().requires_grad_()
+        self.held[i] = (x, self.submod(x))
+
+    def backward_one_chunk(self, i: int, *a, **k) -> None:
+        _x, out = self.held.pop(i)
+        out.backward(self.grads[i])
+
+    def backward_weight_one_chunk(self, i: int, *a, **k) -> None:
+        pass
+
+    def round(self, stages: int) -> None:
+        from lifecycle import schedule_1f1b
+
+        for kind, i in schedule_1f1b(stages, self.chunks)[0]:
+            if kind == "F":
+                self.forward_one_chunk(i)
+            else:
+                self.backward_one_chunk(i)
+
+
+def test_pipeline_stage_budget_bounds_the_round_peak() -> None:
+    """A budgeted manager attached to stage 0 of 1F1B (4 stages, 8 microbatches): from the
+    second planned round, max_memory_allocated over a round stays under gpu_budget, gradients
+    bitwise equal to the same rounds without offloading."""
+    torch.manual_seed(0)
+    model = _Deep(width=2048, depth=4).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    inputs = [torch.randn(2048, 2048, device="cuda", generator=gen) for _ in range(8)]
+    grads = [torch.randn(2048, 2048, device="cuda", generator=gen) for _ in range(8)]
+    stage = _Stage0(model, inputs, grads)
+
+    def kept_round() -> tuple[list[torch.Tensor], int, int]:
+        model.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        stage.round(stages=4)
+        torch.cuda.synchronize()
+        return (
+            [p.grad.clone() for p in model.parameters()],
+            start,
+            torch.cuda.max_memory_allocated(),
+        )
+
+    want, _, _ = kept_round()  # gradients allocated from here on
+    again, start, keep_peak = kept_round()
+    assert all(torch.equal(a, b) for a, b in zip(want, again, strict=True))
+    budget = keep_peak - (keep_peak - start) // 2
+    mgr = offload.ActivationOffloader(model, gpu_budget=budget)
+    peaks = []
+    try:
+        with mgr.attach(stage):
+            for _ in range(4):
+                got, _, peak = kept_round()
+                peaks.append(peak)
+                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        plan = mgr.plan
+    finally:
+        mgr.close()
+    assert plan is not None and "pipeline stage 0, 8 microbatches" in plan.signature
+    # Round 1 profiles in min-memory mode; rounds 2.. execute the plan; from round 3 it holds.
+    assert max(peaks[2:]) <= budget, (peaks, budget, plan.predicted_peak_bytes, keep_peak)
