@@ -384,7 +384,36 @@ def predict(args: argparse.Namespace, ones: list[offload.Trace],
             stash_bytes=None if key == "profiled_schedule" else keep.peak_bytes - keep.base_bytes,
         )  # fmt: skip
     out["waits_s"] = stage0.keep.step_s - closed[0].step_s
+    out["stage_plans"] = stage_plans(one, hw, p, m, floor, stage0)
     return out
+
+
+def stage_plans(one: offload.Trace, hw: offload.HardwareModel, p: int, m: int, floor: int,
+                stage0: Any) -> dict[str, Any]:  # fmt: skip
+    """Every stage of the pipeline planned by the simulator under one budget, stage 0's base
+    plus ``BUDGET_SHARE`` of its stash: where the stash is deep, the plan moves bytes; where a
+    microbatch hardly waits, it keeps them."""
+    stash0 = stage0.keep.peak_bytes - stage0.keep.base_bytes
+    budget = stage0.keep.base_bytes + int(BUDGET_SHARE * stash0)
+    try:
+        stages = predict_1f1b(one, hw, stages=p, microbatches=m, min_offload_bytes=floor,
+                              gpu_budget=budget)  # fmt: skip
+    except offload.BudgetInfeasibleError as e:
+        return dict(budget_bytes=budget, infeasible=str(e))
+    rows = []
+    for s in stages:
+        plan = s.planned
+        assert plan is not None
+        by = plan.bytes_by_placement()
+        rows.append(dict(
+            stage=s.stage, stashed_microbatches=s.stashed_microbatches,
+            kept_stash_bytes=s.keep.peak_bytes - s.keep.base_bytes,
+            offload_all_overhead=s.overhead, planned_peak_bytes=plan.predicted_peak_bytes,
+            planned_overhead=plan.predicted_step_s / s.keep.step_s if s.keep.step_s else 1.0,
+            moved_bytes=sum(v for k, v in by.items() if k not in ("keep", "recompute")),
+            recomputed_bytes=by.get("recompute", 0),
+        ))  # fmt: skip
+    return dict(budget_bytes=budget, stages=rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -812,6 +841,7 @@ def markdown(res: dict[str, Any]) -> str:
         "whole at B0 (no peak saving), where the runtime brings back one microbatch's."
     )
     notes.append(budget_note(res, rows, cuda))
+    notes.append(stage_plans_note(pred["stage_plans"]))
     o = rows["1f1b_offload"]["offload"]
     notes.append(
         f"Offloader per schedule (median): {o['records']:.0f} saved tensors seen, "
@@ -847,6 +877,25 @@ def markdown(res: dict[str, Any]) -> str:
         "timed schedules."
     )
     return "\n".join([*out, "", *(f"- {n}" for n in notes), "", columns, ""])
+
+
+def stage_plans_note(sp: dict[str, Any]) -> str:
+    """The simulator's per-stage plans under one budget (prediction only)."""
+    head = (
+        f"Every stage planned by the simulator (lifecycle.predict_1f1b(..., gpu_budget=)) under "
+        f"one budget, stage 0's base plus {BUDGET_SHARE:.0%} of its stash "
+        f"({_mib(sp['budget_bytes'])} MiB), from the one-microbatch trace; predictions only"
+    )
+    if "infeasible" in sp:
+        return f"{head}: infeasible ({sp['infeasible']})."
+    parts = [
+        f"stage {r['stage']} (stash {r['stashed_microbatches']}, kept {_mib(r['kept_stash_bytes'])}"
+        f" MiB): peak {_mib(r['planned_peak_bytes'])} MiB, {r['planned_overhead']:.2f}x kept "
+        f"(offload everything {r['offload_all_overhead']:.2f}x), moved {_mib(r['moved_bytes'])} "
+        f"MiB, recomputed {_mib(r['recomputed_bytes'])} MiB"
+        for r in sp["stages"]
+    ]
+    return f"{head}: " + "; ".join(parts) + "."
 
 
 def budget_note(res: dict[str, Any], rows: dict[str, Any], cuda: bool) -> str:

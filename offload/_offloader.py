@@ -26,7 +26,7 @@ from torch import nn
 
 import lifecycle
 import storage
-from lifecycle import HardwareModel, Placement, Plan
+from lifecycle import HardwareModel, Placement, Plan, Trace
 from lifecycle._tensors import (
     ParameterStorages,
     local_tensor,
@@ -634,20 +634,8 @@ class ActivationOffloader:
         trace, step, group = merged_trace(
             self._profiler.trace(), [self._profiled[s] for s in planned]
         )
-        label = f"<per-key maxima of {len(group)} signatures>"
         try:
-            plan = make_plan(
-                trace,
-                step=step,
-                budget=self._budget_bytes or 0,
-                hardware=self._hardware_model(),
-                tiers=tuple("cpu" if t == "cpu" else "nvme" for t in self.config.tiers),
-                cpu_budget_bytes=self.config.cpu_budget_bytes,
-                min_offload_bytes=self.config.min_offload_bytes,
-                max_inflight_bytes=self.config.max_inflight_bytes,
-                signature=label,
-                recompute=not self._saw_dtensor,
-            )
+            plan = self._make_plan(trace, step, f"<per-key maxima of {len(group)} signatures>")
         except lifecycle.BudgetInfeasibleError as e:
             self._merged = False
             self._warn_once(
@@ -679,19 +667,7 @@ class ActivationOffloader:
                 continue
             first = not self._plans and not self._infeasible
             try:
-                plan = make_plan(
-                    trace,
-                    step=step,
-                    budget=self._budget_bytes,
-                    hardware=self._hardware_model(),
-                    tiers=tuple("cpu" if t == "cpu" else "nvme" for t in self.config.tiers),
-                    cpu_budget_bytes=self.config.cpu_budget_bytes,
-                    min_offload_bytes=self.config.min_offload_bytes,
-                    max_inflight_bytes=self.config.max_inflight_bytes,
-                    signature=sig,
-                    # Tensor parallel: recomputing a block would issue its collectives again.
-                    recompute=not self._saw_dtensor,
-                )
+                plan = self._make_plan(trace, step, sig)
             except lifecycle.BudgetInfeasibleError as e:
                 if first or self.config.on_infeasible == "raise":
                     # Profiled again if the user lowers their batch and tries once more.
@@ -706,6 +682,23 @@ class ActivationOffloader:
                 continue
             self._plans[sig] = plan
             log.info("%s", describe(plan))
+
+    def _make_plan(self, trace: Trace, step: int, signature: str) -> Plan:
+        """:func:`lifecycle.plan` of one profiled step with this manager's settings."""
+        assert self._budget_bytes is not None
+        return make_plan(
+            trace,
+            step=step,
+            budget=self._budget_bytes,
+            hardware=self._hardware_model(),
+            tiers=tuple("cpu" if t == "cpu" else "nvme" for t in self.config.tiers),
+            cpu_budget_bytes=self.config.cpu_budget_bytes,
+            min_offload_bytes=self.config.min_offload_bytes,
+            max_inflight_bytes=self.config.max_inflight_bytes,
+            signature=signature,
+            # Tensor parallel: recomputing a block would issue its collectives again.
+            recompute=not self._saw_dtensor,
+        )
 
     def _hardware_model(self) -> HardwareModel:
         if self._hardware is None:
