@@ -16,7 +16,10 @@ NOTE [ Planner ]
         the least memory, every reload a stall);
       * ``k``: how many families are offloaded, a prefix of a fixed order: first those the D2H
         link takes without falling behind the packs by more than the in-flight bound, then the
-        rest, each group earliest packed (longest-lived) first. ``k`` runs from 0 to ``top``, the
+        rest, each group earliest packed (longest-lived, in one step's LIFO backward) first;
+        where lifetimes do not fall along pack order (a pipeline round, where each
+        microbatch's backward follows a few forwards, not all of them), the rest longest-lived
+        first is a further order variant (each microbatch's early layers before any late ones). ``k`` runs from 0 to ``top``, the
         most the host and disk room allow. Past ``cpu_budget`` the earliest-packed offloaded
         families go to NVMe (the larger, slower tier).
     A column is one (m, lead). In each column the smallest ``k`` whose predicted peak fits is
@@ -691,10 +694,16 @@ class _Column:
         n = len(fams)
         self.n = n
         # Offload order (see NOTE [ Planner ]): rank of each family in it.
-        free = model.free_mask(fams, m, variant)
+        slack, by_life = model.variants[variant]
+        free = model.free_mask(fams, m, slack)
         ahead = np.cumsum(free) - 1
         n_free = int(free.sum())
         self.rank = np.where(free, ahead, n_free + np.arange(n) - ahead - 1)
+        if by_life:
+            # The rest longest-lived first (a pipeline stage: each microbatch's early layers).
+            rest = np.flatnonzero(~free)
+            order = rest[np.argsort(-model.life[fams[rest]], kind="stable")]
+            self.rank[order] = n_free + np.arange(len(order))
         self.fp = v.fp[fams]
         self.end = v.end[fams]
         self.b = model.b[fams]
@@ -767,6 +776,17 @@ class _Model:
         self.order_slacks = [self.slack_s]
         if np.any(grown != bound):
             self.order_slacks.append(grown / hw.d2h_bytes_per_s)
+        # Order variants: (slack, by lifetime). Past the families the link takes freely, the
+        # rest go earliest packed first, which in one step's LIFO backward is longest-lived
+        # first; where the two differ (a pipeline round: every microbatch's forward precedes its
+        # own backward, not all backwards), longest-lived first is searched too.
+        self.life = np.where(v.end >= v.fp, v.t[v.end] - v.t[v.fp], 0.0)
+        self.variants = [(i, False) for i in range(len(self.order_slacks))]
+        cand = order[v.candidate[order]]
+        if len(cand) and np.any(np.diff(self.life[cand]) > 0):
+            by_life = cand[np.argsort(-self.life[cand], kind="stable")]
+            if not np.array_equal(by_life, cand):
+                self.variants.append((0, True))
         self.u = np.where(v.fu >= 0, v.t[np.maximum(v.fu, 0)], np.inf)
         both = hw.h2d_bytes_per_s + hw.d2h_bytes_per_s
         self.duplex = 1.0 if hw.duplex_bytes_per_s >= both else hw.duplex_bytes_per_s / both
@@ -850,7 +870,7 @@ class _Model:
         # A recomputed family is absent from its first pack until its block runs again.
         return self._base0 - v.freed(v.fp[rec], start, v.nbytes[rec])
 
-    def free_mask(self, fams: np.ndarray, m: int, variant: int) -> np.ndarray:
+    def free_mask(self, fams: np.ndarray, m: int, slack: int) -> np.ndarray:
         """Per family of ``fams`` (pack order): whether the D2H link takes it without falling
         behind the packs by more than the in-flight bound, given the ones taken before it. Those
         are offloaded first (see NOTE [ Planner ])."""
@@ -859,9 +879,9 @@ class _Model:
             return np.ones(len(fams), bool)
         # The pass over the families before the first recomputed one is the same for every m:
         # run it once over all candidates and resume from there.
-        if variant not in self._free_prefix:
-            self._free_prefix[variant] = self._free_pass(self.pack_order, 0.0, variant)
-        free0, done0 = self._free_prefix[variant]
+        if slack not in self._free_prefix:
+            self._free_prefix[slack] = self._free_pass(self.pack_order, 0.0, slack)
+        free0, done0 = self._free_prefix[slack]
         if m == 0:
             return free0
         rec, _ = self.recomputed(m)
@@ -870,11 +890,11 @@ class _Model:
             cut = int(np.searchsorted(self.v.fp[self.pack_order], self.v.fp[rec].min()))
         cut = min(cut, len(fams))  # fams[:cut] == pack_order[:cut]
         done = float(done0[cut - 1]) if cut else 0.0
-        tail, _ = self._free_pass(fams[cut:], done, variant)
+        tail, _ = self._free_pass(fams[cut:], done, slack)
         return np.concatenate([free0[:cut], tail])
 
     def _free_pass(
-        self, fams: np.ndarray, done: float, variant: int
+        self, fams: np.ndarray, done: float, slack: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """Per family (pack order): taken by the link within its slack, given the link is busy
         until ``done`` with the families taken before; and the busy-until time after each."""
@@ -882,7 +902,7 @@ class _Model:
         packed = self.v.t[self.v.fp[fams]]
         # Taken iff the link is free by pack + slack - duration (the slack is at least the
         # duration, so an idle link never refuses).
-        latest = (packed + self.order_slacks[variant][fams] - dur).tolist()
+        latest = (packed + self.order_slacks[slack][fams] - dur).tolist()
         free = [False] * len(latest)
         busy_from = done
         for i, (last, tp, d) in enumerate(zip(latest, packed.tolist(), dur.tolist(), strict=True)):
@@ -1064,7 +1084,7 @@ class _Model:
         heap: list[tuple[float, int, int, int, float, int]] = []
         queued: set[tuple[int, float, int]] = set()
         tie = itertools.count()
-        variants = range(len(self.order_slacks))
+        variants = range(len(self.variants))
 
         def queue(m: int, lead: float) -> None:
             for variant in variants:
@@ -1227,7 +1247,7 @@ class _Model:
         use, on the ``m`` that peaks lowest."""
         best = None
         for m in self.ladder:
-            for variant in range(len(self.order_slacks)):
+            for variant in range(len(self.variants)):
                 c = self._top(m, 0.0, variant)
                 if best is None or c.peak < best.peak:
                     best = c

@@ -167,3 +167,28 @@ def test_infeasible_stage_budget_names_the_stage() -> None:
     assert info.value.budget_bytes == tiny
     assert info.value.min_feasible_bytes == direct.value.min_feasible_bytes > tiny
     assert str(info.value) == f"stage 2: {direct.value}"
+
+
+def test_pipeline_rounds_search_a_longest_lived_first_order() -> None:
+    """In a 1F1B round lifetimes do not fall along pack order (each microbatch's backward comes
+    a few forwards later), so the planner also offloads longest-lived first; on stage 1 of the
+    synthetic h=4096 pipeline that order wins. A single step (LIFO backward) gets no such order."""
+    from lifecycle._planner import _Model, _Step
+
+    one = transformer_trace(layers=8, hidden=4096, tokens=8192)
+    hw = HardwareModel.h200()
+
+    def model_of(trace):
+        view = _Step(trace, 0, 0)
+        return _Model(view, hw, ("cpu",), math.inf, math.inf, None)
+
+    assert not any(by_life for _, by_life in model_of(one).variants)
+    stage1 = pipeline_trace(one, stage=1, stages=4, microbatches=8)
+    full = model_of(stage1)
+    assert full.variants[-1] == (0, True)
+    target = 15 * 2**30
+    pack_order_only = model_of(stage1)
+    pack_order_only.variants = [v for v in pack_order_only.variants if not v[1]]
+    best, restricted = full.search(target), pack_order_only.search(target)
+    assert best is not None and restricted is not None
+    assert best.peak <= target and best.step_s < restricted.step_s
