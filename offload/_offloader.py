@@ -661,6 +661,8 @@ class ActivationOffloader:
             return
         if self._profiler is None or self._profiler.recording:
             return
+        if all(s in self._plans or s in self._infeasible for s in self._profiled):
+            return  # nothing new: do not rebuild the trace (every step comes here)
         trace = self._profiler.trace()
         for sig, step in list(self._profiled.items()):
             if sig in self._plans or sig in self._infeasible:
