@@ -71,6 +71,12 @@ class PipelineAttachment:
     def __init__(self, mgr: Any, target: Any) -> None:
         self._mgr = mgr
         self._stages = stages_of(target)
+        for stage in self._stages:
+            for name in _METHODS:
+                if isinstance(stage.__dict__.get(name), _Wrapper):
+                    raise OffloadError(
+                        f"stage {stage.stage_index} is already attached to an offload manager"
+                    )
         self._budgeted = mgr._budget_bytes is not None
         if self._budgeted:
             self._check_budgeted(mgr)
@@ -84,11 +90,6 @@ class PipelineAttachment:
         self._steps: dict[tuple[int, int], Any] = {}  # (stage, microbatch) -> executor step
         self._wrapped: list[tuple[Any, str, Callable[..., Any]]] = []
         for stage in self._stages:
-            for name in _METHODS:
-                if isinstance(stage.__dict__.get(name), _Wrapper):
-                    raise OffloadError(
-                        f"stage {stage.stage_index} is already attached to an offload manager"
-                    )
             self._wrap(stage, "forward_one_chunk", self._forward)
             self._wrap(stage, "backward_one_chunk", self._backward)
             self._wrap(stage, "backward_weight_one_chunk", self._backward_weight)
