@@ -49,6 +49,7 @@ from offload._planned import (
     load_plan,
     make_plan,
     merged_trace,
+    retimed,
     signature_of,
 )
 from offload._planning import resolve_budget, resolve_hardware
@@ -235,6 +236,12 @@ class ActivationOffloader:
         self._profiler: Profiler | None = None
         self._profiled: dict[str, int] = {}  # signature -> its step in the profiler's trace
         self._merged: Plan | bool | None = None  # past MAX_SIGNATURES (False: could not be made)
+        # NOTE [ Refinement ] in _planned.py: signatures planned from their profile whose next
+        # step is recorded for its timings, those recorded (signature -> its step in the
+        # profiler's trace), and those re-planned from them.
+        self._refine_next: set[str] = set()
+        self._timed: dict[str, int] = {}
+        self._refined: set[str] = set()
         self._profiling: str | None = None  # signature being profiled in the current step
         self._last_signature: str | None = None
         self._active: ActivePlan | None = None
@@ -607,6 +614,11 @@ class ActivationOffloader:
             self._install_recompute(active)
             stats.predicted_peak_bytes = plan.predicted_peak_bytes
             stats.predicted_step_s = plan.predicted_step_s
+            if sig in self._refine_next and self._profiler is not None:
+                # The first planned step of a profiled signature: recorded for its timings.
+                self._refine_next.discard(sig)
+                self._profiler.begin()
+                self._profiling = sig
             return
         if sig in self._infeasible or sig in self._profiled:
             return  # min-memory (infeasible, or its profile is not planned yet)
@@ -618,9 +630,13 @@ class ActivationOffloader:
         self._profiling = sig
 
     def _profile_ended(self, sig: str) -> None:
-        """The profiling step's backward ended (autograd's final callback)."""
+        """The profiling (or timing) step's backward ended (autograd's final callback)."""
         if self._profiler is not None and self._profiling == sig:
-            self._profiled[sig] = self._profiler.end()
+            step = self._profiler.end()
+            if sig in self._plans:
+                self._timed[sig] = step  # NOTE [ Refinement ]
+            else:
+                self._profiled[sig] = step
             self._profiling = None
 
     def _merged_plan(self) -> Plan | None:
@@ -661,9 +677,12 @@ class ActivationOffloader:
             return
         if self._profiler is None or self._profiler.recording:
             return
-        if all(s in self._plans or s in self._infeasible for s in self._profiled):
+        if all(s in self._plans or s in self._infeasible for s in self._profiled) and all(
+            s in self._refined for s in self._timed
+        ):
             return  # nothing new: do not rebuild the trace (every step comes here)
         trace = self._profiler.trace()
+        self._refine(trace)
         for sig, step in list(self._profiled.items()):
             if sig in self._plans or sig in self._infeasible:
                 continue
@@ -683,7 +702,42 @@ class ActivationOffloader:
                 )
                 continue
             self._plans[sig] = plan
+            if self._user_plan is None or sig != self._user_plan.signature:
+                self._refine_next.add(sig)
             log.info("%s", describe(plan))
+
+    def _refine(self, trace: Trace) -> None:
+        """Re-plan, once, each signature whose first planned step was timed (NOTE
+        [ Refinement ])."""
+        for sig, timing in self._timed.items():
+            if sig in self._refined or sig not in self._profiled:
+                continue
+            self._refined.add(sig)
+            step = self._profiled[sig]
+            old = self._plans[sig]
+            try:
+                plan = self._make_plan(retimed(trace, step, timing), step, sig)
+            except (lifecycle.BudgetInfeasibleError, ValueError) as e:
+                log.info("offload: signature %s keeps its first plan (refining failed: %s)", sig, e)
+                continue
+            plan = dataclasses.replace(
+                plan,
+                metadata={
+                    **plan.metadata,
+                    "refined": True,
+                    "first_plan_step_s": old.predicted_step_s,
+                },
+            )
+            self._plans[sig] = plan
+            self._active_plans.pop(sig, None)
+            log.info(
+                "offload: refined the plan of signature %s from its first planned step's "
+                "timings: predicted step %.2f -> %.2f ms. %s",
+                sig,
+                old.predicted_step_s * 1e3,
+                plan.predicted_step_s * 1e3,
+                describe(plan),
+            )
 
     def _make_plan(self, trace: Trace, step: int, signature: str) -> Plan:
         """:func:`lifecycle.plan` of one profiled step with this manager's settings."""

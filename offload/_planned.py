@@ -24,9 +24,20 @@ NOTE [ Budget mode ]
     keys, each key at the most bytes it had), announced in a log line; a new shape whose records
     are no larger needs no profiling step (DESIGN.md, Keys and signatures; its other trigger,
     "most steps bring a new one", is this cap: such a run reaches it within 8 steps).
-    Not built yet: refining a plan from the executed steps' timings (the profiling step's times
-    include its own copy waits), and per-record recipes for activation outputs (autocast weight
-    casts are rebuilt already, see NOTE [ Weight casts ] in _recipe.py).
+    Not built yet: per-record recipes for activation outputs (autocast weight casts are rebuilt
+    already, see NOTE [ Weight casts ] in _recipe.py).
+
+NOTE [ Refinement ]
+    DESIGN.md "Data flow" 2: the profiling step's times are not compute times (its own copy
+    waits and back-pressure on a GPU, first-step autotuning and allocator growth anywhere), so
+    the first planned step of a signature planned from its own profile is recorded too (through
+    the same hooks, on the same clock: on CPU offload's own copies are taken out of it), and
+    before the next step the signature is planned once more from the profile retimed by it
+    (:func:`retimed`: module boundaries get the planned step's times, less any recomputation
+    the plan added; records, bytes and memory stay the profile's). The refined plan replaces the
+    first (``plan.metadata["refined"]``, with the first one's predicted step) and is not refined
+    again; a plan given with ``plan=`` and the merged plan past ``MAX_SIGNATURES`` are not
+    refined. On a GPU the planned step's times include its own stalls, if it had any.
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ import torch
 from torch import nn
 
 import lifecycle
-from lifecycle import HardwareModel, Placement, Plan, Recorder, TensorRecord, Trace
+from lifecycle import EventKind, HardwareModel, Placement, Plan, Recorder, TensorRecord, Trace
 from lifecycle._tensors import tensors_in
 from lifecycle._units import format_bytes
 from offload._device import clock_and_probe
@@ -271,6 +282,113 @@ def merged_trace(trace: Trace, steps: Sequence[int]) -> tuple[Trace, int, list[i
         for e in trace.events
     )
     return dataclasses.replace(out, events=events), base, group
+
+
+_ANCHORS = frozenset(
+    {
+        EventKind.STEP_START,
+        EventKind.STEP_END,
+        EventKind.FORWARD_START,
+        EventKind.FORWARD_END,
+        EventKind.BACKWARD_START,
+        EventKind.BACKWARD_END,
+    }
+)
+
+
+def retimed(trace: Trace, step: int, timing: int) -> Trace:
+    """``trace`` with step ``step``'s times taken from step ``timing`` (see NOTE [ Refinement ]).
+
+    Module boundaries (forward and backward starts and ends of a module call) that both steps
+    have are anchors: each gets the time it had in ``timing``; the events between two anchors
+    (packs, unpacks, calls the other step lacks) keep their relative place between them. Forward
+    spans of ``timing`` that ``step`` lacks (a planned checkpoint's recomputation during the
+    backward) are cut out of its clock first, since a plan adds recomputation time itself.
+    Records, memory and order are left as they are.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        >>> rec = Recorder()
+        >>> with rec.attach(model), rec.hooks():
+        ...     for _ in range(2):
+        ...         rec.begin_step()
+        ...         model(torch.randn(2, 4)).sum().backward()
+        ...         rec.end_step()
+        >>> trace = rec.trace()
+        >>> out = retimed(trace, 0, 1)
+        >>> def span(s):
+        ...     e = [x for x in s.events if x.step == 0]
+        ...     return e[-1].time_s - e[0].time_s
+        >>> ev = [x for x in trace.events if x.step == 1]
+        >>> abs(span(out) - (ev[-1].time_s - ev[0].time_s)) < 1e-12
+        True
+    """
+    mine = [e for e in trace.events if e.step == step]
+    theirs = [e for e in trace.events if e.step == timing]
+    if not mine or not theirs:
+        raise ValueError(f"the trace has no step {step if not mine else timing}")
+    calls = {(e.module, e.call_index) for e in mine if e.kind is EventKind.FORWARD_START}
+    # Forward spans of `timing` that `step` lacks, outermost: cut out of its clock. One ends at
+    # its own end, or (a checkpoint's recomputation stops early, so no end is recorded) at the
+    # next event of the step's own timeline.
+    cut: list[tuple[float, float]] = []
+    open_: list[tuple[str, int]] = []
+    start = 0.0
+    for e in theirs:
+        foreign = (e.module, e.call_index) not in calls
+        if e.kind is EventKind.FORWARD_START and foreign:
+            if not open_:
+                start = e.time_s
+            open_.append((e.module, e.call_index))
+        elif e.kind is EventKind.FORWARD_END and foreign:
+            if open_ and open_[-1] == (e.module, e.call_index):
+                open_.pop()
+                if not open_:
+                    cut.append((start, e.time_s))
+        elif open_:
+            cut.append((start, e.time_s))
+            open_.clear()
+
+    def clock(t: float) -> float:
+        return t - sum(min(t, b) - a for a, b in cut if a < t)
+
+    at: dict[tuple[EventKind, str, int], float] = {}
+    for e in theirs:
+        if e.kind in _ANCHORS:
+            at.setdefault((e.kind, e.module, e.call_index), clock(e.time_s))
+    pairs: list[tuple[float, float]] = []  # (time in `step`, time from `timing`), both rising
+    for e in mine:
+        t = at.get((e.kind, e.module, e.call_index)) if e.kind in _ANCHORS else None
+        if t is not None and (not pairs or (e.time_s >= pairs[-1][0] and t >= pairs[-1][1])):
+            pairs.append((e.time_s, t))
+    if len(pairs) < 2:
+        return trace
+    origin = pairs[0][1] - pairs[0][0] + mine[0].time_s  # the step keeps its start time
+    new: dict[int, float] = {}
+    j = 0
+    for e in mine:
+        while j + 2 < len(pairs) and pairs[j + 1][0] <= e.time_s:
+            j += 1
+        (p0, t0), (p1, t1) = pairs[j], pairs[j + 1]
+        share = (e.time_s - p0) / (p1 - p0) if p1 > p0 else 0.0
+        new[e.index] = t0 + share * (t1 - t0) - origin + mine[0].time_s
+    events = tuple(
+        dataclasses.replace(e, time_s=new[e.index]) if e.index in new else e for e in trace.events
+    )
+    records = tuple(
+        dataclasses.replace(
+            r,
+            pack_time_s=new[r.pack_event],
+            unpack_times_s=tuple(new[i] for i in r.unpack_events),
+        )
+        if r.step == step
+        else r
+        for r in trace.records
+    )
+    return dataclasses.replace(
+        trace, events=events, records=records, metadata={**dict(trace.metadata), "retimed": True}
+    )
 
 
 def _key(r: TensorRecord) -> tuple[str, int, int]:

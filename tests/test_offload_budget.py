@@ -4,6 +4,7 @@ bitwise equal to a run without offloading (CPU tensors as the device, real files
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import warnings
 
@@ -477,3 +478,125 @@ def test_planned_steps_do_not_rebuild_the_profile() -> None:
         loss.backward()
     assert mgr.stats.last.predicted_peak_bytes > 0
     mgr.close()
+
+
+class _StepClock:
+    """A fake clock: each stamp advances by ``per_stamp`` seconds (set per step)."""
+
+    def __init__(self) -> None:
+        self.now, self.per_stamp = 0.0, 1.0
+
+    def stamp(self) -> float:
+        self.now += self.per_stamp
+        return self.now
+
+    def seconds(self, stamps):
+        return [float(s) - float(stamps[0]) for s in stamps] if stamps else []
+
+
+def test_retimed_takes_module_times_from_the_timed_step_less_recomputation() -> None:
+    """NOTE [ Refinement ]: the profile's step gets the timed step's module times; a planned
+    checkpoint's recomputation in the timed step is cut out of its clock."""
+    from lifecycle import EventKind, Recorder
+    from offload._planned import retimed
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    clock = _StepClock()
+    rec = Recorder(clock=clock)
+    x = torch.randn(4, 8, requires_grad=True)
+    with rec.attach(model), rec.hooks():
+        rec.begin_step()  # step 0: 1 s per event
+        model(x).sum().backward()
+        rec.end_step()
+        clock.per_stamp = 3.0  # step 1: 3 s per event, and block "1" under checkpoint
+        rec.begin_step()
+        h = model[0](x)
+        torch.utils.checkpoint.checkpoint(model[1], h, use_reentrant=False).sum().backward()
+        rec.end_step()
+    trace = rec.trace()
+    mine = [e for e in trace.events if e.step == 0]
+    theirs = [e for e in trace.events if e.step == 1]
+    # Step 1 recomputes block "1" in its backward: forward events of calls step 0 lacks.
+    calls = {(e.module, e.call_index) for e in mine if e.kind is EventKind.FORWARD_START}
+    extra = [
+        e
+        for e in theirs
+        if e.kind is EventKind.FORWARD_START and (e.module, e.call_index) not in calls
+    ]
+    assert extra, "the checkpoint's recomputation was not recorded"
+    # The recomputation stops early (non-reentrant checkpoint), so no end of it is recorded:
+    # its span runs to the next event of step 1's own timeline.
+    at = theirs.index(extra[0])
+    start = extra[0].time_s
+    end = next(
+        e.time_s
+        for e in theirs[at:]
+        if e.kind not in (EventKind.FORWARD_START, EventKind.FORWARD_END)
+        or (e.module, e.call_index) in calls
+    )
+    out = retimed(trace, 0, 1)
+    new = [e for e in out.events if e.step == 0]
+    assert new[0].time_s == mine[0].time_s  # the step keeps its start
+    assert [e.kind for e in new] == [e.kind for e in mine]
+    assert all(b.time_s >= a.time_s for a, b in itertools.pairwise(new))
+    span = theirs[-1].time_s - theirs[0].time_s - (end - start)
+    assert new[-1].time_s - new[0].time_s == pytest.approx(span)
+
+    # The first module's forward took step 1's time (3 s per event between its boundaries).
+    def fwd(events):
+        s = next(e.time_s for e in events if e.kind is EventKind.FORWARD_START and e.module == "0")
+        f = next(e.time_s for e in events if e.kind is EventKind.FORWARD_END and e.module == "0")
+        return f - s
+
+    assert fwd(new) == pytest.approx(fwd(theirs)) and fwd(theirs) == 3 * fwd(mine)
+    r0 = [r for r in out.records if r.step == 0]
+    times = {e.index: e.time_s for e in new}
+    assert all(r.pack_time_s == times[r.pack_event] for r in r0)
+
+
+def test_a_profiled_plan_is_refined_once_from_its_first_planned_step(caplog) -> None:
+    """DESIGN.md "Data flow" 2: the profiling step's timings are not compute times, so the first
+    planned step is timed and the signature re-planned once from it; gradients stay bitwise and
+    the refined plan runs with no unplanned record, within budget. A given plan is not refined."""
+    import logging
+
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    model = Blocks()
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+
+    def grads(mgr: offload.ActivationOffloader | None) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = grads(None)
+    trace = offload.profile(lambda: grads(None), model, warmup_steps=0)
+    budget = trace.peak_saved_bytes // 2
+    mgr = offload.ActivationOffloader(model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0)
+    with caplog.at_level(logging.INFO, logger="offload"):
+        assert_bitwise([grads(mgr)], [want])  # profiled
+        first = mgr.plan  # planned from the profile
+        assert first is not None and "refined" not in first.metadata
+        assert_bitwise([grads(mgr)], [want])  # runs it, timed
+        refined = mgr.plan  # re-planned from the timed step
+        assert_bitwise([grads(mgr)], [want])  # runs the refined plan
+    assert refined is not None and refined is not first and refined.metadata["refined"]
+    assert refined.metadata["first_plan_step_s"] == first.predicted_step_s
+    assert "refined the plan of signature" in caplog.text
+    assert mgr.stats.last.unplanned_records == 0
+    assert mgr.stats.last.predicted_step_s == refined.predicted_step_s
+    with SavedBytes.on(mgr) as saved:
+        assert_bitwise([grads(mgr)], [want])
+    assert saved.peak_planned <= refined.predicted_peak_bytes <= budget
+    assert mgr.plan is refined  # once
+    given = offload.ActivationOffloader(model, plan=refined, hardware=FAST, min_offload_bytes=0)
+    for _ in range(3):
+        assert_bitwise([grads(given)], [want])
+    assert given.plan is not None and given.plan.metadata == refined.metadata
+    mgr.close()
+    given.close()
