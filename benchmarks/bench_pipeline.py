@@ -609,6 +609,8 @@ def plan_figures(plan: offload.Plan) -> dict[str, Any]:
         predicted_step_s=plan.predicted_step_s, keep_all_peak_bytes=keep.peak_bytes,
         keep_all_step_s=keep.step_s, bytes_by_placement=plan.bytes_by_placement(),
         recompute_calls=len(plan.recompute_calls),
+        refined=bool(plan.metadata.get("refined")),
+        first_plan_step_s=plan.metadata.get("first_plan_step_s"),
     )  # fmt: skip
 
 
@@ -936,10 +938,15 @@ def budget_note(res: dict[str, Any], rows: dict[str, Any], cuda: bool) -> str:
         )
     elif cuda:
         measured = f" Measured peak above start: {_mib(row['peak_bytes'])} MiB."
+    refined = (
+        f"refined from its first planned round (first plan {_ms(plan['first_plan_step_s'])} ms)"
+        if plan.get("refined")
+        else "not refined"
+    )
     return (
         f"{head} Plan: predicted peak {_mib(plan['predicted_peak_bytes'])} MiB (keeping all "
         f"{_mib(plan['keep_all_peak_bytes'])}), predicted round {_ms(plan['predicted_step_s'])} "
-        f"ms (keeping all {_ms(plan['keep_all_step_s'])}); {placed}; "
+        f"ms (keeping all {_ms(plan['keep_all_step_s'])}; {refined}); {placed}; "
         f"{plan['recompute_calls']} recomputed calls.{measured} Schedule time "
         f"{row['ratio_to_1f1b']:.2f}x 1F1B."
     )
