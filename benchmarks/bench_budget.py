@@ -589,20 +589,17 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     else:
         add("measured peak <= budget at every budget", None,
             "no allocator peak on CPU; the plan's predicted peaks are in the table")  # fmt: skip
-        counted = [b for b in ran if b.get("saved_peak_whole_bytes") is not None]
-        add("CPU: saved bytes held on the device, counted (SavedBytes), <= budget at every budget",
-            bool(counted) and not skipped and all(b["saved_peak_within_budget"] for b in counted),
-            ", ".join(f"{b['fraction']:.0%}: {b['saved_peak_whole_bytes'] / MiB:.1f} <= "
-                      f"{b['budget_bytes'] / MiB:.1f} MiB "
-                      f"{'yes' if b['saved_peak_within_budget'] else 'no'}"
-                      for b in counted) + skip, gpu_target=False)  # fmt: skip
-        est = [b for b in ran if b.get("live_saved_estimate_bytes") is not None]
-        add("CPU proxy: live peak less no offload's transients <= budget at every budget",
-            bool(est) and not skipped and all(b["live_saved_estimate_within_budget"] for b in est),
-            ", ".join(f"{b['fraction']:.0%}: {b['live_saved_estimate_bytes'] / MiB:.1f} <= "
-                      f"{b['budget_bytes'] / MiB:.1f} MiB "
-                      f"{'yes' if b['live_saved_estimate_within_budget'] else 'no'}"
-                      for b in est) + skip, gpu_target=False)  # fmt: skip
+        for name, key, ok_key in (
+            ("CPU: saved bytes held on the device, counted (SavedBytes), <= budget at every "
+             "budget", "saved_peak_whole_bytes", "saved_peak_within_budget"),
+            ("CPU proxy: live peak less no offload's transients <= budget at every budget",
+             "live_saved_estimate_bytes", "live_saved_estimate_within_budget"),
+        ):  # fmt: skip
+            have = [b for b in ran if b.get(key) is not None]
+            add(name, bool(have) and not skipped and all(b[ok_key] for b in have),
+                ", ".join(f"{b['fraction']:.0%}: {b[key] / MiB:.1f} <= {b['budget_bytes'] / MiB:.1f}"
+                          f" MiB {'yes' if b[ok_key] else 'no'}" for b in have) + skip,
+                gpu_target=False)  # fmt: skip
     ck, oa = a["checkpoint"]["step_s_median"], a["offload_all"]["step_s_median"]
     detail = ", ".join(
         f"{b['fraction']:.0%}: {b['step_s_median'] * 1e3:.1f} vs {ck * 1e3:.1f} / {oa * 1e3:.1f} ms"
