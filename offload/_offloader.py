@@ -376,6 +376,9 @@ class ActivationOffloader:
             self._step_index += 1
             self._step_stats = self._executor.begin_step(self._step_index)
             self._step_added = False
+            # No backward runs while a step begins: an end left here is from a backward that
+            # raised before its final callback (it would hold that step's state).
+            self._task_ends.clear()
             self._stack.clear()
             if continuing:
                 assert rnd is not None
