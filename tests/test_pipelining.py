@@ -306,20 +306,18 @@ def test_budgeted_stage_plans_each_microbatch_and_holds_the_budget(case, results
         )
         assert plan.predicted_peak_bytes <= BUDGET_BYTES
         steps = budgeted["steps"]
-        for before, after in itertools.pairwise(steps):
+        # Rounds 2 (the first plan, timed) and 3 (the refined plan, which `plan` is): planned,
+        # every record matched; round 3 moves exactly what its plan moves.
+        for n, (before, after) in enumerate(itertools.pairwise(steps), start=2):
             delta = {
                 k: after["total"][k] - before["total"][k]
                 for k in ("steps", "unplanned_records", "bytes_offloaded_cpu")
             }
             assert delta["steps"] == MICROBATCHES, delta
             assert delta["unplanned_records"] == 0, delta
-            assert delta["bytes_offloaded_cpu"] == plan.bytes_by_placement()["cpu"], (
-                delta,
-                [s["total"]["bytes_offloaded_cpu"] for s in steps],
-                plan.bytes_by_placement(),
-                rank,
-                plan.summary(),
-            )
+            if n == len(steps):
+                assert delta["bytes_offloaded_cpu"] == plan.bytes_by_placement()["cpu"], delta
+        assert plan.metadata.get("refined"), "the plan was not refined from round 2's timings"
         # What the stage held of its saved tensors in the last (planned) round, counted: within
         # the plan's predicted peak as the plan counts bytes, and within the budget with the
         # reload buffers' alignment padding too.
