@@ -283,3 +283,35 @@ def test_pipeline_stage_budget_bounds_the_round_peak() -> None:
     assert plan is not None and "pipeline stage 0, 8 microbatches" in plan.signature
     # Round 1 profiles in min-memory mode; rounds 2.. execute the plan; from round 3 it holds.
     assert max(peaks[2:]) <= budget, (peaks, budget, plan.predicted_peak_bytes, keep_peak)
+
+
+def test_autocast_weight_casts_rebuilt_bitwise_on_cuda() -> None:
+    """NOTE [ Weight casts ]: under bf16 autocast on CUDA the saved weight casts are cast again at
+    unpack, never stored or copied, and gradients stay bitwise equal."""
+    torch.manual_seed(0)
+    model = _Deep(width=1024, depth=4).cuda()
+    x = torch.randn(2048, 1024, device="cuda")
+
+    def grads(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if mgr is None:
+                loss = model(x).float().pow(2).mean()
+            else:
+                with mgr:
+                    loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads(None)
+    assert all(torch.equal(a, b) for a, b in zip(want, grads(None), strict=True))
+    mgr = offload.ActivationOffloader(model)
+    try:
+        for _ in range(2):
+            got = grads(mgr)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        last = mgr.stats.last
+    finally:
+        mgr.close()
+    # Every Linear but the first (whose input needs no gradient) saves its weight's cast.
+    assert last.records_rebuilt == 3 and last.bytes_rebuilt == 3 * 1024 * 1024 * 2
