@@ -251,6 +251,21 @@ class Executor:
             fam.members += 1
             return _Member(self, fam, t, dtensor)
 
+    def share(self, m: _Member) -> _Member | None:
+        """Another handle on ``m``'s family, rebuilding the same view (a recipe's use of its
+        parent: the family's bytes then stay until both handles have been unpacked or died).
+        ``None`` when the family is gone."""
+        with self.lock:
+            fam = m.family
+            if fam.life is Life.FREED or fam.error is not None:
+                return None
+            fam.members += 1
+            twin = _Member.__new__(_Member)
+            for name in _Member.__slots__:
+                setattr(twin, name, getattr(m, name))
+            twin.key, twin.seq = None, -1
+            return twin
+
     def _new_family(
         self,
         step: _StepState,

@@ -36,7 +36,7 @@ from lifecycle._tensors import (
 from lifecycle._units import parse_bytes
 from offload._device import compute_device
 from offload._errors import OffloadError, from_infeasible
-from offload._executor import Executor
+from offload._executor import Executor, _Member
 from offload._family import span_of
 from offload._pipelining import PipelineAttachment, PipelineRound
 from offload._planned import (
@@ -53,7 +53,7 @@ from offload._planned import (
     signature_of,
 )
 from offload._planning import resolve_budget, resolve_hardware
-from offload._recipe import WeightCast, weight_cast
+from offload._recipe import ActivationRecipe, WeightCast, activation_output, weight_cast
 from offload._stats import OffloadStats, StepStats
 
 log = logging.getLogger("offload")
@@ -908,6 +908,10 @@ class ActivationOffloader:
             if self._profiling is not None and self._profiler is not None:
                 recipe.seq = self._profiler.recorder.record_pack(t, parameter=True)
             return recipe
+        if self._budget_bytes is None:
+            rebuilt = self._activation_recipe(t, ex, stats)
+            if rebuilt is not None:
+                return rebuilt
         tier = None
         if active is not None:
             tier = active.action.get(key)
@@ -939,6 +943,31 @@ class ActivationOffloader:
             if not own or own[-1] is not fam:
                 own.append(fam)
         return member
+
+    def _activation_recipe(
+        self, t: torch.Tensor, ex: Executor, stats: StepStats
+    ) -> ActivationRecipe | None:
+        """An :class:`ActivationRecipe` for ``t`` if it is a GELU / SiLU output whose input this
+        step offloaded (NOTE [ Activation recipes ] in _recipe.py), else None."""
+        found = activation_output(t)
+        if found is None:
+            return None
+        kind, approximate, parent, out = found
+        if (
+            not isinstance(parent, _Member)
+            or parent.executor is not ex
+            or parent.size != tuple(out.shape)
+            or parent.dtype != out.dtype
+            or parent.stride != _contiguous_strides(parent.size)
+        ):
+            return None
+        twin = ex.share(parent)
+        if twin is None:
+            return None
+        recipe = ActivationRecipe(kind, approximate, twin, out, t)
+        stats.records_rebuilt += 1
+        stats.bytes_rebuilt += recipe.nbytes
+        return recipe
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         task = _current_graph_task_id() if _current_graph_task_id is not None else 0
@@ -974,6 +1003,9 @@ class ActivationOffloader:
             if packed.seq >= 0 and self._profiler is not None:
                 self._profiler.recorder.record_unpack(packed.seq)
             return packed.rebuild()
+        if isinstance(packed, ActivationRecipe):
+            twin = packed.parent
+            return packed.rebuild(self._unpack_member(twin.executor, twin))
         if packed.seq >= 0 and self._profiler is not None:
             self._profiler.recorder.record_unpack(packed.seq)
         ex = packed.executor
@@ -996,6 +1028,14 @@ class ActivationOffloader:
 
 
 _OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, n = [], 1
+    for d in reversed(size):
+        strides.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def _extent(t: torch.Tensor) -> int:

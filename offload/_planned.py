@@ -24,8 +24,9 @@ NOTE [ Budget mode ]
     keys, each key at the most bytes it had), announced in a log line; a new shape whose records
     are no larger needs no profiling step (DESIGN.md, Keys and signatures; its other trigger,
     "most steps bring a new one", is this cap: such a run reaches it within 8 steps).
-    Not built yet: per-record recipes for activation outputs (autocast weight casts are rebuilt
-    already, see NOTE [ Weight casts ] in _recipe.py).
+    Not built yet: activation-output recipes inside a plan (min-memory mode has them, NOTE
+    [ Activation recipes ] in _recipe.py; a plan would have to price the rebuild and the
+    input's longer stay); autocast weight casts are rebuilt in both modes (NOTE [ Weight casts ]).
 
 NOTE [ Refinement ]
     DESIGN.md "Data flow" 2: the profiling step's times are not compute times (its own copy

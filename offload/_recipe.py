@@ -1,4 +1,4 @@
-"""Saved tensors rebuilt at unpack instead of stored: autocast's weight casts.
+"""Saved tensors rebuilt at unpack instead of stored: autocast's weight casts, activation outputs.
 
 NOTE [ Weight casts ]
     Under ``torch.autocast`` a Linear saves the low-precision copy of its weight (a
@@ -16,9 +16,24 @@ NOTE [ Weight casts ]
     shape and strides (a dense copy the rebuilt cast will match byte for byte). A parameter
     changed in place between forward and backward (an optimizer step before the backward) would
     give another cast: unpack checks the parameter's version and raises instead.
+
+NOTE [ Activation recipes ]
+    In min-memory mode (no budget) the output of a GELU or SiLU, saved by the next Linear, is
+    not stored either: its input was just saved by the activation's own backward node, so the
+    output is that input passed through the same function again, computed at unpack on the
+    compute stream (the same kernel on the same bytes, at the same address alignment:
+    bitwise). The recipe holds a second handle on the input's family (``Executor.share``),
+    so one reload serves both unpacks. Checked at pack: a plain tensor whose own or whose base's
+    ``grad_fn`` is ``GeluBackward0`` / ``SiluBackward0`` whose saved input (read raw, as its
+    pack returned it, without unpacking) is a handle of this manager, both dense and
+    contiguous with the same shape and dtype. A plan would have to price the
+    recomputation and the input's longer stay, which the planner does not model yet, so budget
+    mode stores these outputs like any other tensor.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -76,3 +91,53 @@ def weight_cast(t: torch.Tensor, params: ParameterStorages) -> WeightCast | None
     ):
         return None
     return WeightCast(param, cast, t)
+
+
+_ACTIVATIONS = {"GeluBackward0": "gelu", "SiluBackward0": "silu"}
+
+
+class ActivationRecipe:
+    """What pack returns for an activation output rebuilt from its input (see NOTE [ Activation
+    recipes ])."""
+
+    __slots__ = ("approximate", "kind", "nbytes", "offset", "parent", "size", "stride")
+
+    def __init__(self, kind: str, approximate: str, parent: Any, out: torch.Tensor,
+                 t: torch.Tensor) -> None:  # fmt: skip
+        self.kind, self.approximate, self.parent = kind, approximate, parent
+        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+        self.nbytes = out.untyped_storage().nbytes()
+
+    @property
+    def family(self) -> Any:
+        """The input's alias family (whose step this backward belongs to)."""
+        return self.parent.family
+
+    def rebuild(self, parent: torch.Tensor) -> torch.Tensor:
+        """The saved tensor again from its input ``parent`` (unpacked from ``self.parent``)."""
+        with torch.no_grad():
+            if self.kind == "gelu":
+                out = torch.nn.functional.gelu(parent, approximate=self.approximate)
+            else:
+                out = torch.nn.functional.silu(parent)
+        return out.as_strided(self.size, self.stride, self.offset)
+
+
+def activation_output(t: torch.Tensor) -> tuple[str, str, Any, torch.Tensor] | None:
+    """``(kind, approximate, what the pack of its input returned, output)`` if ``t`` is, or
+    views, a GELU / SiLU output (see NOTE [ Activation recipes ]), else None."""
+    if type(t) is not torch.Tensor:
+        return None
+    out = t._base if t._base is not None else t
+    fn = out.grad_fn
+    kind = _ACTIVATIONS.get(type(fn).__name__) if fn is not None else None
+    if fn is None or kind is None or not out.is_contiguous() or out.storage_offset() != 0:
+        return None
+    if out.untyped_storage().nbytes() != out.numel() * out.element_size():
+        return None
+    # The node's saved input as its pack hook returned it, without unpacking it.
+    packed = getattr(getattr(fn, "_raw_saved_self", None), "data", None)
+    if packed is None:
+        return None
+    approximate = str(getattr(fn, "_saved_approximate", "none")) if kind == "gelu" else ""
+    return kind, approximate, packed, out

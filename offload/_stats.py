@@ -22,8 +22,10 @@ class StepStats:
         records_offloaded_cpu / records_offloaded_nvme: alias families stored in each tier.
         bytes_offloaded_cpu / bytes_offloaded_nvme: bytes stored in each tier.
         bytes_recomputed: bytes rebuilt by recomputation instead of stored (planner; 0 here).
-        records_rebuilt / bytes_rebuilt: autocast weight casts not stored but cast again from
-            their parameter at unpack (see NOTE [ Weight casts ] in ``offload/_recipe.py``).
+        records_rebuilt / bytes_rebuilt: saved tensors not stored but rebuilt at unpack:
+            autocast weight casts from their parameter, and (without a budget) GELU / SiLU
+            outputs from their inputs (NOTE [ Weight casts ], NOTE [ Activation recipes ] in
+            ``offload/_recipe.py``).
         reloads: family reloads started (prefetched or not).
         stalls: unpacks that found no reload started and had to load synchronously.
         stall_s: seconds unpack spent waiting for bytes (stalls and late prefetches).

@@ -313,5 +313,9 @@ def test_autocast_weight_casts_rebuilt_bitwise_on_cuda() -> None:
         last = mgr.stats.last
     finally:
         mgr.close()
-    # Every Linear but the first (whose input needs no gradient) saves its weight's cast.
-    assert last.records_rebuilt == 3 and last.bytes_rebuilt == 3 * 1024 * 1024 * 2
+    # Every Linear but the first (whose input needs no gradient) saves its weight's cast; the GELU
+    # outputs before them are rebuilt too where autocast runs GELU in bf16 (NOTE [ Activation
+    # recipes ]).
+    casts = 3 * 1024 * 1024 * 2
+    assert last.records_rebuilt in (3, 6)
+    assert last.bytes_rebuilt == casts + (last.records_rebuilt - 3) * 2048 * 1024 * 2

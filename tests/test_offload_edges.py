@@ -751,9 +751,10 @@ def test_autocast_weight_casts_are_rebuilt_not_stored() -> None:
     last = mgr.stats.last
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     casts = 2 * 128 * 256 * 2  # both Linear weights in bf16, saved as views of their casts
-    # x's bf16 cast, the GELU input and output (bf16), and pow's fp32 input.
-    activations = 64 * (128 + 256 + 256) * 2 + 64 * 128 * 4
-    assert (last.records_rebuilt, last.bytes_rebuilt) == (2, casts)
+    gelu_out = 64 * 256 * 2  # rebuilt from the GELU input too (NOTE [ Activation recipes ])
+    # x's bf16 cast, the GELU input (bf16), and pow's fp32 input.
+    activations = 64 * (128 + 256) * 2 + 64 * 128 * 4
+    assert (last.records_rebuilt, last.bytes_rebuilt) == (3, casts + gelu_out)
     assert last.bytes_offloaded_cpu == activations, (last.bytes_offloaded_cpu, casts)
     # Between forward and backward nothing of the casts is alive (kept, they were 128 KiB).
     model.zero_grad(set_to_none=True)
@@ -800,4 +801,70 @@ def test_planned_steps_leave_weight_casts_out_of_the_plan() -> None:
     assert plan is not None and mgr.stats.last.unplanned_records == 0
     # The plan holds the activations only: 64 x (128 + 256 + 256) bf16 + 64 x 128 fp32 bytes.
     assert sum(plan.bytes_by_placement().values()) == 64 * (128 + 256 + 256) * 2 + 64 * 128 * 4
+    mgr.close()
+
+
+def _act_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.SiLU(),
+        nn.Linear(64, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 8),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["cpu", "nvme", "deferred", "retain_graph"], ids=lambda s: s)
+def test_activation_outputs_are_rebuilt_from_their_inputs(how: str, tmp_path) -> None:
+    """NOTE [ Activation recipes ]: in min-memory mode a GELU / SiLU output saved by the next
+    Linear is not stored: rebuilt at unpack from the activation's input (offloaded once for
+    both), bitwise, on every tier and copy engine, and again for a second backward."""
+    from storage import CopyEngine
+
+    model = _act_mlp()
+    x = torch.randn(4, 32, 64)  # 3-D: each Linear saves a 2-D view of its input
+
+    def grads(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).sum()
+        loss.backward(retain_graph=how == "retain_graph")
+        if how == "retain_graph":
+            loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads(None)
+    kw: dict[str, Any] = {"min_offload_bytes": 0}
+    if how == "nvme":
+        kw.update(tiers=("nvme",), nvme_dir=tmp_path)
+    if how == "deferred":
+        kw["_copy_engine"] = CopyEngine(deferred=True, max_delay_s=0.002, seed=3)
+    mgr = offload.ActivationOffloader(model, **kw)
+    try:
+        for _ in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(grads(mgr), want, strict=True))
+            last = mgr.stats.last
+            # Two GELU outputs and one SiLU output, 128 rows each: 256 + 64 + 64 floats wide.
+            assert (last.records_rebuilt, last.bytes_rebuilt) == (3, 128 * (256 + 64 + 64) * 4)
+            # Stored: the input x, the three activations' inputs, pow's input (all float32).
+            stored = 128 * (64 + 256 + 64 + 64 + 8) * 4
+            assert last.bytes_offloaded_cpu + last.bytes_offloaded_nvme == stored
+        assert mgr._executor is not None and mgr._executor.live_families() == 0
+    finally:
+        mgr.close()
+
+
+def test_budget_mode_stores_activation_outputs() -> None:
+    """A plan does not price a rebuild yet: under a budget the outputs are stored like any
+    other tensor (and the plan accounts for them)."""
+    model = _act_mlp()
+    x = torch.randn(4, 32, 64)
+    hw = offload.HardwareModel.cpu_only(
+        copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
+    )
+    mgr = offload.ActivationOffloader(model, gpu_budget="300KiB", hardware=hw, min_offload_bytes=0)
+    for _ in range(3):
+        with mgr:
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        assert mgr.stats.last.records_rebuilt == 0
+    assert mgr.stats.last.unplanned_records == 0
     mgr.close()
