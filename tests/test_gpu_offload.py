@@ -5,6 +5,7 @@ Run with ``python -m pytest -q -m gpu tests`` (``benchmarks/gpu_check.sh`` does 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -295,11 +296,8 @@ def test_autocast_weight_casts_rebuilt_bitwise_on_cuda() -> None:
     def grads(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            if mgr is None:
+            with mgr if mgr is not None else contextlib.nullcontext():
                 loss = model(x).float().pow(2).mean()
-            else:
-                with mgr:
-                    loss = model(x).float().pow(2).mean()
         loss.backward()
         return [p.grad.clone() for p in model.parameters()]
 
