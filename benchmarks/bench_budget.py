@@ -56,7 +56,6 @@ import contextlib
 import copy
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -80,6 +79,7 @@ from bench_step import (  # noqa: E402
     DEFAULT_MIN_OFFLOAD,
     CheckpointedBlock,
     LiveBytes,
+    default_results_dir,
     machine,
     resolve_device_and_shape,
     runtime_version,
@@ -262,12 +262,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.planned_warmup < 3:
         ap.error("--planned-warmup must be >= 3 (profile, then two planned steps)")
     if args.out is None:
-        sub = "cpu"
-        if cuda:
-            sub = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(args.device).lower()).strip(
-                "-"
-            )
-        args.out = os.path.join(_ROOT, "benchmarks", "results", sub)
+        args.out = default_results_dir(args.device)
     return args
 
 

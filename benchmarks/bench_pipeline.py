@@ -61,7 +61,6 @@ import itertools
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -97,6 +96,7 @@ from bench_step import (  # noqa: E402
     _mib,
     _ms,
     _row,
+    default_results_dir,
     machine,
     resolve_device_and_shape,
     runtime_version,
@@ -449,12 +449,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if min(args.warmup, args.reps) < 1:
         ap.error("--warmup and --reps must be >= 1")
     if args.out is None:
-        sub = "cpu"
-        if cuda:
-            sub = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(args.device).lower()).strip(
-                "-"
-            )
-        args.out = os.path.join(_ROOT, "benchmarks", "results", sub)
+        args.out = default_results_dir(args.device)
     return args
 
 

@@ -490,13 +490,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--variants: unknown {sorted(chosen - set(VARIANTS))}; choose from {VARIANTS}")
     args.variants = ["none", *[v for v in VARIANTS[1:] if v in chosen]]
     if args.out is None:
-        sub = "cpu"
-        if cuda:
-            sub = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(args.device).lower()).strip(
-                "-"
-            )
-        args.out = os.path.join(_ROOT, "benchmarks", "results", sub)
+        args.out = default_results_dir(args.device)
     return args
+
+
+def default_results_dir(device: torch.device) -> str:
+    """``benchmarks/results/cpu``, or ``benchmarks/results/<gpu name>`` on CUDA."""
+    sub = "cpu"
+    if device.type == "cuda":
+        sub = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return os.path.join(_ROOT, "benchmarks", "results", sub)
 
 
 def resolve_device_and_shape(
