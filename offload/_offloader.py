@@ -237,11 +237,10 @@ class ActivationOffloader:
         self._profiled: dict[str, int] = {}  # signature -> its step in the profiler's trace
         self._merged: Plan | bool | None = None  # past MAX_SIGNATURES (False: could not be made)
         # NOTE [ Refinement ] in _planned.py: signatures planned from their profile whose next
-        # step is recorded for its timings, those recorded (signature -> its step in the
-        # profiler's trace), and those re-planned from them.
+        # step is recorded for its timings, and those recorded and not re-planned yet
+        # (signature -> its step in the profiler's trace).
         self._refine_next: set[str] = set()
         self._timed: dict[str, int] = {}
-        self._refined: set[str] = set()
         self._profiling: str | None = None  # signature being profiled in the current step
         self._last_signature: str | None = None
         self._active: ActivePlan | None = None
@@ -680,8 +679,8 @@ class ActivationOffloader:
             return
         if self._profiler is None or self._profiler.recording:
             return
-        if all(s in self._plans or s in self._infeasible for s in self._profiled) and all(
-            s in self._refined for s in self._timed
+        if not self._timed and all(
+            s in self._plans or s in self._infeasible for s in self._profiled
         ):
             return  # nothing new: do not rebuild the trace (every step comes here)
         trace = self._profiler.trace()
@@ -712,10 +711,10 @@ class ActivationOffloader:
     def _refine(self, trace: Trace) -> None:
         """Re-plan, once, each signature whose first planned step was timed (NOTE
         [ Refinement ])."""
-        for sig, timing in self._timed.items():
-            if sig in self._refined or sig not in self._profiled:
+        timed, self._timed = self._timed, {}
+        for sig, timing in timed.items():
+            if sig not in self._profiled:
                 continue
-            self._refined.add(sig)
             step = self._profiled[sig]
             old = self._plans[sig]
             try:
