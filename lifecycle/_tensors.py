@@ -82,9 +82,7 @@ class ParameterStorages:
 
     def add(self, module: nn.Module) -> None:
         """Register ``module``'s parameters and buffers (DTensors by their local shard)."""
-        for t in params_and_buffers(module):
-            st = local_tensor(t).untyped_storage()
-            self._refs[id(st)] = weakref.ref(st)
+        self.add_tensors(params_and_buffers(module))
 
     def add_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
         """Register the storages of ``tensors`` too (tensors someone else holds for the whole
@@ -95,14 +93,15 @@ class ParameterStorages:
 
     def registered(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage is itself one registered here (no view-of-a-Parameter rule)."""
-        st = t.untyped_storage()
-        ref = self._refs.get(id(st))
-        return ref is not None and ref() is st
+        return self._has(t.untyped_storage())
 
     def holds(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``t`` (a plain or local tensor whose storage is ``storage``) is a weight."""
-        ref = self._refs.get(id(storage))
-        if ref is not None and ref() is storage:
+        if self._has(storage):
             return True
         base = t._base
         return is_parameter(t) or (base is not None and is_parameter(base))
+
+    def _has(self, storage: torch.UntypedStorage) -> bool:
+        ref = self._refs.get(id(storage))
+        return ref is not None and ref() is storage
