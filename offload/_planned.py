@@ -245,30 +245,30 @@ def merged_trace(trace: Trace, steps: Sequence[int]) -> tuple[Trace, int, list[i
         >>> [r.nbytes for r in trace.records if r.step == 1 and not r.is_parameter]
         [96, 96]
     """
-    keys_of: dict[int, list[TensorRecord]] = {s: [] for s in steps}
+    records_of: dict[int, list[TensorRecord]] = {s: [] for s in steps}
     for r in trace.records:
-        if r.step in keys_of:
-            keys_of[r.step].append(r)
+        if r.step in records_of:
+            records_of[r.step].append(r)
     groups: dict[frozenset[tuple[str, int, int]], list[int]] = {}
     for s in steps:
-        groups.setdefault(frozenset(_key(r) for r in keys_of[s]), []).append(s)
+        groups.setdefault(frozenset(_key(r) for r in records_of[s]), []).append(s)
     group = max(groups.values(), key=len)
 
     def saved(s: int) -> int:
-        return sum(r.nbytes for r in keys_of[s] if not r.is_parameter)
+        return sum(r.nbytes for r in records_of[s] if not r.is_parameter)
 
     base = max(group, key=saved)
     most: dict[tuple[str, int, int], tuple[int, int]] = {}
     for s in group:
-        for r in keys_of[s]:
+        for r in records_of[s]:
             n, st = most.get(_key(r), (0, 0))
             most[_key(r)] = (max(n, r.nbytes), max(st, r.storage_nbytes))
     storage: dict[int, int] = {}
-    for r in keys_of[base]:
+    for r in records_of[base]:
         storage[r.family] = max(storage.get(r.family, 0), most[_key(r)][1])
     grown = {
         r.seq: dataclasses.replace(r, nbytes=most[_key(r)][0], storage_nbytes=storage[r.family])
-        for r in keys_of[base]
+        for r in records_of[base]
         if (r.nbytes, r.storage_nbytes) != (most[_key(r)][0], storage[r.family])
     }
     if not grown:
@@ -365,7 +365,7 @@ def retimed(trace: Trace, step: int, timing: int) -> Trace:
             pairs.append((e.time_s, t))
     if len(pairs) < 2:
         return trace
-    origin = pairs[0][1] - pairs[0][0] + mine[0].time_s  # the step keeps its start time
+    shift = pairs[0][0] - pairs[0][1]  # the first anchor (the step's start) keeps its time
     new: dict[int, float] = {}
     j = 0
     for e in mine:
@@ -373,7 +373,7 @@ def retimed(trace: Trace, step: int, timing: int) -> Trace:
             j += 1
         (p0, t0), (p1, t1) = pairs[j], pairs[j + 1]
         share = (e.time_s - p0) / (p1 - p0) if p1 > p0 else 0.0
-        new[e.index] = t0 + share * (t1 - t0) - origin + mine[0].time_s
+        new[e.index] = t0 + share * (t1 - t0) + shift
     events = tuple(
         dataclasses.replace(e, time_s=new[e.index]) if e.index in new else e for e in trace.events
     )
