@@ -172,18 +172,22 @@ class Variant:
 
 class BenchStage:
     """Stage 0's chunks under the names ``mgr.attach`` wraps (as ``torch.distributed.pipelining``
-    calls them), for the budgeted variant: the manager then plans a whole schedule round."""
+    calls them): F(i) clones microbatch i's input (a received buffer) and holds it and its output
+    until B(i), as a pipeline stage does. ``step``: a manager each F runs inside (the
+    offload-everything variant); the budgeted variant is attached instead, so that the manager
+    plans a whole schedule round."""
 
     stage_index = 0
 
-    def __init__(self, args: argparse.Namespace, model: Stage, data: Data, chunks: int) -> None:
-        self.args, self.submod, self.data, self.chunks = args, model, data, chunks
+    def __init__(self, args: argparse.Namespace, model: Stage, data: Data, chunks: int,
+                 step: offload.ActivationOffloader | None = None) -> None:  # fmt: skip
+        self.args, self.submod, self.data, self.chunks, self.step = args, model, data, chunks, step
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.input_grads: dict[int, torch.Tensor | None] | None = None
 
     def forward_one_chunk(self, i: int, *args: Any, **kwargs: Any) -> None:
         x = self.data.inputs[i].clone().requires_grad_()
-        with autocast(self.args):
+        with self.step if self.step is not None else contextlib.nullcontext(), autocast(self.args):
             self.held[i] = (x, self.submod(x))
 
     def backward_one_chunk(self, i: int, *args: Any, **kwargs: Any) -> None:
@@ -208,20 +212,16 @@ def run_schedule(
     data: Data,
     input_grads: dict[int, torch.Tensor | None] | None = None,
 ) -> tuple[float, int]:
-    """One schedule of ``v.order``: (seconds, CUDA peak above the schedule's start).
-
-    Each F clones its input (a received buffer) and holds it and its output until its B, as a
-    pipeline stage does; ``input_grads`` receives each microbatch's input gradient (what would be
-    sent back to the previous stage).
+    """One schedule of ``v.order`` through ``v``'s :class:`BenchStage`: (seconds, CUDA peak above
+    the schedule's start). ``input_grads`` receives each microbatch's input gradient (what would
+    be sent back to the previous stage).
     """
     dev = args.device
     cuda = dev.type == "cuda"
-    step: contextlib.AbstractContextManager[Any] = (
-        v.mgr if v.mgr is not None else contextlib.nullcontext()
-    )
-    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    if v.stage is not None:
-        v.stage.held, v.stage.input_grads = held, input_grads
+    stage = v.stage
+    if stage is None:
+        stage = BenchStage(args, v.model, data, len(data.inputs), step=v.mgr)
+    stage.held, stage.input_grads = {}, input_grads
     peak = base = 0
     if cuda:
         torch.cuda.synchronize(dev)
@@ -234,20 +234,9 @@ def run_schedule(
                 # The manager's __enter__ resets the allocator's peak counters (for its own
                 # per-step figure): read the peak so far before every step begins.
                 peak = max(peak, torch.cuda.max_memory_allocated(dev))
-            if v.stage is not None:
-                v.stage.forward_one_chunk(i)
-                continue
-            x = data.inputs[i].clone().requires_grad_()
-            with step, autocast(args):
-                held[i] = (x, v.model(x))
-        elif v.stage is not None:
-            v.stage.backward_one_chunk(i)
+            stage.forward_one_chunk(i)
         else:
-            x, out = held.pop(i)
-            out.backward(data.grads[i])
-            if input_grads is not None:
-                input_grads[i] = x.grad
-            del x, out
+            stage.backward_one_chunk(i)
     if cuda:
         torch.cuda.synchronize(dev)
         peak = max(peak, torch.cuda.max_memory_allocated(dev))
