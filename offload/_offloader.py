@@ -966,6 +966,12 @@ class ActivationOffloader:
         recipe = ActivationRecipe(kind, approximate, twin, out, t)
         stats.records_rebuilt += 1
         stats.bytes_rebuilt += recipe.nbytes
+        if self._stack:
+            # The module saving the output now needs the input first in backward: its backward
+            # trigger starts the input's reload (else the rebuild would stall on it).
+            own = self._stack[-1][2]
+            if twin.family not in own:
+                own.append(twin.family)
         return recipe
 
     def _unpack(self, packed: Any) -> torch.Tensor:
