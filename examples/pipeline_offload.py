@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import offload
+from lifecycle._units import parse_bytes
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
 
@@ -104,6 +105,22 @@ def run(
     return grads, moved, plan, saved_peak
 
 
+def check_budget(ap: argparse.ArgumentParser, arg: str) -> None:
+    """``--gpu-budget`` is "P%" with 0 < P <= 100, or a size; else a usage error."""
+    if not arg.endswith("%"):
+        try:
+            parse_bytes(arg, name="--gpu-budget")
+        except ValueError as e:
+            ap.error(str(e))
+        return
+    try:
+        share = float(arg[:-1])
+    except ValueError:
+        ap.error(f"--gpu-budget={arg!r} is neither a share (50%) nor a size (6GiB)")
+    if not 0 < share <= 100:
+        ap.error(f"--gpu-budget must be a share in (0%, 100%] or a size; got {arg!r}")
+
+
 def stage_budget(arg: str, stage_peak: int) -> str | int:
     """``--gpu-budget``: "P%" of this stage's saved peak, or an absolute size ("6GiB")."""
     if arg.endswith("%"):
@@ -164,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         help="budget for the rank's first stage: P%% of its kept saved peak, or a size (6GiB)",
     )
     args = ap.parse_args(argv)
+    if args.gpu_budget is not None:
+        check_budget(ap, args.gpu_budget)  # before any process starts
     if "RANK" in os.environ:  # torchrun
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
     with tempfile.TemporaryDirectory() as d:

@@ -409,3 +409,97 @@ def test_pipeline_example_with_a_stage_budget_runs() -> None:
     assert len(lines) == WORLD, done.stdout
     for line in lines:
         assert "stage plan for a budget of" in line and line.endswith("no offloading: yes"), line
+
+
+class _Stage0:
+    """Stage 0 of 1F1B in one process under the method names ``attach`` wraps (no process
+    group needed): F(i) holds microbatch i's input and output until B(i)."""
+
+    stage_index = 0
+
+    def __init__(self, model, inputs, grads, fail_at=None):
+        self.submod, self.inputs, self.grads, self.chunks = model, inputs, grads, len(inputs)
+        self.held, self.fail_at = {}, fail_at
+
+    def forward_one_chunk(self, i, *a, **k):
+        x = self.inputs[i].clone().requires_grad_()
+        out = self.submod(x)
+        if self.fail_at == i:
+            raise RuntimeError("microbatch failed")
+        self.held[i] = (x, out)
+
+    def backward_one_chunk(self, i, *a, **k):
+        _x, out = self.held.pop(i)
+        out.backward(self.grads[i])
+
+    def backward_weight_one_chunk(self, i, *a, **k):
+        pass
+
+    def round(self):
+        from lifecycle import schedule_1f1b
+
+        self.held.clear()
+        for kind, i in schedule_1f1b(4, self.chunks)[0]:
+            (self.forward_one_chunk if kind == "F" else self.backward_one_chunk)(i)
+
+
+def test_a_failed_chunk_abandons_the_round_and_leaks_nothing() -> None:
+    """A forward chunk raising in the middle of a budgeted round: the partial profile is dropped,
+    the failed microbatch's bytes are released, and the next rounds profile, plan and run
+    bitwise as if nothing happened."""
+    import gc
+
+    import offload
+    from lifecycle import HardwareModel
+
+    model = _stage_module(0)
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(ROWS, WIDTH, generator=gen) for _ in range(MICROBATCHES)]
+    grads = [torch.randn(ROWS, WIDTH, generator=gen) for _ in range(MICROBATCHES)]
+
+    def round_grads(stage) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        stage.round()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = round_grads(_Stage0(model, inputs, grads))
+    hw = HardwareModel.cpu_only(
+        copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
+    )
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=BUDGET_BYTES, hardware=hw, min_offload_bytes=0
+    )
+    stage = _Stage0(model, inputs, grads, fail_at=2)
+    with mgr.attach(stage):
+        with pytest.raises(RuntimeError, match="microbatch failed"):
+            round_grads(stage)  # the profiling round fails at F2
+        assert mgr._round is None and mgr.plan is None  # abandoned, nothing profiled
+        stage.held.clear()
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        assert mgr._executor is not None and mgr._executor.live_families() == 0
+        stage.fail_at = None
+        for _ in range(3):  # profiled, planned and timed, refined
+            got = round_grads(stage)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert mgr.plan is not None and mgr.stats.last.unplanned_records == 0
+    gc.collect()
+    assert mgr._executor.live_families() == 0
+    mgr.close()
+
+
+@pytest.mark.parametrize("value", ["abc%", "150%", "7zz"])
+def test_pipeline_example_rejects_a_bad_budget(value: str) -> None:
+    """A bad --gpu-budget is a usage error naming the option, before any process starts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "pipeline_offload.py"
+    done = subprocess.run(
+        [sys.executable, str(example), "--gpu-budget", value],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 2 and "--gpu-budget" in done.stderr, done.stderr
