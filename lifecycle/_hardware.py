@@ -27,14 +27,21 @@ _H200_DUPLEX_BYTES_PER_S = 84.6e9
 _GEN4_NVME_WRITE_BYTES_PER_S = 4.3e9
 _GEN4_NVME_READ_BYTES_PER_S = 6.8e9
 _PINNED_ALLOC_S_PER_BYTE = 0.4 / (1 << 30)
+# Elementwise kernels (a GELU: read the input, write the output) run near the memory bandwidth on
+# a GPU: 4.0e12 on an H200 (HBM3e, 4.8 TB/s peak), the figure lifecycle.transformer_trace uses
+# too. A model without the figure (older JSON) assumes a tenth of that.
+_H200_POINTWISE_BYTES_PER_S = 4.0e12
+_ASSUMED_POINTWISE_BYTES_PER_S = 0.4e12
+_CPU_POINTWISE_BYTES_PER_S = 4.0e9  # a GELU on a few cores, input plus output (assumed)
 
-_RATES = (
+_REQUIRED_RATES = (
     "h2d_bytes_per_s",
     "d2h_bytes_per_s",
     "duplex_bytes_per_s",
     "disk_write_bytes_per_s",
     "disk_read_bytes_per_s",
 )
+_RATES = (*_REQUIRED_RATES, "pointwise_bytes_per_s")
 _TEXTS = ("device_name", "link", "source")
 
 
@@ -53,6 +60,9 @@ class HardwareModel:
             ``h2d + d2h`` means the directions never slow each other.
         disk_write_bytes_per_s: host (pinned staging) to the NVMe directory.
         disk_read_bytes_per_s: the NVMe directory to host (pinned staging).
+        pointwise_bytes_per_s: bytes an elementwise kernel on the device reads and writes per
+            second (its input plus its output): the rate at which a saved activation output is
+            rebuilt from its input at unpack (``Placement.REBUILD``).
         pinned_alloc_s_per_byte: seconds to allocate one byte of pinned host memory (a start-up
             cost of the pool: the planner may report it; a step does not pay it).
         copies_overlap_compute: True when copies run on their own streams beside compute (CUDA).
@@ -84,6 +94,7 @@ class HardwareModel:
     duplex_bytes_per_s: float
     disk_write_bytes_per_s: float
     disk_read_bytes_per_s: float
+    pointwise_bytes_per_s: float = _ASSUMED_POINTWISE_BYTES_PER_S
     pinned_alloc_s_per_byte: float = 0.0
     copies_overlap_compute: bool = True
     device_name: str = ""
@@ -140,6 +151,7 @@ class HardwareModel:
             duplex_bytes_per_s=_H200_DUPLEX_BYTES_PER_S,
             disk_write_bytes_per_s=_GEN4_NVME_WRITE_BYTES_PER_S,
             disk_read_bytes_per_s=_GEN4_NVME_READ_BYTES_PER_S,
+            pointwise_bytes_per_s=_H200_POINTWISE_BYTES_PER_S,
             pinned_alloc_s_per_byte=_PINNED_ALLOC_S_PER_BYTE,
             device_name="NVIDIA H200",
             link="PCIe Gen5 x16",
@@ -153,6 +165,7 @@ class HardwareModel:
         copy_bytes_per_s: float,
         disk_write_bytes_per_s: float,
         disk_read_bytes_per_s: float,
+        pointwise_bytes_per_s: float = _CPU_POINTWISE_BYTES_PER_S,
         source: str = "assumed",
     ) -> HardwareModel:
         """A CPU-only run, where "offload to cpu" is a memcpy run by the compute thread.
@@ -166,6 +179,7 @@ class HardwareModel:
             copy_bytes_per_s: memcpy bandwidth, bytes per second.
             disk_write_bytes_per_s: write bandwidth of the NVMe directory.
             disk_read_bytes_per_s: read bandwidth of the NVMe directory.
+            pointwise_bytes_per_s: bytes a GELU reads and writes per second on this CPU.
             source: where the figures come from.
 
         Example:
@@ -180,6 +194,7 @@ class HardwareModel:
             duplex_bytes_per_s=copy_bytes_per_s,
             disk_write_bytes_per_s=disk_write_bytes_per_s,
             disk_read_bytes_per_s=disk_read_bytes_per_s,
+            pointwise_bytes_per_s=pointwise_bytes_per_s,
             copies_overlap_compute=False,
             device_name="cpu",
             link="host memcpy",
@@ -209,12 +224,12 @@ class HardwareModel:
         unknown = sorted(set(data) - known - {"format", "schema_version"})
         if unknown:
             raise ValueError(f"hardware model has unknown fields {unknown}; known: {sorted(known)}")
-        missing = [name for name in _RATES if name not in data]
+        missing = [name for name in _REQUIRED_RATES if name not in data]
         if missing:
             raise ValueError(f"hardware model lacks {missing}")
         kwargs = {k: v for k, v in data.items() if k in known}
         for name in _RATES:
-            if kwargs[name] == "inf":
+            if kwargs.get(name) == "inf":
                 kwargs[name] = math.inf
         try:
             return cls(**kwargs)

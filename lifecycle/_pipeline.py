@@ -193,13 +193,16 @@ def pipeline_trace(
                     pack_time_s=t,
                     unpack_events=tuple(i for i, _ in used),
                     unpack_times_s=tuple(x for _, x in used),
+                    rebuild_from=m * n_rec + (r.rebuild_from - first_seq)
+                    if r.rebuild_from >= 0
+                    else -1,
                 )
             )
     # Records are addressed by position: renumber densely (a record whose pack fell outside
     # both parts, which a well-formed step does not have, is dropped above).
     renumber = {r.seq: i for i, r in enumerate(sorted(out_records, key=lambda r: r.seq))}
     out_records = [
-        dataclasses.replace(r, seq=renumber[r.seq])
+        dataclasses.replace(r, seq=renumber[r.seq], rebuild_from=renumber.get(r.rebuild_from, -1))
         for r in sorted(out_records, key=lambda r: r.seq)
     ]
     out_events = [

@@ -101,7 +101,8 @@ class PlanEntry:
         keys: record keys of its members, in pack order; the first one decides at execution.
         nbytes: bytes its copy spans.
         module: module path of its first record (for summaries).
-        placement: KEEP, CPU, NVME or RECOMPUTE.
+        placement: KEEP, CPU, NVME, RECOMPUTE or REBUILD (not stored: rebuilt at its first
+            unpack from the family its records' ``rebuild_from`` names).
         reload: CPU / NVME: where its reload starts (``None``: when backward reaches the module
             call that packed it).
         reload_event: the same point as an event index of the planned trace (for the simulator;
@@ -221,7 +222,8 @@ class Plan:
         return self.gpu_budget_bytes - self.margin_bytes
 
     def bytes_by_placement(self) -> dict[str, int]:
-        """Family bytes per placement: ``{"keep": ..., "cpu": ..., "nvme": ..., "recompute": ...}``."""
+        """Family bytes per placement: ``{"keep": ..., "cpu": ..., "nvme": ..., "recompute": ...,
+        "rebuild": ...}``."""
         out = {p.value: 0 for p in Placement}
         for e in self.entries:
             out[e.placement.value] += e.nbytes

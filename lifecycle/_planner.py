@@ -22,6 +22,9 @@ NOTE [ Planner ]
         first is a further order variant (each microbatch's early layers before any late ones). ``k`` runs from 0 to ``top``, the
         most the host and disk room allow. Past ``cpu_budget`` the earliest-packed offloaded
         families go to NVMe (the larger, slower tier).
+      * whether the outputs the trace links to their inputs (``rebuild_from``: a GELU / SiLU
+        output saved by the next op) are rebuilt instead of stored (NOTE [ Rebuilt outputs ]):
+        a further order variant of every column.
     A column is one (m, lead). In each column the smallest ``k`` whose predicted peak fits is
     found by bisection over ``[0, top]`` (to within 1/256 of the column); the plan is the column
     result with the smallest predicted step time (then the fewest moved bytes).
@@ -72,6 +75,22 @@ NOTE [ Planner ]
       in all of it. Not modelled: what the simulator also leaves out (see NOTE [ Simulation
       model ]), duplex sharing in time, and the time shift a stall causes (which only makes
       copies out complete earlier in the step's events).
+
+NOTE [ Rebuilt outputs ]
+    A family every record of which the trace links to one other family (``TensorRecord.
+    rebuild_from``: an activation's output saved by the next Linear, linked to the input the
+    activation's own node saved) can be rebuilt at its first unpack instead of stored: one
+    elementwise kernel on the compute stream, (input + output bytes) / ``pointwise_bytes_per_s``
+    (against two link crossings of the output's bytes, or keeping them). Rebuild variants of
+    every order variant rebuild all such families of a column (those whose input or own block
+    is not recomputed; an input is never rebuilt itself), which then are no offload
+    candidates. Model: a rebuilt family is absent from the event after its pack until its first
+    unpack, then held to its last use as before; the step gains the rebuild times (a constant
+    of the column, so (2) holds); its input is needed at the earlier of its own first unpack
+    and the output's, so a moved input's reload is placed and timed for that (for every column
+    of the variant, also where the output is recomputed instead: its reload then starts
+    earlier than it needs to). Where memory is plentiful the rebuild variant loses by its
+    rebuild time and the plan stores the outputs.
 """
 
 from __future__ import annotations
@@ -321,6 +340,7 @@ def _plan(
             "simulations": simulations,
             "records": len(view.records),
             "recomputed_blocks": chosen.m,
+            "rebuilt_families": len(chosen.rebuilt),
             "offloaded_families": chosen.k,
             "reload_lead": chosen.lead,
             "model_peak_bytes": math.ceil(chosen.peak),
@@ -381,6 +401,7 @@ _RECORD_FIELDS = np.dtype(
         ("pack", np.int64),
         ("param", np.bool_),
         ("backward", np.bool_),
+        ("rebuild", np.int64),
     ]
 )
 
@@ -485,6 +506,7 @@ class _Step:
                     "pack_event",
                     "is_parameter",
                     "in_backward",
+                    "rebuild_from",
                 ),
                 recs,
             ),
@@ -548,6 +570,19 @@ class _Step:
         self.record_pack = pack
         self.record_backward = in_bwd
         self.keys: list[Key] = list(map(_get("module", "call_index", "ordinal"), recs))
+        # The family each family can be rebuilt from (every record of it rebuilt from a record
+        # of that one family), or -1.
+        self.rebuild_parent = np.full(n_fam, -1, np.int64)
+        link = fields["rebuild"] - self.first_seq
+        linked = (fields["rebuild"] >= 0) & (link >= 0) & (link < r)
+        if linked.any():
+            via = np.where(linked, pos[np.where(linked, link, 0)], -2)
+            lo_p = np.full(n_fam, big, np.int64)
+            hi_p = np.full(n_fam, -2, np.int64)
+            np.minimum.at(lo_p, pos, via)
+            np.maximum.at(hi_p, pos, via)
+            one = (lo_p == hi_p) & (lo_p >= 0) & (lo_p != np.arange(n_fam))
+            self.rebuild_parent[one] = lo_p[one]
 
 
 def _view_spans(views: list[TensorRecord], nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -673,6 +708,7 @@ class _Candidate:
     moved: np.ndarray  # family positions offloaded, in pack order
     nvme: np.ndarray  # bool per moved: goes to NVMe
     trigger: np.ndarray  # local event index of each moved family's reload start (-1: none)
+    rebuilt: np.ndarray  # family positions rebuilt at their first unpack
 
 
 class _Column:
@@ -682,10 +718,16 @@ class _Column:
         v = model.v
         self.m = m
         self.variant = variant
+        slack, by_life, rebuild = model.variants[variant]
+        self.rebuild = rebuild
         rec, unit_of = model.recomputed(m)
         self.recomputed, self.unit_of = rec, unit_of
         self.recompute_s = model.recompute_s[m]
-        fams = model.pack_order
+        self.rebuilt = np.zeros(0, np.int64)
+        if rebuild:
+            self.rebuilt, rebuild_s = model.rebuilt(rec)
+            self.recompute_s += rebuild_s
+        fams = model.views[rebuild][3]
         if len(rec):
             keep = np.ones(len(v.fid), bool)
             keep[rec] = False
@@ -694,8 +736,7 @@ class _Column:
         n = len(fams)
         self.n = n
         # Offload order (see NOTE [ Planner ]): rank of each family in it.
-        slack, by_life = model.variants[variant]
-        free = model.free_mask(fams, m, slack)
+        free = model.free_mask(fams, m, slack, rebuild)
         ahead = np.cumsum(free) - 1
         n_free = int(free.sum())
         self.rank = np.where(free, ahead, n_free + np.arange(n) - ahead - 1)
@@ -708,6 +749,11 @@ class _Column:
         self.end = v.end[fams]
         self.b = model.b[fams]
         self.base = model.base_memory(m)  # per frame, nothing offloaded
+        r = self.rebuilt
+        if len(r):
+            # Absent from the event after its pack until it is rebuilt at its first unpack.
+            stop = np.where(v.fu[r] >= 0, v.fu[r], v.end[r] + 1)
+            self.base = self.base - v.freed(v.fp[r] + 1, stop, v.nbytes[r])
         self.peak0 = float(self.base.max()) if len(self.base) else 0.0
         # Bytes of the first k (in offload order) held throughout the frame where
         # nothing-offloaded memory peaks: what offloading them can take off that peak, at most.
@@ -781,12 +827,12 @@ class _Model:
         # first; where the two differ (a pipeline round: every microbatch's forward precedes its
         # own backward, not all backwards), longest-lived first is searched too.
         self.life = np.where(v.end >= v.fp, v.t[v.end] - v.t[v.fp], 0.0)
-        self.variants = [(i, False) for i in range(len(self.order_slacks))]
+        self.variants = [(i, False, False) for i in range(len(self.order_slacks))]
         cand = order[v.candidate[order]]
         if len(cand) and np.any(np.diff(self.life[cand]) > 0):
             by_life = cand[np.argsort(-self.life[cand], kind="stable")]
             if not np.array_equal(by_life, cand):
-                self.variants.append((0, True))
+                self.variants.append((0, True, False))
         self.u = np.where(v.fu >= 0, v.t[np.maximum(v.fu, 0)], np.inf)
         both = hw.h2d_bytes_per_s + hw.d2h_bytes_per_s
         self.duplex = 1.0 if hw.duplex_bytes_per_s >= both else hw.duplex_bytes_per_s / both
@@ -811,7 +857,12 @@ class _Model:
         self.recompute_s = [0.0, *itertools.accumulate(reversed(self.blocks.duration_s))]
         self.pack_order = order[v.candidate[order]]
         unpacked = np.flatnonzero(v.fu >= 0)
-        self.use_order = unpacked[np.argsort(v.fu[unpacked], kind="stable")]
+        use_order = unpacked[np.argsort(v.fu[unpacked], kind="stable")]
+        # Per rebuild flag: gathered facts, use order, offload candidates (see NOTE [ Rebuilt
+        # outputs ]).
+        self.views = {False: (self.floats, self.ints, use_order, self.pack_order)}
+        self._rebuild_times: dict[int, float] = {}
+        self._rebuildable(hw)
         self._index = np.zeros(len(v.fid), np.int64)  # scratch: family position -> index
         # Nothing offloaded, nothing recomputed: the trace's memory, per frame.
         act = ~v.param
@@ -820,9 +871,55 @@ class _Model:
         self._columns: dict[tuple[int, int], _Column] = {}
         self._recomputed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._tops: dict[tuple[int, float, int], _Candidate] = {}
-        self._free_prefix: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._free_prefix: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
         # Without recompute the search stays on m = 0 (the anchors still use every block).
         self.ladder = _ladder(len(self.blocks)) if recompute else [0]
+
+    def _rebuildable(self, hw: HardwareModel) -> None:
+        """The families a plan may rebuild instead of storing (NOTE [ Rebuilt outputs ]), the
+        ones each is rebuilt from, the rebuild times, and the facts rebuild variants score with."""
+        v = self.v
+        parent = v.rebuild_parent
+        outputs = np.flatnonzero(parent >= 0)
+        outputs = outputs[v.candidate[outputs] & v.movable[parent[outputs]]]
+        is_output = np.zeros(len(v.fid), bool)
+        is_output[outputs] = True
+        outputs = outputs[~is_output[parent[outputs]]]  # an input is not rebuilt itself
+        self.outputs, self.inputs = outputs, parent[outputs]
+        self.rebuild_s = (self.b[outputs] + self.b[self.inputs]) / hw.pointwise_bytes_per_s
+        if not len(outputs):
+            return
+        is_output[:] = False
+        is_output[outputs] = True
+        self.variants += [(slack, by_life, True) for slack, by_life, _ in self.variants]
+        # An input is needed at its own first unpack or at its output's, whichever is first.
+        big = np.iinfo(np.int64).max
+        fu = np.where(v.fu >= 0, v.fu, big)
+        np.minimum.at(fu, self.inputs, fu[outputs])
+        fu = np.where(fu < big, fu, -1)
+        floats, ints = self.floats.copy(), self.ints.copy()
+        floats[7] = np.where(fu >= 0, v.t[np.maximum(fu, 0)], np.inf)
+        ints[0] = fu
+        unpacked = np.flatnonzero(fu >= 0)
+        use_order = unpacked[np.argsort(fu[unpacked], kind="stable")]
+        self.views[True] = (floats, ints, use_order, self.pack_order[~is_output[self.pack_order]])
+
+    def rebuild_time(self, m: int, variant: int) -> float:
+        """Seconds the rebuilds of column ``(m, variant)`` add to the step (0.0 without)."""
+        if not self.variants[variant][2]:
+            return 0.0
+        got = self._rebuild_times.get(m)
+        if got is None:
+            got = self._rebuild_times[m] = self.rebuilt(self.recomputed(m)[0])[1]
+        return got
+
+    def rebuilt(self, recomputed: np.ndarray) -> tuple[np.ndarray, float]:
+        """The families rebuilt beside ``recomputed`` ones (neither they nor their inputs
+        recomputed), and the seconds their rebuilds take."""
+        gone = np.zeros(len(self.v.fid), bool)
+        gone[recomputed] = True
+        ok = ~gone[self.outputs] & ~gone[self.inputs]
+        return self.outputs[ok], float(self.rebuild_s[ok].sum())
 
     # -- columns ---------------------------------------------------------------------------
 
@@ -870,7 +967,7 @@ class _Model:
         # A recomputed family is absent from its first pack until its block runs again.
         return self._base0 - v.freed(v.fp[rec], start, v.nbytes[rec])
 
-    def free_mask(self, fams: np.ndarray, m: int, slack: int) -> np.ndarray:
+    def free_mask(self, fams: np.ndarray, m: int, slack: int, rebuild: bool) -> np.ndarray:
         """Per family of ``fams`` (pack order): whether the D2H link takes it without falling
         behind the packs by more than the in-flight bound, given the ones taken before it. Those
         are offloaded first (see NOTE [ Planner ])."""
@@ -879,16 +976,17 @@ class _Model:
             return np.ones(len(fams), bool)
         # The pass over the families before the first recomputed one is the same for every m:
         # run it once over all candidates and resume from there.
-        if slack not in self._free_prefix:
-            self._free_prefix[slack] = self._free_pass(self.pack_order, 0.0, slack)
-        free0, done0 = self._free_prefix[slack]
+        order = self.views[rebuild][3]
+        if (slack, rebuild) not in self._free_prefix:
+            self._free_prefix[(slack, rebuild)] = self._free_pass(order, 0.0, slack)
+        free0, done0 = self._free_prefix[(slack, rebuild)]
         if m == 0:
             return free0
         rec, _ = self.recomputed(m)
         cut = len(fams)
         if len(rec):
-            cut = int(np.searchsorted(self.v.fp[self.pack_order], self.v.fp[rec].min()))
-        cut = min(cut, len(fams))  # fams[:cut] == pack_order[:cut]
+            cut = int(np.searchsorted(self.v.fp[order], self.v.fp[rec].min()))
+        cut = min(cut, len(fams))  # fams[:cut] == order[:cut]
         done = float(done0[cut - 1]) if cut else 0.0
         tail, _ = self._free_pass(fams[cut:], done, slack)
         return np.concatenate([free0[:cut], tail])
@@ -982,12 +1080,15 @@ class _Model:
         step_s = v.step_s + col.recompute_s
         none = np.zeros(0, np.int64)
         if k == 0:
-            return _Candidate(col.m, lead, 0, col.peak0, step_s, none, none.astype(bool), none)
+            return _Candidate(
+                col.m, lead, 0, col.peak0, step_s, none, none.astype(bool), none, col.rebuilt
+            )
         sel = np.flatnonzero(col.rank < k)  # moved families (positions in col), pack order
         fam = col.fams[sel]
         nvme, _ = self._tiers_for(col, sel)
-        tp, b, d2h, h2d, read, write, slack, u_all = np.take(self.floats, fam, axis=1)
-        fu_all, trig_after_pack, frame_after_pack = np.take(self.ints, fam, axis=1)
+        floats, ints, use_order, _ = self.views[col.rebuild]
+        tp, b, d2h, h2d, read, write, slack, u_all = np.take(floats, fam, axis=1)
+        fu_all, trig_after_pack, frame_after_pack = np.take(ints, fam, axis=1)
         if self.overlap:
             cum = np.cumsum(d2h)
             c = np.maximum.accumulate(tp - (cum - d2h)) + cum  # copy-out completions, FIFO
@@ -1021,7 +1122,7 @@ class _Model:
         member[fam] = True
         index = self._index
         index[fam] = np.arange(len(fam))
-        at = index[self.use_order[member[self.use_order]]]  # into sel, use order
+        at = index[use_order[member[use_order]]]  # into sel, use order
         u = u_all[at]
         do = rd[at]
         if self.overlap:
@@ -1036,7 +1137,9 @@ class _Model:
         else:
             step_s += float(d2h.sum()) + float(do.sum())
         if not memory:
-            return _Candidate(col.m, lead, k, math.nan, step_s, none, none.astype(bool), none)
+            return _Candidate(
+                col.m, lead, k, math.nan, step_s, none, none.astype(bool), none, col.rebuilt
+            )
         # Memory: each moved family is absent from its copy's completion to its reload's start.
         trigger = np.full(len(sel), -1, np.int64)
         away = (fu_all < 0) | (c < u_all)
@@ -1067,7 +1170,7 @@ class _Model:
         hi = v.inner_hi[np.where(trigger >= 0, trigger, v.n_events)][away]
         freed = _diff(v.n_frames, lo, np.maximum(hi, lo), b[away])
         peak = float(np.max(col.base - freed))
-        return _Candidate(col.m, lead, k, peak, step_s, fam, nvme, trigger)
+        return _Candidate(col.m, lead, k, peak, step_s, fam, nvme, trigger, col.rebuilt)
 
     # -- the search ------------------------------------------------------------------------
 
@@ -1090,7 +1193,7 @@ class _Model:
             for variant in variants:
                 if (m, lead, variant) not in queued:
                     queued.add((m, lead, variant))
-                    low = self.v.step_s + self.recompute_s[m]
+                    low = self.v.step_s + self.recompute_s[m] + self.rebuild_time(m, variant)
                     heapq.heappush(heap, (low, 0, next(tie), m, lead, variant))
 
         for m in self.ladder:
@@ -1270,8 +1373,10 @@ class _Model:
     def entries(self, c: _Candidate) -> tuple[PlanEntry, ...]:
         v = self.v
         n_fam = len(v.fid)
-        # Per family: 0 keep, 1 cpu, 2 nvme, 3 recompute; reload event; recompute block.
+        # Per family: 0 keep, 1 cpu, 2 nvme, 3 recompute, 4 rebuild; reload event; recompute
+        # block.
         kind = np.zeros(n_fam, np.int8)
+        kind[c.rebuilt] = 4
         kind[c.moved] = np.where(c.nvme, 2, 1)
         event = np.full(n_fam, -1, np.int64)
         event[c.moved] = c.trigger
@@ -1281,7 +1386,13 @@ class _Model:
             kind[recomputed] = 3
             unit[recomputed] = unit_of
         names = [*reversed(self.blocks.module), ""]  # unit -1: ""
-        placements = (Placement.KEEP, Placement.CPU, Placement.NVME, Placement.RECOMPUTE)
+        placements = (
+            Placement.KEEP,
+            Placement.CPU,
+            Placement.NVME,
+            Placement.RECOMPUTE,
+            Placement.REBUILD,
+        )
         positions = np.flatnonzero(v.movable)
         event = event[positions]
         triggers: dict[int, Trigger | None] = {-1: None}

@@ -32,6 +32,7 @@ from torch import nn
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._tensors import (
     ParameterStorages,
+    activation_output,
     local_tensor,
     named_modules_stop_at_compiled,
     tensors_in,
@@ -83,6 +84,7 @@ _RECORD_FIELDS = (
     "is_parameter",
     "grad_fn",
     "in_backward",
+    "rebuild_from",
 )
 
 
@@ -95,6 +97,7 @@ _RECORD_FIELDS = (
 #     that stay tracked are the handle and its detached tensor.
 _KINDS = tuple(EventKind)
 _CODE = {k: i for i, k in enumerate(_KINDS)}
+_REBUILDABLE = frozenset({"GeluBackward0", "SiluBackward0"})  # see Recorder._parent_of
 
 
 class Recorder:
@@ -491,18 +494,22 @@ class Recorder:
 
     # -- saved-tensor hooks ------------------------------------------------------------------
 
-    def record_pack(self, t: torch.Tensor, *, parameter: bool = False) -> int:
+    def record_pack(
+        self, t: torch.Tensor, *, parameter: bool = False, rebuild_from: int = -1
+    ) -> int:
         """Record a pack made by someone else's saved-tensor hooks; returns its ``seq`` (give it
         to :meth:`record_unpack`), or -1 when no step is being recorded.
 
         For a manager whose own hooks must run (only the innermost pair of saved-tensor hooks
         fires): ``offload.ActivationOffloader`` records its profiling step this way.
         ``parameter=True`` records it as a parameter: the caller rebuilds it from one at unpack
-        (``offload``'s autocast weight casts), so no plan needs to place it.
+        (``offload``'s autocast weight casts), so no plan needs to place it. ``rebuild_from``:
+        the ``seq`` of the record ``t`` can be rebuilt from (an activation output and the input
+        its node saved; ``TensorRecord.rebuild_from``), or -1.
         """
         if not self._recording:
             return -1
-        return self._record(t, parameter)
+        return self._record(t, parameter, rebuild_from)
 
     def record_unpack(self, seq: int) -> None:
         """Record the unpack of the pack :meth:`record_pack` numbered ``seq`` (-1: ignored)."""
@@ -519,10 +526,34 @@ class Recorder:
         if not self._recording:
             self._seq_of.pop(id(d), None)
             return d
-        self._seq_of[id(d)] = self._record(t)
+        parent = -1
+        out = t._base if t._base is not None else t  # Linear on 3-D input saves a 2-D view
+        fn = out.grad_fn
+        if fn is not None and type(fn).__name__ in _REBUILDABLE:
+            parent = self._parent_of(t)
+        self._seq_of[id(d)] = self._record(t, rebuild_from=parent)
         return d
 
-    def _record(self, t: torch.Tensor, parameter: bool = False) -> int:
+    def _parent_of(self, t: torch.Tensor) -> int:
+        """The record ``t`` can be rebuilt from (an activation's output from the input its own
+        node saved, packed by these hooks in this step), or -1."""
+        found = activation_output(t)
+        if found is None:
+            return -1
+        _, _, packed, out = found
+        seq = self._seq_of.get(id(packed), -1)
+        if seq < 0 or seq >= len(self._records) or self._records[seq][1] != self._steps_done:
+            return -1
+        row = self._records[seq]
+        # The recipe runs the activation on the input as it is: a dense tensor of the same
+        # shape and dtype (see offload's ActivationRecipe).
+        if row[9] != tuple(out.shape) or row[11] != out.dtype or row[8] != 0:
+            return -1
+        if row[6] != row[7] or row[10] != out.stride():
+            return -1
+        return seq
+
+    def _record(self, t: torch.Tensor, parameter: bool = False, rebuild_from: int = -1) -> int:
         local = t if type(t) is torch.Tensor else local_tensor(t)
         storage = local.untyped_storage()
         sid = id(storage)
@@ -567,6 +598,7 @@ class Recorder:
                 is_param,
                 type(fn).__name__ if fn is not None else "",
                 backward,
+                rebuild_from,
             )
         )
         return seq

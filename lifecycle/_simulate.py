@@ -13,6 +13,12 @@ NOTE [ Simulation model ]
         started starts one: a counted stall);
       * recomputation: the first unpack of a RECOMPUTE unit re-runs the unit's forward, for as
         long as that forward took in the trace;
+      * rebuilds: the first unpack of a REBUILD family (an activation's output, which the trace
+        links to the input the activation saved: ``TensorRecord.rebuild_from``) first needs its
+        parent family (the one that input belongs to) on the device: a kept parent is there; a
+        moved one is waited for as the parent's own first unpack would wait for it (counted as a
+        stall, see NOTE [ Reload policy ]). Then one elementwise kernel reads the parent and
+        writes the family: (parent + family bytes) / ``pointwise_bytes_per_s``;
       * synchronous copies: with ``copies_overlap_compute=False`` (CPU-only runs) the compute
         thread runs each copy itself.
     Copies go through four FIFO channels, one copy at a time each: D2H, H2D, disk write, disk
@@ -24,13 +30,19 @@ NOTE [ Simulation model ]
     live saved bytes at each event: transients, gradients, workspaces, taken as fixed) + the saved
     bytes the placement leaves on the device: kept families from first pack to last use, moved
     families from their pack until their D2H completes and from their reload's start until their
-    last use, recomputed families from their recomputation until their last use. Bytes are freed
-    at the event after their last use, as in :meth:`Trace.live_saved_bytes`.
+    last use, recomputed families from their recomputation until their last use, rebuilt families
+    from their first through their last pack event (the op saving one still uses it) and from
+    their rebuild until their last use. Bytes are freed at the event after their last use, as in :meth:`Trace.live_saved_bytes`;
+    a rebuild is a use of its parent, so a parent stays at least until its children's first
+    unpack. A REBUILD family's records must all link into one parent family of the step, which is
+    itself kept or moved (a rebuild reads it; it cannot be recomputed or rebuilt in turn).
     Not modelled: a per-copy latency, kernels slowed by concurrent copies, host (pinned) memory and
     disk capacity, the allocator's rounding and fragmentation, saved tensors that Python still
     references (offloading those frees nothing in reality), the inputs a checkpointed module keeps
     (:func:`checkpoint_blocks` keeps each block's first family for them), disk reads contending
-    with writes, transients of a recomputation, and steps overlapping each other (pipelining).
+    with writes, transients of a recomputation, a rebuilt output that Python still references in
+    forward (between its pack and the next event it is taken as gone), and steps overlapping each
+    other (pipelining).
 
 NOTE [ Reload policy ]
     A moved family's reload starts at the event its :class:`Decision` names (``reload_event``);
@@ -47,10 +59,17 @@ NOTE [ Reload policy ]
     a slower step: when the first families backward needs are still going out, the window has
     already queued later ones ahead of them. With every copy out complete by the time backward
     begins, a larger window never predicts a slower step.
+    A rebuild reads its parent (NOTE [ Simulation model ]), and backward reaches a rebuilt family
+    before its parent (fc2's backward unpacks the GELU output, then GELU's unpacks its input).
+    So for a moved parent, "first needs" is the earlier of its own first unpack and its rebuilt
+    children's, and the module calls that trigger its reload include its children's (the executor
+    starts the input's reload from the backward of the module that saved the rebuilt output). A
+    rebuild whose parent's reload was never requested requests it: a stall, as for an unpack.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections import deque
@@ -76,6 +95,7 @@ class Placement(str, enum.Enum):
     CPU = "cpu"  # pinned host memory
     NVME = "nvme"  # a file, through pinned staging
     RECOMPUTE = "recompute"  # dropped; its module's forward runs again in backward
+    REBUILD = "rebuild"  # dropped; rebuilt at its first unpack from its parent (rebuild_from)
 
     @property
     def moves(self) -> bool:
@@ -135,7 +155,7 @@ class Decision:
 class Simulation:
     """The predicted course of one step under a placement.
 
-    ``step_s == trace_step_s + stall_s + backpressure_s + recompute_s + sync_copy_s``.
+    ``step_s == trace_step_s + stall_s + backpressure_s + recompute_s + rebuild_s + sync_copy_s``.
 
     Attributes:
         peak_bytes: predicted device memory peak (base included).
@@ -143,14 +163,16 @@ class Simulation:
         step_s: predicted step time.
         trace_step_s: the step's time in the trace (what keeping everything costs).
         stall_s: time unpacks waited for reloads.
-        stalls: unpacks that found no reload started.
+        stalls: unpacks (or rebuilds, for their parent) that found no reload started.
         backpressure_s: time packs waited for copies out (``max_inflight_bytes``).
         recompute_s: time spent running forwards again.
+        rebuild_s: time spent rebuilding REBUILD families from their parents.
         sync_copy_s: time the compute thread ran copies itself (``copies_overlap_compute=False``).
         d2h_busy_s / h2d_busy_s / disk_write_busy_s / disk_read_busy_s: seconds each channel was
             copying.
         bytes_offloaded_cpu / bytes_offloaded_nvme: bytes copied out to each tier.
         bytes_recomputed: bytes of the families recomputed instead of kept.
+        bytes_rebuilt: bytes of the families rebuilt from their parents instead of kept.
         bytes_reloaded: bytes copied back (less than those offloaded when a family was never
             unpacked, or was unpacked before its copy out completed and used its source).
         memory_timeline: ``(seconds since step start, device bytes)`` at each change, in time order
@@ -174,6 +196,7 @@ class Simulation:
     stalls: int
     backpressure_s: float
     recompute_s: float
+    rebuild_s: float
     sync_copy_s: float
     d2h_busy_s: float
     h2d_busy_s: float
@@ -182,6 +205,7 @@ class Simulation:
     bytes_offloaded_cpu: int
     bytes_offloaded_nvme: int
     bytes_recomputed: int
+    bytes_rebuilt: int
     bytes_reloaded: int
     memory_timeline: tuple[tuple[float, int], ...] = field(repr=False)
 
@@ -235,8 +259,9 @@ def simulate(
         TypeError: ``trace`` is not a :class:`Trace` or ``hardware`` not a :class:`HardwareModel`.
         ValueError: ``step`` is out of range; a placement names a family not in the step, moves or
             recomputes a parameter or a family packed in backward, has a ``reload_event`` outside
-            the family's life, or recomputes a family that no module's forward encloses; a byte
-            argument is negative or unparsable.
+            the family's life, recomputes a family that no module's forward encloses, or rebuilds
+            a family that the trace does not link to one parent family of the step, or whose
+            parent is itself recomputed or rebuilt; a byte argument is negative or unparsable.
 
     Example:
         >>> import math, torch, offload
@@ -408,9 +433,12 @@ class _FamilyFacts:
     module: str  # of the first record
     calls: tuple[tuple[str, int], ...]  # (module, call index) of every member's pack
     first_pack: int  # event indices
+    last_pack: int
     first_unpack: int  # -1: never unpacked
     last_use: int  # -1: never unpacked (lives to the end of the step)
     movable: bool  # an activation not packed during backward
+    records: tuple[int, ...]  # seq of each member
+    rebuild_from: tuple[int, ...]  # each member's TensorRecord.rebuild_from (-1: none)
 
 
 class _StepView:
@@ -462,9 +490,12 @@ def _family_facts(trace: Trace, step: int) -> Iterable[_FamilyFacts]:
             module=members[0].module,
             calls=tuple(dict.fromkeys((r.module, r.call_index) for r in members)),
             first_pack=fam.first_pack_event,
+            last_pack=max(r.pack_event for r in members),
             first_unpack=min(unpacks) if unpacks else -1,
             last_use=fam.last_use_event if unpacks else -1,
             movable=not any(r.in_backward for r in members),
+            records=fam.records,
+            rebuild_from=tuple(r.rebuild_from for r in members),
         )
 
 
@@ -585,6 +616,71 @@ def _units(view: _StepView, decisions: Mapping[int, Decision]) -> dict[int, _Uni
         unit = units.setdefault((module, span.start_event), _Unit(span))
         unit.families.append(fid)
         out[fid] = unit
+    return out
+
+
+def _rebuild_parents(view: _StepView, decisions: Mapping[int, Decision]) -> dict[int, int]:
+    """The parent family of each REBUILD family, checked. See NOTE [ Simulation model ]."""
+    out = {}
+    for fid, d in decisions.items():
+        if d.placement is not Placement.REBUILD:
+            continue
+        facts = view.facts[fid]
+        why = f"placements: family {fid} cannot be rebuilt"
+        parents = set()
+        for seq, link in zip(facts.records, facts.rebuild_from, strict=True):
+            if link < 0:
+                raise ValueError(
+                    f"{why}: its record {seq} has no rebuild_from link in the trace (only an "
+                    "activation's output, saved by the next op, is rebuilt from the input the "
+                    "activation saved)"
+                )
+            parent = view.family_of_record.get(link)
+            if parent is None or parent not in view.facts:
+                raise ValueError(
+                    f"{why}: its record {seq} links to record {link}, which is not an activation "
+                    f"record of step {view.step}"
+                )
+            parents.add(parent)
+        if len(parents) > 1:
+            raise ValueError(
+                f"{why}: its records link to several families {sorted(parents)}; a rebuild reads "
+                "one parent family"
+            )
+        # Not the family itself: its first record links to an earlier one (Trace checks it).
+        (parent,) = parents
+        placement = decisions[parent].placement if parent in decisions else Placement.KEEP
+        if placement in (Placement.RECOMPUTE, Placement.REBUILD):
+            raise ValueError(
+                f"{why}: its parent family {parent} is placed {placement.value!r}; a rebuild "
+                "reads its parent, which must be 'keep', 'cpu' or 'nvme'"
+            )
+        out[fid] = parent
+    return out
+
+
+def _with_rebuild_uses(
+    facts: Mapping[int, _FamilyFacts], parents: Mapping[int, int]
+) -> dict[int, _FamilyFacts]:
+    """``facts`` with each rebuild counted as a use of its parent: the parent's first unpack,
+    last use and reload-triggering calls include its children's first unpacks and calls.
+
+    See NOTE [ Reload policy ].
+    """
+    out = dict(facts)
+    for child, parent in parents.items():
+        c, p = facts[child], out[parent]
+        if c.first_unpack < 0:
+            continue  # never unpacked: never rebuilt
+        out[parent] = dataclasses.replace(
+            p,
+            calls=tuple(dict.fromkeys((*p.calls, *c.calls))),
+            first_unpack=(
+                c.first_unpack if p.first_unpack < 0 else min(p.first_unpack, c.first_unpack)
+            ),
+            # -1 (never unpacked: lives to the end of the step) stays: the end is later still.
+            last_use=p.last_use if p.last_use < 0 else max(p.last_use, c.first_unpack),
+        )
     return out
 
 
@@ -740,8 +836,9 @@ class _FamilyState:
     copied_out: bool = False  # its D2H completed
     requested: bool = False  # reload asked for (started, or waiting for the copy out)
     reload: _Job | None = None
-    unpacked: bool = False  # its first unpack happened
+    unpacked: bool = False  # its first unpack (or, for a parent, its first rebuild) happened
     source_used: bool = False  # unpacked before its D2H completed: the source stays in use
+    parent: _FamilyState | None = None  # REBUILD: the family it is rebuilt from
 
 
 class _Simulator:
@@ -764,15 +861,20 @@ class _Simulator:
         self.channels = _Channels(hw)
         self.memory = _Memory(view.base_bytes)
         self.units = _units(view, decisions)
+        parents = _rebuild_parents(view, decisions)
         self.fams = {
             fid: _FamilyState(
                 facts, decisions[fid].placement if fid in decisions else Placement.KEEP
             )
-            for fid, facts in view.facts.items()
+            for fid, facts in _with_rebuild_uses(view.facts, parents).items()
         }
+        for child, parent in parents.items():
+            self.fams[child].parent = self.fams[parent]
         self.now = 0.0
         self.delay_s = 0.0  # waits added so far: now = trace time since step start + delay_s
-        self.waits = {"stall": 0.0, "backpressure": 0.0, "recompute": 0.0, "sync_copy": 0.0}
+        self.waits = dict.fromkeys(
+            ("stall", "backpressure", "recompute", "rebuild", "sync_copy"), 0.0
+        )
         self.stalls = 0
         self.inflight_bytes = 0  # D2H bytes not yet copied out
         self.ahead_bytes = 0  # requested, not yet unpacked
@@ -848,6 +950,14 @@ class _Simulator:
             self._wait("backpressure", lambda: self._room_for(span))
             self._hold(fam, span)
             self._offload(fam)
+        elif fam.placement is Placement.REBUILD:
+            # The op saving it still uses it; it goes after its last pack, or at its first unpack
+            # (which rebuilds it at once) if backward reaches it sooner.
+            self._hold(fam, span)
+            gone = fam.facts.last_pack + 1
+            if fam.facts.first_unpack >= 0:
+                gone = min(gone, fam.facts.first_unpack)
+            self.free_at.setdefault(gone, []).append(fam)
         # RECOMPUTE: the tensor dies after its consumer in forward; nothing is saved.
         if fam.facts.last_use >= 0:
             self.free_at.setdefault(fam.facts.last_use + 1, []).append(fam)
@@ -880,12 +990,22 @@ class _Simulator:
 
     def _on_unpack(self, e: Event) -> None:
         fam = self._family(e)
-        if fam is None or fam.unpacked:
+        if fam is not None:
+            self._use(fam)
+
+    def _use(self, fam: _FamilyState) -> None:
+        """The family's first use in backward brings it to the device; later ones find it."""
+        if fam.unpacked:
             return
         if fam.placement is Placement.RECOMPUTE:
             self._recompute(self.units[fam.facts.family])
         elif fam.placement.moves:
             self._bring_back(fam)
+        elif fam.placement is Placement.REBUILD:
+            assert fam.parent is not None  # _rebuild_parents found one
+            # See NOTE [ Reload policy ]: the rebuild is its parent's first use when it comes first.
+            self._use(fam.parent)
+            self._rebuild(fam)
         fam.unpacked = True
 
     def _recompute(self, unit: _Unit) -> None:
@@ -901,6 +1021,16 @@ class _Simulator:
             fam = self.fams[fid]
             if fam.facts.first_unpack >= 0:
                 self._hold(fam, fam.facts.span_bytes)
+
+    def _rebuild(self, fam: _FamilyState) -> None:
+        assert fam.parent is not None
+        span = fam.facts.span_bytes
+        cost = (fam.parent.facts.span_bytes + span) / self.hw.pointwise_bytes_per_s
+        self._hold(fam, span)  # the kernel's output, allocated as it starts
+        self.now += cost
+        self.delay_s += cost
+        self.waits["rebuild"] += cost
+        self.channels.advance(self.now)
 
     def _bring_back(self, fam: _FamilyState) -> None:
         if fam.requested:
@@ -981,6 +1111,7 @@ class _Simulator:
             stalls=self.stalls,
             backpressure_s=self.waits["backpressure"],
             recompute_s=self.waits["recompute"],
+            rebuild_s=self.waits["rebuild"],
             sync_copy_s=self.waits["sync_copy"],
             d2h_busy_s=busy[D2H],
             h2d_busy_s=busy[H2D],
@@ -989,6 +1120,7 @@ class _Simulator:
             bytes_offloaded_cpu=total(Placement.CPU),
             bytes_offloaded_nvme=total(Placement.NVME),
             bytes_recomputed=total(Placement.RECOMPUTE),
+            bytes_rebuilt=total(Placement.REBUILD),
             bytes_reloaded=sum(f.facts.span_bytes for f in placed if f.reload is not None),
             memory_timeline=tuple(self.memory.timeline),
         )

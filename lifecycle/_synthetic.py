@@ -21,6 +21,7 @@ class _Op:
     name: str
     saves: tuple[tuple[int, int], ...]  # (family slot in the layer, bytes) per pack
     forward_s: float
+    rebuilt_from: int = -1  # its saves can be rebuilt from this slot's record (GELU output)
 
 
 def transformer_trace(
@@ -39,8 +40,9 @@ def transformer_trace(
     Each layer ``layers.{i}`` calls ``ln1``, ``attn.qkv``, ``attn.core`` (flash attention: saves
     q, k and v as views of the qkv output, its output and the log-sum-exp), ``attn.proj``,
     ``ln2``, ``mlp.fc1``, ``mlp.act`` (GELU) and ``mlp.fc2``: 12 records and 9 alias families per
-    layer (about 32·h bytes per token). The memory probe is ``base_bytes`` plus the live saved
-    bytes.
+    layer (about 32·h bytes per token). The GELU output ``mlp.fc2`` saves links to the input
+    ``mlp.act`` saved (``rebuild_from``), as the recorder links them. The memory probe is
+    ``base_bytes`` plus the live saved bytes.
 
     Args:
         layers: transformer layers.
@@ -86,7 +88,7 @@ def transformer_trace(
         _Op("ln2", ((4, act),), pointwise(2 * act)),
         _Op("mlp.fc1", ((5, act),), mm(hidden, 4 * hidden)),
         _Op("mlp.act", ((6, 4 * act),), pointwise(8 * act)),
-        _Op("mlp.fc2", ((7, 4 * act),), mm(4 * hidden, hidden)),
+        _Op("mlp.fc2", ((7, 4 * act),), mm(4 * hidden, hidden), rebuilt_from=6),
     )
     slot_bytes = {0: act, 1: act, 2: 3 * act, 3: act, 4: act, 5: act, 6: 4 * act, 7: 4 * act}
     slot_bytes[8] = lse
@@ -124,6 +126,7 @@ def _build(layers: int, ops: tuple[_Op, ...], slot_bytes: dict[int, int], base_b
     for i in range(layers):
         block = f"layers.{i}"
         event(EventKind.FORWARD_START, block, 0)
+        slot_seq: dict[int, int] = {}  # slot -> its last record in this layer
         for op in ops:
             name = f"{block}.{op.name}"
             event(EventKind.FORWARD_START, name, 0)
@@ -148,8 +151,10 @@ def _build(layers: int, ops: tuple[_Op, ...], slot_bytes: dict[int, int], base_b
                         "event": -1,
                         "unpacks": [],
                         "layer": i,
+                        "rebuild": slot_seq.get(op.rebuilt_from, -1),
                     }
                 )
+                slot_seq[slot] = seq
                 packs[seq]["event"] = event(EventKind.PACK, name, 0, seq)
                 family_last[f] = seq
             event(EventKind.FORWARD_END, name, 0)
@@ -205,6 +210,7 @@ def _build(layers: int, ops: tuple[_Op, ...], slot_bytes: dict[int, int], base_b
             pack_time_s=p["time"],
             unpack_events=tuple(e for e, _ in p["unpacks"]),
             unpack_times_s=tuple(t for _, t in p["unpacks"]),
+            rebuild_from=p["rebuild"],
         )
         for seq, p in enumerate(packs)
     )

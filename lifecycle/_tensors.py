@@ -105,3 +105,27 @@ class ParameterStorages:
     def _has(self, storage: torch.UntypedStorage) -> bool:
         ref = self._refs.get(id(storage))
         return ref is not None and ref() is storage
+
+
+_ACTIVATIONS = {"GeluBackward0": "gelu", "SiluBackward0": "silu"}
+
+
+def activation_output(t: torch.Tensor) -> tuple[str, str, Any, torch.Tensor] | None:
+    """``(kind, approximate, what the pack of its input returned, output)`` if ``t`` is, or
+    views, a GELU / SiLU output (NOTE [ Activation recipes ] in ``offload/_recipe.py``), else
+    None."""
+    if type(t) is not torch.Tensor:
+        return None
+    out = t._base if t._base is not None else t
+    fn = out.grad_fn
+    kind = _ACTIVATIONS.get(type(fn).__name__) if fn is not None else None
+    if fn is None or kind is None or not out.is_contiguous() or out.storage_offset() != 0:
+        return None
+    if out.untyped_storage().nbytes() != out.numel() * out.element_size():
+        return None
+    # The node's saved input as its pack hook returned it, without unpacking it.
+    packed = getattr(getattr(fn, "_raw_saved_self", None), "data", None)
+    if packed is None:
+        return None
+    approximate = str(getattr(fn, "_saved_approximate", "none")) if kind == "gelu" else ""
+    return kind, approximate, packed, out

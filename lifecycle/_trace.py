@@ -85,6 +85,10 @@ class TensorRecord:
         pack_time_s: time of the pack.
         unpack_events: timeline indices of every unpack, in order.
         unpack_times_s: times of every unpack, in order.
+        rebuild_from: ``seq`` of the record this one can be rebuilt from at unpack instead of
+            stored (an activation's output, saved by the next op, from the input the
+            activation's own node saved: NOTE [ Activation recipes ] in ``offload``), or -1. The
+            planner may choose to rebuild such a family (``Placement.REBUILD``).
     """
 
     seq: int
@@ -107,6 +111,7 @@ class TensorRecord:
     pack_time_s: float
     unpack_events: tuple[int, ...] = ()
     unpack_times_s: tuple[float, ...] = ()
+    rebuild_from: int = -1
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -388,6 +393,11 @@ class Trace:
             if r.seq != i:
                 raise ValueError(
                     f"records must be in seq order with seq == position; record {i} has seq {r.seq}"
+                )
+            if r.rebuild_from != -1 and not 0 <= r.rebuild_from < i:
+                raise ValueError(
+                    f"record {i}'s rebuild_from must be an earlier record's seq or -1; got "
+                    f"{r.rebuild_from}"
                 )
         for i, e in enumerate(self.events):
             if e.index != i:

@@ -1,4 +1,5 @@
-"""``probe_hardware()``: measure this machine's copy links and disk into a :class:`HardwareModel`.
+"""``probe_hardware()``: measure this machine's copy links, elementwise kernel rate and disk into
+a :class:`HardwareModel`.
 
 The planner and the simulator take a :class:`~lifecycle.HardwareModel`; this module fills one with
 figures timed here, and keeps it in a small JSON cache so a process pays for the probe once per
@@ -18,7 +19,7 @@ import re
 import socket
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypeAlias
@@ -26,6 +27,7 @@ from typing import TypeAlias
 import torch
 
 from lifecycle import HardwareModel
+from lifecycle._jsonfile import read_json
 from lifecycle._units import format_bytes, parse_bytes
 from offload._info import _nvml_info, _torch_gpus, check_nvme_dir
 from storage import measure_disk_bandwidth
@@ -39,8 +41,17 @@ log = logging.getLogger("offload")
 DEFAULT_CUDA_PROBE_BYTES = 256 << 20
 DEFAULT_CPU_PROBE_BYTES = 64 << 20
 DEFAULT_DISK_PROBE_BYTES = 256 << 20
-# Each figure is the median of this many timed copies, after one untimed warm-up copy.
+# The GELU input on the CPU is the copy size capped here (the output is as large again): a float32
+# GELU read and wrote 2 to 8 GB/s (busy to idle) on 2 threads of a shared 2-core VM, so the capped
+# probe (a warm-up and PROBE_REPEATS timed) adds 0.05 to 0.25 s, and 32 MiB in and out is still
+# past most last-level caches.
+MAX_CPU_POINTWISE_BYTES = 16 << 20
+# Each figure is the median of this many timed copies (or kernels), after one untimed warm-up.
 PROBE_REPEATS = 5
+# GELU launches per timed sample on CUDA: one on 256 MiB (in, and as much out) takes about 0.13 ms
+# at HardwareModel.h200()'s 4.0e12, so a few microseconds of launch latency would otherwise be a
+# few percent of the figure.
+CUDA_POINTWISE_LAUNCHES = 10
 CACHE_ENV = "OFFLOAD_CACHE_DIR"
 
 _LOG_PREFIX = "offload::probe_hardware"
@@ -72,7 +83,7 @@ def probe_hardware(
     refresh: bool = False,
     nbytes: int | str | None = None,
 ) -> HardwareModel:
-    """Measure the copy links and the disk of this machine, as the planner and simulator need them.
+    """Measure the copy links, elementwise kernels and disk of this machine, for the planner.
 
     On a CUDA device: pinned host-to-device copies alone, device-to-host alone, and both at once on
     two streams (``duplex_bytes_per_s`` is the total of both), each the median of
@@ -82,6 +93,12 @@ def probe_hardware(
     ``copy_`` of one large tensor into another, timed on the host clock with torch's current
     thread count, as :meth:`HardwareModel.cpu_only` (copies do not overlap compute). The figures
     are for this process alone: ranks that copy at the same time share the links.
+
+    ``pointwise_bytes_per_s`` (what rebuilding a GELU or SiLU output from its input costs) is a
+    GELU into a preallocated output, input plus output bytes per second, the median of
+    ``PROBE_REPEATS`` after a warm-up: on CUDA in bf16 (what autocast runs) on a probe-sized
+    input, timed with CUDA events over ``CUDA_POINTWISE_LAUNCHES`` launches; on the CPU in float32
+    on the probe size capped at ``MAX_CPU_POINTWISE_BYTES``, with torch's current thread count.
 
     The disk is measured in ``nvme_dir`` with :func:`storage.measure_disk_bandwidth` (O_DIRECT
     where the file system allows it; the probe file is unlinked and takes at most a quarter of the
@@ -94,8 +111,10 @@ def probe_hardware(
     ``"cpu"``), torch version, ``nvme_dir`` (resolved) and ``nbytes`` as given, in
     ``$OFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/offload``, else ``~/.cache/offload`` (created
     with mode 0700), named ``hardware-<host>-<device>-<hash>.json``. A later call with the same
-    key reads it instead of measuring; an unreadable or corrupt file is logged and replaced, and a
-    cache that cannot be written is logged and skipped: the cache never makes the probe fail.
+    key reads it instead of measuring; an unreadable or corrupt file is logged and replaced, and so
+    is one written by an older probe that lacks a figure (a file without
+    ``pointwise_bytes_per_s`` would otherwise load with an assumed rate). A cache that cannot be
+    written is logged and skipped: the cache never makes the probe fail.
 
     Args:
         device: the device whose links are measured: None (the current CUDA device when CUDA is
@@ -105,9 +124,10 @@ def probe_hardware(
             measures no disk (see above).
         cache: read the cached model if there is one, and write what was measured.
         refresh: measure even if a cached model exists, and overwrite it (when ``cache``).
-        nbytes: bytes per probe, an int or a string like ``"64MiB"``: each copy, and the disk
-            file (then rounded up to 4 KiB and shrunk to fit). None: 256 MiB on CUDA, 64 MiB for
-            a CPU copy, 256 MiB on disk. Small probes are quick but noisy.
+        nbytes: bytes per probe, an int or a string like ``"64MiB"``: each copy, the GELU input
+            (at most 16 MiB on the CPU), and the disk file (then rounded up to 4 KiB and shrunk to
+            fit). None: 256 MiB on CUDA, 64 MiB for a CPU copy, 256 MiB on disk. Small probes are
+            quick but noisy.
 
     Returns:
         A :class:`HardwareModel` whose ``source`` starts with ``"measured"`` and says when, how and
@@ -127,7 +147,7 @@ def probe_hardware(
         ...     device="cpu", nvme_dir=tempfile.gettempdir(), nbytes=1 << 20, cache=False)
         >>> hw.device_name, hw.copies_overlap_compute, hw.source.startswith("measured")
         ('cpu', False, True)
-        >>> hw.h2d_bytes_per_s > 0 and hw.disk_read_bytes_per_s > 0
+        >>> hw.h2d_bytes_per_s > 0 and hw.pointwise_bytes_per_s > 0 and hw.disk_read_bytes_per_s > 0
         True
     """
     for name, flag in (("cache", cache), ("refresh", refresh)):
@@ -166,14 +186,18 @@ def probe_hardware(
     if gpu is None:
         copy_bytes = size or DEFAULT_CPU_PROBE_BYTES
         copy_bytes_per_s = _measure_host_copy(copy_bytes)
+        gelu_numel = max(1, min(copy_bytes, MAX_CPU_POINTWISE_BYTES) // 4)  # float32
+        pointwise_bytes_per_s = _measure_host_pointwise(gelu_numel)
         disk = _measure_disk(directory, size)
         hw = HardwareModel.cpu_only(
             copy_bytes_per_s=copy_bytes_per_s,
             disk_write_bytes_per_s=disk.write_bytes_per_s,
             disk_read_bytes_per_s=disk.read_bytes_per_s,
+            pointwise_bytes_per_s=pointwise_bytes_per_s,
             source=(
-                f"{stamp}: host memcpy of {format_bytes(copy_bytes)}, median of "
-                f"{PROBE_REPEATS} ({torch.get_num_threads()} torch threads); {disk.note}"
+                f"{stamp}: host memcpy of {format_bytes(copy_bytes)} and float32 GELU of "
+                f"{format_bytes(4 * gelu_numel)}, medians of {PROBE_REPEATS} "
+                f"({torch.get_num_threads()} torch threads); {disk.note}"
             ),
         )
     else:
@@ -181,6 +205,7 @@ def probe_hardware(
         h2d, d2h, duplex, pin_s_per_byte = _measure_cuda(dev, copy_bytes)
         # Read after the copies: an idle link trains down, so NVML's current figure is right now.
         link = _link_text(gpu["uuid"])
+        pointwise_bytes_per_s = _measure_cuda_pointwise(dev, max(1, copy_bytes // 2))  # bf16
         disk = _measure_disk(directory, size)
         hw = HardwareModel(
             h2d_bytes_per_s=h2d,
@@ -188,13 +213,14 @@ def probe_hardware(
             duplex_bytes_per_s=duplex,
             disk_write_bytes_per_s=disk.write_bytes_per_s,
             disk_read_bytes_per_s=disk.read_bytes_per_s,
+            pointwise_bytes_per_s=pointwise_bytes_per_s,
             pinned_alloc_s_per_byte=pin_s_per_byte,
             copies_overlap_compute=True,
             device_name=str(gpu["name"]),
             link=link,
             source=(
-                f"{stamp}: {dev}, pinned copies of {format_bytes(copy_bytes)}, median of "
-                f"{PROBE_REPEATS}; {disk.note}"
+                f"{stamp}: {dev}, pinned copies and bf16 GELU of {format_bytes(copy_bytes)}, "
+                f"medians of {PROBE_REPEATS}; {disk.note}"
             ),
         )
     note = "not cached"
@@ -271,6 +297,21 @@ def _measure_host_copy(nbytes: int) -> float:
     return nbytes / max(statistics.median(times), 1e-9)
 
 
+def _measure_host_pointwise(numel: int) -> float:
+    """Bytes per second a float32 GELU of ``numel`` elements on the CPU reads plus writes, on
+    torch's current threads, into a preallocated output: the kernel, not the allocator's page
+    faults."""
+    x = torch.linspace(-4.0, 4.0, numel)  # GELU's curved range, not one value
+    y = torch.empty_like(x)
+    torch.ops.aten.gelu.out(x, out=y)  # warm-up; it also faults in the output's pages
+    times = []
+    for _ in range(PROBE_REPEATS):
+        start = time.perf_counter()
+        torch.ops.aten.gelu.out(x, out=y)
+        times.append(time.perf_counter() - start)
+    return 2 * x.nbytes / max(statistics.median(times), 1e-9)
+
+
 def _measure_cuda(dev: torch.device, nbytes: int) -> tuple[float, float, float, float]:
     """H2D alone, D2H alone and both at once (bytes per second, the last a total), and pinned
     allocation seconds per byte, on ``dev``. The same copies as ``offload info`` times
@@ -330,6 +371,32 @@ def _measure_cuda(dev: torch.device, nbytes: int) -> tuple[float, float, float, 
     # torch pins a power of two at least as large as the request: that is what was paid for.
     pinned = 1 << max(0, nbytes - 1).bit_length()
     return nbytes / h2d_s, nbytes / d2h_s, 2 * nbytes / both_s, pin_s / pinned
+
+
+def _measure_cuda_pointwise(dev: torch.device, numel: int) -> float:
+    """Bytes per second a bf16 GELU of ``numel`` elements on ``dev`` reads plus writes, into a
+    preallocated output so that no allocation is timed."""
+    with torch.cuda.device(dev):
+        x = torch.linspace(-4.0, 4.0, numel, dtype=torch.bfloat16, device=dev)
+        y = torch.empty_like(x)
+        stream = torch.cuda.current_stream(dev)
+
+        def timed(x: torch.Tensor, y: torch.Tensor) -> float:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            # On the stream the kernels run on: after x's initialisation, before the first GELU.
+            start.record(stream)
+            for _ in range(CUDA_POINTWISE_LAUNCHES):
+                torch.ops.aten.gelu.out(x, out=y)
+            end.record(stream)
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / CUDA_POINTWISE_LAUNCHES
+
+        timed(x, y)  # warm-up: loads the kernel (CUDA loads modules lazily)
+        seconds = max(statistics.median(timed(x, y) for _ in range(PROBE_REPEATS)), 1e-9)
+        del x, y  # used only on `stream`, where all is complete after end.synchronize()
+    torch.cuda.empty_cache()  # give back the input and output the probe held
+    return 2 * numel * torch.bfloat16.itemsize / seconds
 
 
 def _empty_host_cache() -> None:
@@ -436,12 +503,26 @@ def _slug(text: str) -> str:
 
 def _read_cache(path: Path) -> HardwareModel | None:
     try:
-        return HardwareModel.load(path)
+        data = read_json(path)
+        hw = HardwareModel.from_dict(data)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as e:  # unreadable, not JSON, another schema, ...
         log.warning("%s: ignoring the cache file %s (%s); measuring again", _LOG_PREFIX, path, e)
         return None
+    # HardwareModel.save writes every field, so a field the file lacks was added to the model
+    # after an older probe wrote it, and from_dict filled it with an assumed figure (the
+    # pointwise rate: 0.4e12 whatever the device). A cached model must be all measured.
+    missing = sorted({f.name for f in fields(HardwareModel)} - set(data))
+    if missing:
+        log.info(
+            "%s: the cache file %s was written by an older probe (no %s); measuring again",
+            _LOG_PREFIX,
+            path,
+            ", ".join(missing),
+        )
+        return None
+    return hw
 
 
 def _write_cache(path: Path, hw: HardwareModel) -> str:
@@ -481,10 +562,11 @@ def _log_figures(hw: HardwareModel, note: str) -> None:
     else:
         links = f"host memcpy {_gbps(hw.h2d_bytes_per_s)}"
     log.info(
-        "%s %s: %s; disk write %s, read %s; %s; %s",
+        "%s %s: %s; GELU %s (in + out); disk write %s, read %s; %s; %s",
         _LOG_PREFIX,
         hw.device_name,
         links,
+        _gbps(hw.pointwise_bytes_per_s),
         _gbps(hw.disk_write_bytes_per_s),
         _gbps(hw.disk_read_bytes_per_s),
         note,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -176,16 +177,20 @@ def test_pipeline_rounds_search_a_longest_lived_first_order() -> None:
     from lifecycle._planner import _Model, _Step
 
     one = transformer_trace(layers=8, hidden=4096, tokens=8192)
+    # Without rebuildable GELU outputs (with them, 15 GiB fits either order equally fast).
+    one = dataclasses.replace(
+        one, records=tuple(dataclasses.replace(r, rebuild_from=-1) for r in one.records)
+    )
     hw = HardwareModel.h200()
 
     def model_of(trace):
         view = _Step(trace, 0, 0)
         return _Model(view, hw, ("cpu",), math.inf, math.inf, None)
 
-    assert not any(by_life for _, by_life in model_of(one).variants)
+    assert not any(by_life for _, by_life, _ in model_of(one).variants)
     stage1 = pipeline_trace(one, stage=1, stages=4, microbatches=8)
     full = model_of(stage1)
-    assert full.variants[-1] == (0, True)
+    assert (0, True, False) in full.variants
     target = 15 * 2**30
     pack_order_only = model_of(stage1)
     pack_order_only.variants = [v for v in pack_order_only.variants if not v[1]]

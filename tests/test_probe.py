@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import math
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lifecycle import HardwareModel
+from lifecycle._units import format_bytes
+from offload import _probe
 from offload._probe import probe_hardware
 
 SMALL = 1 << 20  # 1 MiB probes: quick, and noisy figures are fine for these checks
@@ -37,6 +42,7 @@ def _rates(hw: HardwareModel) -> list[float]:
         hw.duplex_bytes_per_s,
         hw.disk_write_bytes_per_s,
         hw.disk_read_bytes_per_s,
+        hw.pointwise_bytes_per_s,
     ]
 
 
@@ -74,6 +80,8 @@ def test_cache_round_trip(cache_dir: Path, disk_dir: Path) -> None:
     assert path.name.startswith("hardware-") and path.suffix == ".json"
     assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700
     assert HardwareModel.load(path) == first
+    # Written, not left to HardwareModel's assumed default on the way back.
+    assert json.loads(path.read_text())["pointwise_bytes_per_s"] == first.pointwise_bytes_per_s
     assert probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL) == first
     assert _only_file(cache_dir) == path
 
@@ -96,6 +104,56 @@ def test_second_call_reads_the_file_and_refresh_measures_again(
     fresh = probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL, refresh=True)
     assert fresh != marker and fresh.source.startswith("measured")
     assert HardwareModel.load(path) == fresh
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "cap", "gelu_input_bytes"),
+    [(SMALL, 32 << 20, SMALL), (SMALL, SMALL // 4, SMALL // 4), (SMALL + 2, 32 << 20, SMALL)],
+)
+def test_cpu_pointwise_rate_is_input_plus_output_bytes_per_second(
+    monkeypatch: pytest.MonkeyPatch, nbytes: int, cap: int, gelu_input_bytes: int
+) -> None:
+    # A host clock that advances one second per reading: every timed copy and GELU takes exactly
+    # 1 s, so each rate is the bytes that operation moves. The last case is not a whole number
+    # of float32 elements: the GELU runs on the whole elements it holds.
+    ticks = itertools.count()
+    monkeypatch.setattr(_probe, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(_probe, "MAX_CPU_POINTWISE_BYTES", cap)
+    hw = probe_hardware(device="cpu", nbytes=nbytes, cache=False)
+    assert hw.h2d_bytes_per_s == nbytes
+    assert hw.pointwise_bytes_per_s == 2 * gelu_input_bytes  # read the input, write the output
+    assert f"float32 GELU of {format_bytes(gelu_input_bytes)}," in hw.source
+
+
+def test_cache_file_from_an_older_probe_is_measured_again(
+    cache_dir: Path, disk_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL)
+    path = _only_file(cache_dir)
+    # What the probe wrote before it measured elementwise kernels: every field but that one. A
+    # marker, so that a call returning it (with the assumed pointwise rate) has read the file.
+    marker = HardwareModel.cpu_only(
+        copy_bytes_per_s=123.0,
+        disk_write_bytes_per_s=4.0,
+        disk_read_bytes_per_s=5.0,
+        source="planted by the test",
+    )
+    old = marker.to_dict()
+    del old["pointwise_bytes_per_s"]
+    path.write_text(json.dumps(old))
+    assert HardwareModel.load(path).pointwise_bytes_per_s > 0  # loadable: only the probe refuses
+
+    with caplog.at_level(logging.INFO, logger="offload"):
+        hw = probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL)
+    assert hw.source.startswith("measured") and hw.h2d_bytes_per_s != 123.0
+    assert json.loads(path.read_text())["pointwise_bytes_per_s"] == hw.pointwise_bytes_per_s
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("older probe" in m and "pointwise_bytes_per_s" in m for m in messages)
+    # The fresh figures are logged, the GELU rate among them.
+    assert any(f"GELU {hw.pointwise_bytes_per_s / 1e9:.2f} GB/s" in m for m in messages)
+    # The rewritten file is complete, so the next call reads it.
+    assert probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL) == hw
 
 
 def test_cache_key_separates_disks_and_probe_sizes(cache_dir: Path, tmp_path: Path) -> None:
@@ -202,5 +260,8 @@ def test_cuda_probe_measures_both_directions(tmp_path: Path) -> None:
     # Both at once moves more in total than either direction alone (or as much, on a link
     # whose directions share one copy engine); 10% slack for noise.
     assert hw.duplex_bytes_per_s >= max(hw.h2d_bytes_per_s, hw.d2h_bytes_per_s) * 0.9
+    # A GELU reads and writes device memory, which any GPU's memory outruns its PCIe link.
+    assert hw.pointwise_bytes_per_s > hw.duplex_bytes_per_s
+    assert "bf16 GELU" in hw.source
     # The probe's buffers are freed.
     assert torch.cuda.memory_allocated() == allocated

@@ -9,7 +9,9 @@ import json
 import math
 
 import pytest
+import torch
 from models import ALL_MODELS, gpt_block
+from torch import nn
 
 import offload
 from lifecycle import (
@@ -25,9 +27,11 @@ from lifecycle import (
     offload_all,
     predict_anchors,
     simulate,
+    transformer_trace,
 )
 
 CPU, NVME, KEEP, RECOMPUTE = Placement.CPU, Placement.NVME, Placement.KEEP, Placement.RECOMPUTE
+REBUILD = Placement.REBUILD
 
 # -- building traces by hand ----------------------------------------------------------------
 
@@ -61,6 +65,7 @@ class _Builder:
         family: int | None = None,
         param: bool = False,
         in_backward: bool = False,
+        rebuild_from: int = -1,
     ) -> int:
         seq = len(self.packs)
         self.packs.append(
@@ -70,6 +75,7 @@ class _Builder:
                 "module": module,
                 "param": param,
                 "in_backward": in_backward,
+                "rebuild_from": rebuild_from,
             }
         )
         self._event(t, EventKind.PACK, module, seq)
@@ -120,6 +126,7 @@ class _Builder:
                     pack_time_s=pack.time_s,
                     unpack_events=tuple(e.index for e in unpacks),
                     unpack_times_s=tuple(e.time_s for e in unpacks),
+                    rebuild_from=p["rebuild_from"],
                 )
             )
         trace = Trace(records=tuple(records), events=events)
@@ -174,7 +181,7 @@ IDEAL = _hw(math.inf)
 
 def _check_accounting(sim: Simulation) -> None:
     """What every simulation must satisfy, whatever the placement."""
-    waits = sim.stall_s + sim.backpressure_s + sim.recompute_s + sim.sync_copy_s
+    waits = sim.stall_s + sim.backpressure_s + sim.recompute_s + sim.rebuild_s + sim.sync_copy_s
     assert sim.step_s == pytest.approx(sim.trace_step_s + waits, rel=1e-9, abs=1e-12)
     times = [t for t, _ in sim.memory_timeline]
     assert times == sorted(times)
@@ -351,6 +358,174 @@ def test_checkpoint_blocks_keeps_each_block_input() -> None:
     }
 
 
+# -- rebuilding an activation output from its input -------------------------------------------
+
+
+def _gelu(**pack_kwargs: int) -> Trace:
+    """An activation "act" saves its input h (f0); "fc2" saves act's output g (f1), which the
+    trace links to h (``rebuild_from``). Backward reaches g (fc2's backward) before h.
+
+    index  0     1     2     3     4     5     6     7      8     9      10    11
+    event  start act+  pack0 act-  fc2+  pack1 fc2-  bwd fc2 unp1 bwd act unp0  end
+    time   0     0     1     1.5   1.5   2     3     5      6     7      8     10
+    """
+    b = _Builder()
+    b.fwd_start(0.0, "act")
+    h = b.pack(1.0, 1000, "act")
+    b.fwd_end(1.5, "act")
+    b.fwd_start(1.5, "fc2")
+    g = b.pack(2.0, 1000, "fc2", rebuild_from=h, **pack_kwargs)
+    b.fwd_end(3.0, "fc2")
+    b.bwd_start(5.0, "fc2")
+    b.unpack(6.0, g)
+    b.bwd_start(7.0, "act")
+    b.unpack(8.0, h)
+    return b.build(10.0)
+
+
+def _pointwise(hw: HardwareModel, bytes_per_s: float = 2000.0) -> HardwareModel:
+    """``hw`` with an elementwise rate; at 2000 B/s a 1000-byte rebuild from 1000 bytes takes 1 s."""
+    return dataclasses.replace(hw, pointwise_bytes_per_s=bytes_per_s)
+
+
+def _links(trace: Trace) -> dict[int, int]:
+    """``{family: parent family}`` for every family whose records the trace links to a parent."""
+    return {
+        r.family: trace.records[r.rebuild_from].family for r in trace.records if r.rebuild_from >= 0
+    }
+
+
+def test_rebuild_from_a_kept_parent_costs_one_kernel() -> None:
+    trace = _gelu()
+    hw = _pointwise(IDEAL)
+    keep = simulate(trace, hw)
+    assert keep.memory_timeline == ((0.0, 0), (1.0, 1000), (2.0, 2000), (7.0, 1000), (10.0, 0))
+    sim = simulate(trace, hw, {1: REBUILD})
+    assert sim.rebuild_s == pytest.approx(1.0)  # (1000 + 1000) bytes at 2000 B/s
+    assert sim.step_s == pytest.approx(11.0)
+    assert sim.bytes_rebuilt == 1000 and sim.bytes_recomputed == 0
+    assert (sim.stall_s, sim.stalls, sim.bytes_reloaded, sim.h2d_busy_s) == (0.0, 0, 0, 0.0)
+    # g is held at its pack (fc2's forward uses it), gone from the next event (t=3), back when
+    # its rebuild starts at its unpack (t=6) and freed after its last use (event 9, now at t=8).
+    assert sim.memory_timeline == (
+        (0.0, 0),
+        (1.0, 1000),
+        (2.0, 2000),
+        (3.0, 1000),
+        (6.0, 2000),
+        (8.0, 1000),
+        (11.0, 0),
+    )
+    _check_accounting(sim)
+
+
+@pytest.mark.parametrize("tier", [CPU, NVME])
+def test_rebuild_waits_for_its_parents_reload(tier: Placement) -> None:
+    trace = _gelu()
+    hw = _pointwise(_hw(1000.0))  # 1 s per copy
+    # No look-ahead: h's reload starts as the backward of fc2 (which saved its rebuilt child)
+    # starts (t=5), not as act's (t=7), and lands at 6, as the rebuild needs it.
+    sim = simulate(trace, hw, {0: tier, 1: REBUILD}, prefetch_bytes=0)
+    assert sim.stalls == 0 and sim.stall_s == pytest.approx(0.0, abs=1e-6)
+    assert sim.rebuild_s == pytest.approx(1.0) and sim.step_s == pytest.approx(11.0)
+    assert sim.bytes_reloaded == 1000 and sim.h2d_busy_s == pytest.approx(1.0)
+    if tier is CPU:
+        # h leaves when its copy out ends (t=2); it is back from its reload's start (t=5) to its
+        # own unpack, after g's rebuild (t=6 to event 9, now at t=8).
+        assert sim.memory_timeline == (
+            (0.0, 0),
+            (1.0, 1000),
+            (2.0, 0),
+            (2.0, 1000),
+            (3.0, 0),
+            (5.0, 1000),
+            (6.0, 2000),
+            (8.0, 1000),
+            (11.0, 0),
+        )
+    # A reload planned only for h's own unpack (event 10): the rebuild starts it, a counted stall.
+    late = simulate(trace, hw, {0: Decision(placement=tier, reload_event=10), 1: REBUILD})
+    assert late.stalls == 1 and late.stall_s == pytest.approx(1.0, abs=1e-6)
+    assert late.rebuild_s == pytest.approx(1.0) and late.step_s == pytest.approx(12.0, abs=1e-6)
+    assert late.bytes_reloaded == 1000  # h's own unpack finds it there
+    # A slow link: h's reload runs [5, 7]; the rebuild waits for it, then runs [7, 8].
+    slow = simulate(trace, _pointwise(_hw(500.0)), {0: tier, 1: REBUILD}, prefetch_bytes=0)
+    assert slow.stalls == 0 and slow.stall_s == pytest.approx(1.0, abs=1e-6)
+    assert slow.step_s == pytest.approx(12.0, abs=1e-6)
+    for s in (sim, late, slow):
+        _check_accounting(s)
+
+
+def test_window_takes_a_parent_in_the_order_its_children_need_it() -> None:
+    # A dropout between act and fc2 saves a mask m, unpacked between g (rebuilt from h) and h.
+    b = _Builder()
+    b.fwd_start(0.0, "act")
+    h = b.pack(1.0, 1000, "act")
+    b.fwd_end(1.0, "act")
+    b.fwd_start(1.0, "drop")
+    m = b.pack(1.5, 1000, "drop")
+    b.fwd_end(2.0, "drop")
+    b.fwd_start(2.0, "fc2")
+    g = b.pack(2.5, 1000, "fc2", rebuild_from=h)
+    b.fwd_end(3.0, "fc2")
+    b.bwd_start(4.0, "")  # backward begins: the window's first walk
+    b.bwd_start(6.0, "fc2")
+    b.unpack(6.0, g)
+    b.bwd_start(7.0, "drop")
+    b.unpack(7.0, m)
+    b.bwd_start(8.0, "act")
+    b.unpack(8.0, h)
+    trace = b.build(9.0)
+    # A window of one family: at t=4 it takes h (needed by g's rebuild at 6), back over [4, 5],
+    # not m (needed at 7). m follows once the rebuild has used h: [7, 8], in time for t=8.
+    sim = simulate(
+        trace, _pointwise(_hw(1000.0)), {h: CPU, m: CPU, g: REBUILD}, prefetch_bytes=1000
+    )
+    assert sim.stall_s == 0.0 and sim.stalls == 0
+    assert sim.step_s == pytest.approx(10.0)
+    _check_accounting(sim)
+
+
+def test_rebuild_needs_one_kept_or_moved_parent_of_the_step() -> None:
+    b = _Builder()
+    b.fwd_start(0.0, "m")
+    w = b.pack(0.5, 1000, "m", param=True)
+    a = b.pack(1.0, 1000, "m")
+    child = b.pack(2.0, 1000, "m", rebuild_from=a)
+    grandchild = b.pack(3.0, 1000, "m", rebuild_from=child)
+    b.pack(4.0, 1000, "m", family=10, rebuild_from=a)
+    b.pack(4.5, 1000, "m", family=10, rebuild_from=child)
+    of_weight = b.pack(6.0, 1000, "m", rebuild_from=w)
+    b.fwd_end(7.0, "m")
+    b.bwd_start(8.0, "m")
+    for seq in reversed(range(len(b.packs))):
+        b.unpack(9.0, seq)
+    trace = b.build(10.0)
+    bad = {
+        "family 1 cannot be rebuilt: its record 1 has no rebuild_from link": {a: REBUILD},
+        "family 2 cannot be rebuilt: its parent family 1 is placed 'recompute'": {
+            a: RECOMPUTE,
+            child: REBUILD,
+        },
+        "family 3 cannot be rebuilt: its parent family 2 is placed 'rebuild'": {
+            child: REBUILD,
+            grandchild: REBUILD,
+        },
+        r"family 10 cannot be rebuilt: its records link to several families \[1, 2\]": {
+            10: REBUILD
+        },
+        "family 6 cannot be rebuilt: its record 6 links to record 0, which is not an activation "
+        "record of step 0": {of_weight: REBUILD},
+    }
+    for message, placements in bad.items():
+        with pytest.raises(ValueError, match=message):
+            simulate(trace, IDEAL, placements)
+    # A rebuilt family's child can be kept, and a rebuild's parent moved.
+    ok = simulate(trace, IDEAL, {a: CPU, child: REBUILD, grandchild: KEEP})
+    assert ok.bytes_rebuilt == 1000 and ok.bytes_offloaded_cpu == 1000
+    _check_accounting(ok)
+
+
 def test_keep_all_peak_is_the_traced_peak_with_memory_outside_saved_tensors() -> None:
     # A GPU-like probe: base 10_000, plus a transient of 500 while "b" runs, plus saved bytes.
     trace = _lifo()
@@ -441,6 +616,8 @@ def test_decisions_reject_fields_that_do_not_apply() -> None:
         Decision(placement=CPU, reload_event=-2)
     with pytest.raises(ValueError, match="recompute_module"):
         Decision(placement=CPU, recompute_module="blk")
+    with pytest.raises(ValueError, match="reload_event"):
+        Decision(placement=REBUILD, reload_event=3)  # a rebuild is never copied
     assert Decision(placement="nvme").placement is NVME  # type: ignore[arg-type]
 
 
@@ -611,7 +788,8 @@ def test_ideal_link_offload_all_costs_nothing(traces: dict[str, Trace], name: st
 def test_no_placement_predicts_more_than_keeping_everything(
     traces: dict[str, Trace], name: str
 ) -> None:
-    # A moved or recomputed family holds device bytes over a part of its kept life, never more.
+    # A moved, recomputed or rebuilt family holds device bytes over a part of its kept life, never
+    # more; a rebuild's parent, kept or moved, is needed no longer than it is used itself.
     trace = traces[name]
     keep = simulate(trace, IDEAL).peak_bytes
     for hw in (HardwareModel.h200(), _hw(1e8), _hw(1e6, duplex=1e6)):
@@ -619,6 +797,7 @@ def test_no_placement_predicts_more_than_keeping_everything(
             offload_all(trace),
             offload_all(trace, tier=NVME),
             checkpoint_blocks(trace),
+            {**offload_all(trace), **dict.fromkeys(_links(trace), REBUILD)},
         ):
             for inflight in (0, None):
                 sim = simulate(trace, hw, placements, max_inflight_bytes=inflight)
@@ -726,3 +905,82 @@ def test_anchors_and_step_choice() -> None:
     assert first.peak_bytes == last.peak_bytes  # same model, same sizes
     with pytest.raises(ValueError, match="family"):
         simulate(trace, hw, offload_all(trace, step=0), step=1)  # step 0's families
+
+
+def test_rebuilding_a_gelu_output_lowers_the_peak_where_it_was_gone() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 256),
+        nn.GELU(),
+        nn.Linear(256, 64),
+        nn.Linear(64, 256),
+        nn.GELU(),
+        nn.Linear(256, 64),
+    )
+    x = torch.randn(32, 64)
+    trace = offload.profile(lambda: model(x).sum().backward(), model)
+    links = _links(trace)
+    assert len(links) == 2  # each GELU's output, from the input that GELU saved
+    families = {f.family: f for f in trace.families()}
+    first, last = sorted(links, key=lambda f: families[f].first_pack_event)
+    span = {f: families[f].span_bytes for f in families}
+    hw = HardwareModel.h200()
+    keep = simulate(trace, hw)
+    # The peak is the second block's forward end, where the first GELU output is no longer needed
+    # until backward; the second is saved right there (its pack event), so it stays at the peak.
+    assert simulate(trace, hw, {first: REBUILD}).peak_bytes == keep.peak_bytes - span[first]
+    assert simulate(trace, hw, {last: REBUILD}).peak_bytes == keep.peak_bytes
+    both = simulate(trace, hw, dict.fromkeys(links, REBUILD))
+    assert both.peak_bytes == keep.peak_bytes - span[first]
+    # Parents kept: the step is the trace plus one elementwise kernel per rebuilt family.
+    cost = sum(span[c] + span[p] for c, p in links.items()) / hw.pointwise_bytes_per_s
+    assert both.rebuild_s == pytest.approx(cost, rel=1e-12)
+    assert both.step_s == pytest.approx(keep.step_s + cost, rel=1e-12)
+    assert both.bytes_rebuilt == span[first] + span[last]
+    assert both.stall_s == 0.0 and both.bytes_reloaded == 0
+    _check_accounting(both)
+
+
+def _linked_transformer(layers: int) -> Trace:
+    """transformer_trace with each layer's GELU output (saved by mlp.fc2) linked to its input
+    (saved by mlp.act)."""
+    trace = transformer_trace(layers=layers, hidden=256, tokens=512)
+    act = {
+        r.module.removesuffix(".mlp.act"): r.seq
+        for r in trace.records
+        if r.module.endswith(".mlp.act")
+    }
+    records = tuple(
+        dataclasses.replace(r, rebuild_from=act[r.module.removesuffix(".mlp.fc2")])
+        if r.module.endswith(".mlp.fc2")
+        else r
+        for r in trace.records
+    )
+    return dataclasses.replace(trace, records=records)
+
+
+def test_rebuild_on_a_transformer_trace() -> None:
+    layers = 3
+    trace = _linked_transformer(layers)
+    links = _links(trace)
+    assert len(links) == layers
+    gelu_out = 4 * 512 * 256 * 2  # bytes of one [tokens, 4h] bf16 activation
+    hw = _pointwise(IDEAL, 4.0e12)
+    keep = simulate(trace, hw)
+    rebuilt = dict.fromkeys(links, REBUILD)
+    sim = simulate(trace, hw, rebuilt)
+    # At forward's end (the keep-all peak) every GELU output is gone; backward rebuilds the last
+    # layer's first, while the others are still gone.
+    assert sim.peak_bytes == keep.peak_bytes - (layers - 1) * gelu_out
+    assert sim.rebuild_s == pytest.approx(layers * 2 * gelu_out / 4.0e12, rel=1e-12)
+    assert sim.step_s == pytest.approx(keep.step_s + sim.rebuild_s, rel=1e-12)
+    # Parents on the host, reloaded by the default policy on an instant link: nothing waits.
+    moved = simulate(trace, hw, {**rebuilt, **dict.fromkeys(links.values(), CPU)}, prefetch_bytes=0)
+    assert moved.stalls == 0 and moved.step_s == pytest.approx(sim.step_s, rel=1e-12)
+    assert moved.bytes_reloaded == layers * gelu_out
+    # Reloads planned only for the parents' own unpacks: each rebuild starts one, a counted stall.
+    parents = [trace.records[r.rebuild_from] for r in trace.records if r.rebuild_from >= 0]
+    late = {p.family: Decision(placement=CPU, reload_event=p.unpack_events[0]) for p in parents}
+    assert simulate(trace, hw, {**rebuilt, **late}).stalls == layers
+    for s in (sim, moved):
+        _check_accounting(s)
