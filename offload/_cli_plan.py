@@ -197,8 +197,8 @@ def add_parser(sub: Any) -> None:
         description=(
             "Plan, for the last recorded step of TRACE (trace.json from `offload profile` or "
             "Trace.save), where each activation waits (kept on the device, pinned host memory, "
-            "NVMe, or recomputed) so that the step fits --gpu-budget at the smallest predicted "
-            "step time. Prints the plan with its predicted peak and step time next to keeping "
+            "NVMe, recomputed, or rebuilt from its input) so that the step fits --gpu-budget at "
+            "the smallest predicted step time. Prints the plan with its predicted peak and step time next to keeping "
             "everything, offloading everything and checkpointing every block; writes the plan "
             "as JSON (Plan.load reads it) and a PNG of the planned device memory against keeping "
             "everything. Exit status: 0 success; 2 bad arguments (missing or unreadable TRACE "

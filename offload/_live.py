@@ -23,8 +23,9 @@ class SavedBytes:
     peak counts on CPU (no allocator there), measured instead of estimated.
 
     Counted: each storage a pack leaves in place that is not a parameter's (or a pipeline
-    stage's held input), from that pack until the storage is freed, and each reload buffer,
-    from its allocation until freed; a storage once however many records share it. ``peak``
+    stage's held input), from that pack until the storage is freed, each reload buffer, from
+    its allocation until freed, and each activation output rebuilt at unpack, from its rebuild
+    until freed; a storage once however many records share it. ``peak``
     counts whole storages; ``peak_planned`` counts a reload buffer as its family's bytes, as a
     plan does (the buffer is up to ``ALIGN_BYTES`` longer, to give the bytes their original
     address alignment). Not counted: what offload never sees (transients, gradients), and

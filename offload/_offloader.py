@@ -29,6 +29,7 @@ import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
 from lifecycle._tensors import (
     ParameterStorages,
+    activation_output,
     local_tensor,
     named_modules_stop_at_compiled,
     tensors_in,
@@ -42,6 +43,7 @@ from offload._pipelining import PipelineAttachment, PipelineRound
 from offload._planned import (
     KEEP,
     MAX_SIGNATURES,
+    REBUILD,
     ActivePlan,
     Profiler,
     RecomputeForward,
@@ -53,7 +55,7 @@ from offload._planned import (
     signature_of,
 )
 from offload._planning import resolve_budget, resolve_hardware
-from offload._recipe import ActivationRecipe, WeightCast, activation_output, weight_cast
+from offload._recipe import ActivationRecipe, WeightCast, weight_cast
 from offload._stats import OffloadStats, StepStats
 
 log = logging.getLogger("offload")
@@ -128,8 +130,8 @@ class ActivationOffloader:
     the device during forward (bounded by ``max_inflight_bytes`` of copies in flight) and comes
     back ahead of its use in backward (a look-ahead window of the same size). With a budget, the
     first step of each input signature runs that way while it is recorded; it is then planned
-    (:func:`lifecycle.plan`: per alias family keep / cpu / nvme / recompute, and when each reload
-    starts) and later steps of the signature carry the plan out (NOTE [ Budget mode ] in
+    (:func:`lifecycle.plan`: per alias family keep / cpu / nvme / recompute / rebuild, and when
+    each reload starts) and later steps of the signature carry the plan out (NOTE [ Budget mode ] in
     ``offload/_planned.py``). Eligible: on the
     manager's compute device (the parameters' device: a CPU-only run exercises the whole path),
     not a parameter or buffer (decided by storage, so ``weight.t()`` counts), at least
@@ -250,6 +252,9 @@ class ActivationOffloader:
         self._calls: dict[str, int] = {}
         self._outside_packs = 0
         self._kept_seq: dict[int, int] = {}
+        # Under a plan that rebuilds: what this step's kept packs returned, by id (a rebuilt
+        # record's input may be one of them; see _activation_recipe).
+        self._kept_refs: dict[int, weakref.ref[torch.Tensor]] = {}
         self._engine = _copy_engine
         self._tiers: list[storage.Tier] | None = None  # made at the first step
         self._executor: Executor | None = None
@@ -386,6 +391,7 @@ class ActivationOffloader:
                 self._calls.clear()
                 self._outside_packs = 0
                 self._kept_seq.clear()
+                self._kept_refs.clear()
                 self._active = None
                 self._profiling = None
             if rnd is not None:
@@ -858,6 +864,9 @@ class ActivationOffloader:
             seq = self._profiler.recorder.record_pack(t)
             if seq >= 0:
                 self._kept_seq[id(d)] = seq
+        active = self._active
+        if active is not None and active.rebuilds:
+            self._kept_refs[id(d)] = weakref.ref(d)
         return d
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -916,6 +925,13 @@ class ActivationOffloader:
             tier = active.action.get(key)
             if tier is not None and _extent(local) > active.limit[key]:
                 tier = None  # larger than planned (DESIGN.md: Keys and signatures)
+            if tier == REBUILD:
+                # See NOTE [ Activation recipes ] in _recipe.py; if its conditions fail, the
+                # record is not the plan's to place: to the first tier with room.
+                rebuilt = self._activation_recipe(t, ex, stats, key)
+                if rebuilt is not None:
+                    return rebuilt
+                tier = None
             if tier is None and (key[0], key[1]) in active.recompute_calls:
                 # Non-reentrant checkpoint saves the recomputed call's inputs itself, as packs
                 # of that call: kept, as the planner assumed (its inputs stay on the device).
@@ -932,7 +948,9 @@ class ActivationOffloader:
         member.key = key
         fam = member.family
         if self._profiling is not None and self._profiler is not None:
-            member.seq = self._profiler.recorder.record_pack(t)
+            member.seq = self._profiler.recorder.record_pack(
+                t, rebuild_from=self._rebuild_link(t, ex)
+            )
         if active is not None and fam.members == 1:
             trigger = active.trigger.get(key)
             if trigger is not None and ex.step is not None:
@@ -944,35 +962,83 @@ class ActivationOffloader:
         return member
 
     def _activation_recipe(
-        self, t: torch.Tensor, ex: Executor, stats: StepStats
+        self,
+        t: torch.Tensor,
+        ex: Executor,
+        stats: StepStats,
+        key: tuple[str, int, int] | None = None,
     ) -> ActivationRecipe | None:
         """An :class:`ActivationRecipe` for ``t`` if it is a GELU / SiLU output whose input this
-        step offloaded (NOTE [ Activation recipes ] in _recipe.py), else None."""
+        step offloaded, or (``key``: the plan rebuilds it) kept, else None (NOTE [ Activation
+        recipes ] in _recipe.py)."""
         found = activation_output(t)
         if found is None:
             return None
         kind, approximate, parent, out = found
+        if isinstance(parent, _Member):
+            if parent.executor is not ex or not _same_layout(parent, out):
+                return None
+            held: Any = ex.share(parent)
+            if held is None:
+                return None
+            link = parent.seq
+        elif key is not None and self._kept_input(parent, out):
+            held = parent
+            link = self._kept_seq.get(id(parent), -1)
+        else:
+            return None
+        step = ex.step if key is not None else None  # whose trigger table the key is in
+        recipe = ActivationRecipe(kind, approximate, held, out, t, key=key, step=step)
+        stats.records_rebuilt += 1
+        stats.bytes_rebuilt += recipe.nbytes
+        if self._profiling is not None and self._profiler is not None:
+            # A planned step timed for refinement (NOTE [ Refinement ] in _planned.py).
+            recipe.seq = self._profiler.recorder.record_pack(t, rebuild_from=link)
+        if key is None and self._stack:
+            # Min-memory mode: the module saving the output now needs the input first in
+            # backward: its backward trigger starts the input's reload (else the rebuild would
+            # stall on it). Under a plan the input's planned trigger does.
+            own = self._stack[-1][2]
+            if held.family not in own:
+                own.append(held.family)
+        return recipe
+
+    def _kept_input(self, parent: Any, out: torch.Tensor) -> bool:
+        """Whether ``parent`` (what an activation's pack of its input returned) is a tensor this
+        manager kept in this step, not a parameter, laid out as the activation's output."""
+        if type(parent) is not torch.Tensor:
+            return False
+        ref = self._kept_refs.get(id(parent))
+        if ref is None or ref() is not parent:
+            return False  # packed by other hooks (only the innermost pair fires)
+        return (
+            parent.device == out.device
+            and parent.dtype == out.dtype
+            and parent.shape == out.shape
+            and parent.stride() == out.stride()
+            and not self._params.holds(parent, parent.untyped_storage())
+        )
+
+    def _rebuild_link(self, t: torch.Tensor, ex: Executor) -> int:
+        """The profiler's ``seq`` of the record ``t`` can be rebuilt from
+        (``TensorRecord.rebuild_from``), or -1: ``t`` is a GELU / SiLU output whose input this
+        recorded step offloaded whole, as ``lifecycle.Recorder`` links them (NOTE [ Activation
+        recipes ] in _recipe.py)."""
+        found = activation_output(t)
+        if found is None:
+            return -1
+        parent, out = found[2], found[3]
         if (
             not isinstance(parent, _Member)
             or parent.executor is not ex
-            or parent.size != tuple(out.shape)
-            or parent.dtype != out.dtype
-            or parent.stride != _contiguous_strides(parent.size)
+            or parent.seq < 0
+            or not _same_layout(parent, out)
+            or parent.offset_bytes != 0
+            or parent.family.span_start != 0
+            or parent.family.nbytes != out.numel() * out.element_size()
         ):
-            return None
-        twin = ex.share(parent)
-        if twin is None:
-            return None
-        recipe = ActivationRecipe(kind, approximate, twin, out, t)
-        stats.records_rebuilt += 1
-        stats.bytes_rebuilt += recipe.nbytes
-        if self._stack:
-            # The module saving the output now needs the input first in backward: its backward
-            # trigger starts the input's reload (else the rebuild would stall on it).
-            own = self._stack[-1][2]
-            if twin.family not in own:
-                own.append(twin.family)
-        return recipe
+            return -1
+        return parent.seq
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         task = _current_graph_task_id() if _current_graph_task_id is not None else 0
@@ -1009,8 +1075,7 @@ class ActivationOffloader:
                 self._profiler.recorder.record_unpack(packed.seq)
             return packed.rebuild()
         if isinstance(packed, ActivationRecipe):
-            twin = packed.parent
-            return packed.rebuild(self._unpack_member(twin.executor, twin))
+            return self._rebuild(packed)
         if packed.seq >= 0 and self._profiler is not None:
             self._profiler.recorder.record_unpack(packed.seq)
         ex = packed.executor
@@ -1022,17 +1087,57 @@ class ActivationOffloader:
             if held is not None:
                 held.held_s += time.perf_counter() - started
 
-    def _unpack_member(self, ex: Executor, packed: Any) -> torch.Tensor:
+    def _rebuild(self, recipe: ActivationRecipe) -> torch.Tensor:
+        """Unpack of an activation output: its input's bytes through the activation again."""
+        if recipe.seq >= 0 and self._profiler is not None:
+            self._profiler.recorder.record_unpack(recipe.seq)
+        held = self._held_clock()
+        started = time.perf_counter() if held is not None else 0.0
+        try:
+            parent = recipe.parent
+            if isinstance(parent, _Member):
+                # The record's own reload trigger (its input's, as planned) fires first.
+                out = recipe.rebuild(self._unpack_member(parent.executor, parent, recipe.key))
+            else:
+                ref = recipe.step_ref
+                step = ref() if ref is not None else None
+                self._start_triggered(self._executor, step, recipe.key)
+                out = recipe.rebuild(recipe.kept_input())
+            if self._meter is not None:  # the rebuilt bytes are held from here, as planned
+                self._meter.watch(out.untyped_storage())
+            return out
+        finally:
+            # A recorded planned step on CPU: the rebuild is the plan's cost, not the model's
+            # (as a copy's; see ComputeClock in _planned.py).
+            if held is not None:
+                held.held_s += time.perf_counter() - started
+
+    def _unpack_member(self, ex: Executor, packed: Any, key: Any = None) -> torch.Tensor:
+        """``ex.unpack(packed)`` after the reloads planned to start at this unpack (of
+        ``packed``'s key, or ``key``: the record a recipe stands for) have started."""
         ref = packed.family.step_ref
         step = ref() if ref is not None else None
-        if step is not None and step.triggers and packed.key is not None:
-            waiting = step.triggers.get(("unpack", *packed.key))
+        self._start_triggered(ex, step, key if key is not None else packed.key)
+        return ex.unpack(packed)
+
+    @staticmethod
+    def _start_triggered(ex: Executor | None, step: Any, key: Any) -> None:
+        if ex is not None and step is not None and step.triggers and key is not None:
+            waiting = step.triggers.get(("unpack", *key))
             if waiting:
                 ex.prefetch(waiting, step, window=False)
-        return ex.unpack(packed)
 
 
 _OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
+
+
+def _same_layout(parent: _Member, out: torch.Tensor) -> bool:
+    """An activation's offloaded input ``parent`` has its output's shape and dtype, dense."""
+    return (
+        parent.size == tuple(out.shape)
+        and parent.dtype == out.dtype
+        and parent.stride == _contiguous_strides(parent.size)
+    )
 
 
 def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:

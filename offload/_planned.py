@@ -24,21 +24,29 @@ NOTE [ Budget mode ]
     keys, each key at the most bytes it had), announced in a log line; a new shape whose records
     are no larger needs no profiling step (DESIGN.md, Keys and signatures; its other trigger,
     "most steps bring a new one", is this cap: such a run reaches it within 8 steps).
-    Not built yet: activation-output recipes inside a plan (min-memory mode has them, NOTE
-    [ Activation recipes ] in _recipe.py; a plan would have to price the rebuild and the
-    input's longer stay); autocast weight casts are rebuilt in both modes (NOTE [ Weight casts ]).
+    A family the plan rebuilds (``Placement.REBUILD``: an activation output whose trace record
+    links it to its input, ``TensorRecord.rebuild_from``) is stored as a recipe at its pack and
+    run again at its unpack (NOTE [ Activation recipes ] in _recipe.py); it gets no reload
+    trigger of its own: its input's (kept, or moved with its own planned trigger, which the
+    planner puts before this unpack) is all it needs. A record whose recipe cannot be built
+    (not an activation output, input not this manager's, another layout) is unplanned, as
+    above. The profiling step stores such outputs like any other (its memory probe must see
+    them) and records the link. Autocast weight casts are rebuilt in both modes (NOTE
+    [ Weight casts ]).
 
 NOTE [ Refinement ]
     DESIGN.md "Data flow" 2: the profiling step's times are not compute times (its own copy
     waits and back-pressure on a GPU, first-step autotuning and allocator growth anywhere), so
     the first planned step of a signature planned from its own profile is recorded too (through
-    the same hooks, on the same clock: on CPU offload's own copies are taken out of it), and
+    the same hooks, on the same clock: on CPU offload's own copies and rebuilds are taken out of
+    it; its rebuilt records are recorded with their links, as the profile's were), and
     before the next step the signature is planned once more from the profile retimed by it
     (:func:`retimed`: module boundaries get the planned step's times, less any recomputation
     the plan added; records, bytes and memory stay the profile's). The refined plan replaces the
     first (``plan.metadata["refined"]``, with the first one's predicted step) and is not refined
     again; a plan given with ``plan=`` and the merged plan past ``MAX_SIGNATURES`` are not
-    refined. On a GPU the planned step's times include its own stalls, if it had any.
+    refined. On a GPU the planned step's times include its own stalls and rebuilds (kernels on
+    the compute stream, which its clock times), if it had any.
 """
 
 from __future__ import annotations
@@ -63,8 +71,11 @@ from offload._device import clock_and_probe
 log = logging.getLogger("offload")
 
 MAX_SIGNATURES = 8
-_TIER_OF = {Placement.CPU: "host", Placement.NVME: "nvme"}
 KEEP = "keep"
+REBUILD = "rebuild"
+# A plan's placement as the action a pack takes (RECOMPUTE: its keys vanish, the checkpoint
+# saves the call's inputs, kept).
+_ACTION_OF = {Placement.CPU: "host", Placement.NVME: "nvme", Placement.REBUILD: REBUILD}
 
 
 def signature_of(args: Any) -> str:
@@ -88,14 +99,14 @@ class ActivePlan:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        # key -> "keep" | "host" | "nvme"; members of a family share its decision.
+        # key -> "keep" | "host" | "nvme" | "rebuild"; members of a family share its decision.
         self.action: dict[tuple[str, int, int], str] = {}
         # key -> the most bytes a record of it may have and keep its decision (its family's)
         self.limit: dict[tuple[str, int, int], int] = {}
         # key of a family's first member -> its reload trigger's key (or None)
         self.trigger: dict[tuple[str, int, int], tuple[str, str, int, int] | None] = {}
         for e in plan.entries:
-            action = KEEP if e.placement is Placement.KEEP else _TIER_OF.get(e.placement, KEEP)
+            action = _ACTION_OF.get(e.placement, KEEP)
             for k in e.keys:
                 self.action[k] = action
                 self.limit[k] = e.nbytes
@@ -110,6 +121,9 @@ class ActivePlan:
             (t[1], t[2]) for t in self.trigger.values() if t is not None and t[0] == "backward"
         )
         self.expected = frozenset(plan.expected_keys)
+        # The plan rebuilds some family: packs the manager keeps are remembered (a rebuilt
+        # record's input may be one of them, see ActivationOffloader._activation_recipe).
+        self.rebuilds = any(e.placement is Placement.REBUILD for e in plan.entries)
 
 
 class ComputeClock:

@@ -26,13 +26,22 @@ NOTE [ Activation recipes ]
     so one reload serves both unpacks. Checked at pack: a plain tensor whose own or whose base's
     ``grad_fn`` is ``GeluBackward0`` / ``SiluBackward0`` whose saved input (read raw, as its
     pack returned it, without unpacking) is a handle of this manager, both dense and
-    contiguous with the same shape and dtype. A plan would have to price the
-    recomputation and the input's longer stay, which the planner does not model yet, so budget
-    mode stores these outputs like any other tensor.
+    contiguous with the same shape and dtype.
+    In budget mode the plan decides (``Placement.REBUILD``, NOTE [ Budget mode ] in
+    _planned.py): the profiling step stores these outputs and records the link to their input
+    (``TensorRecord.rebuild_from``: where the input was offloaded whole, at offset 0 of its own
+    storage, as ``lifecycle.Recorder`` links them), and a planned step builds the recipe for the
+    keys the plan rebuilds. There the input may also have been kept by the plan (the
+    activation's pack returned a plain tensor this manager kept in this step, not a parameter):
+    the recipe then holds that tensor itself, whose bytes autograd holds anyway until the
+    activation's backward, which comes after this unpack; its version is checked at unpack (an
+    in-place change would rebuild another output). When the conditions fail, the record is
+    stored as an unplanned one.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -93,51 +102,72 @@ def weight_cast(t: torch.Tensor, params: ParameterStorages) -> WeightCast | None
     return WeightCast(param, cast, t)
 
 
-_ACTIVATIONS = {"GeluBackward0": "gelu", "SiluBackward0": "silu"}
-
-
 class ActivationRecipe:
     """What pack returns for an activation output rebuilt from its input (see NOTE [ Activation
-    recipes ])."""
+    recipes ]).
 
-    __slots__ = ("approximate", "kind", "nbytes", "offset", "parent", "size", "stride")
+    ``parent``: a second handle on the input's offloaded family (``Executor.share``), or the
+    input itself where the manager kept it (budget mode). ``key``: the record key under a plan
+    (its unpack is a reload trigger), else None. ``step``: the executor's state of the step
+    that packed it, held weakly (whose trigger table that key is looked up in), or None.
+    """
 
-    def __init__(self, kind: str, approximate: str, parent: Any, out: torch.Tensor,
-                 t: torch.Tensor) -> None:  # fmt: skip
+    __slots__ = (
+        "approximate",
+        "key",
+        "kind",
+        "nbytes",
+        "offset",
+        "parent",
+        "seq",
+        "size",
+        "step_ref",
+        "stride",
+        "version",
+    )
+
+    def __init__(
+        self,
+        kind: str,
+        approximate: str,
+        parent: Any,
+        out: torch.Tensor,
+        t: torch.Tensor,
+        *,
+        key: tuple[str, int, int] | None = None,
+        step: Any = None,
+    ) -> None:
         self.kind, self.approximate, self.parent = kind, approximate, parent
         self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
         self.nbytes = out.untyped_storage().nbytes()
+        self.version = parent._version if isinstance(parent, torch.Tensor) else -1
+        self.key = key
+        self.step_ref = None if step is None else weakref.ref(step)
+        self.seq = -1  # the profiler's record number, during a recorded step
 
     @property
     def family(self) -> Any:
-        """The input's alias family (whose step this backward belongs to)."""
-        return self.parent.family
+        """The input's alias family (whose step this backward belongs to); None for a kept
+        input."""
+        return getattr(self.parent, "family", None)
+
+    def kept_input(self) -> torch.Tensor:
+        """The kept input (``parent`` is a tensor), checked unchanged since the pack."""
+        parent = self.parent
+        if parent._version != self.version:
+            raise OffloadError(
+                f"the input of a {self.kind} of shape {list(parent.shape)} was changed in place "
+                "after the forward that saved it (autograd would refuse its backward too); "
+                "offload rebuilds the activation's output from it at backward"
+            )
+        return parent
 
     def rebuild(self, parent: torch.Tensor) -> torch.Tensor:
-        """The saved tensor again from its input ``parent`` (unpacked from ``self.parent``)."""
+        """The saved tensor again from its input ``parent`` (unpacked from ``self.parent``, or
+        :meth:`kept_input`)."""
         with torch.no_grad():
             if self.kind == "gelu":
                 out = torch.nn.functional.gelu(parent, approximate=self.approximate)
             else:
                 out = torch.nn.functional.silu(parent)
         return out.as_strided(self.size, self.stride, self.offset)
-
-
-def activation_output(t: torch.Tensor) -> tuple[str, str, Any, torch.Tensor] | None:
-    """``(kind, approximate, what the pack of its input returned, output)`` if ``t`` is, or
-    views, a GELU / SiLU output (see NOTE [ Activation recipes ]), else None."""
-    if type(t) is not torch.Tensor:
-        return None
-    out = t._base if t._base is not None else t
-    fn = out.grad_fn
-    kind = _ACTIVATIONS.get(type(fn).__name__) if fn is not None else None
-    if fn is None or kind is None or not out.is_contiguous() or out.storage_offset() != 0:
-        return None
-    if out.untyped_storage().nbytes() != out.numel() * out.element_size():
-        return None
-    # The node's saved input as its pack hook returned it, without unpacking it.
-    packed = getattr(getattr(fn, "_raw_saved_self", None), "data", None)
-    if packed is None:
-        return None
-    approximate = str(getattr(fn, "_saved_approximate", "none")) if kind == "gelu" else ""
-    return kind, approximate, packed, out

@@ -308,6 +308,7 @@ def test_png_skipped_without_matplotlib(work: Path, peak: int, tmp_path: Path) -
 def test_help(tmp_path: Path) -> None:
     r = run_cli("plan", "--help", cache_dir=tmp_path)
     assert r.returncode == 0
+    flat = " ".join(r.stdout.split())  # argparse wraps at the terminal width
     for text in ("--gpu-budget", "--hardware", "--tiers", "--out", "--png", "Exit status"):
-        assert text in r.stdout, text
-    assert "default: plan.json in TRACE's directory" in " ".join(r.stdout.split())
+        assert text in flat, text
+    assert "default: plan.json in TRACE's directory" in flat

@@ -169,10 +169,15 @@ def _hardware(kind: str):
     from lifecycle import HardwareModel
 
     # "fast": copies cost about what this CPU's memcpy does, so the planner offloads; "slow": a
-    # link so slow that it recomputes instead.
+    # link and elementwise kernels so slow that it recomputes instead; "rebuild": the slow link
+    # with elementwise kernels as fast as assumed, so it rebuilds GELU outputs.
     rate = 5e9 if kind == "fast" else 1e6
+    slow_kernels = {"pointwise_bytes_per_s": 1e6} if kind == "slow" else {}
     return HardwareModel.cpu_only(
-        copy_bytes_per_s=rate, disk_write_bytes_per_s=rate, disk_read_bytes_per_s=rate
+        copy_bytes_per_s=rate,
+        disk_write_bytes_per_s=rate,
+        disk_read_bytes_per_s=rate,
+        **slow_kernels,
     )
 
 
@@ -184,12 +189,13 @@ SCHEDULES = (
 )
 
 
-# (schedule, budget): budget None = min-memory; "fast" / "slow" = the rank's first stage has a
-# gpu_budget and plans with that hardware model.
+# (schedule, budget): budget None = min-memory; "fast" / "slow" / "rebuild" = the rank's first
+# stage has a gpu_budget and plans with that hardware model.
 BUDGET_CASES = (
     ("Schedule1F1B", "fast"),
     ("ScheduleGPipe", "fast"),
     ("Schedule1F1B", "slow"),
+    ("Schedule1F1B", "rebuild"),
     ("ScheduleInterleavedZeroBubble", "fast"),
 )
 CASES = tuple((name, None) for name in SCHEDULES) + BUDGET_CASES
@@ -291,7 +297,7 @@ def test_budgeted_stage_plans_each_microbatch_and_holds_the_budget(case, results
     """A stage with a gpu_budget: its first round is profiled, later rounds run the plan of the
     whole round (every microbatch's keys, planned per its wait), gradients stay bitwise, the
     executed round moves exactly what the plan moves, and the live peak stays under budget."""
-    from lifecycle import Plan
+    from lifecycle import Placement, Plan
 
     got = sorted(results.get(case, []), key=lambda r: r[0])
     for rank, *_, error in got:
@@ -315,12 +321,14 @@ def test_budgeted_stage_plans_each_microbatch_and_holds_the_budget(case, results
         for n, (before, after) in enumerate(itertools.pairwise(steps), start=2):
             delta = {
                 k: after["total"][k] - before["total"][k]
-                for k in ("steps", "unplanned_records", "bytes_offloaded_cpu")
+                for k in ("steps", "unplanned_records", "bytes_offloaded_cpu", "records_rebuilt")
             }
             assert delta["steps"] == MICROBATCHES, delta
             assert delta["unplanned_records"] == 0, delta
             if n == len(steps):
                 assert delta["bytes_offloaded_cpu"] == plan.bytes_by_placement()["cpu"], delta
+                rebuilt = [e.keys for e in plan.entries if e.placement is Placement.REBUILD]
+                assert delta["records_rebuilt"] == sum(map(len, rebuilt)), delta
         assert plan.metadata.get("refined"), "the plan was not refined from round 2's timings"
         # What the stage held of its saved tensors in the last (planned) round, counted: within
         # the plan's predicted peak as the plan counts bytes, and within the budget with the
@@ -347,6 +355,9 @@ def test_budgeted_stage_plans_each_microbatch_and_holds_the_budget(case, results
             assert _moved(plan) >= (MICROBATCHES * PER_MICROBATCH - BUDGET_BYTES)
     if case == "Schedule1F1B-budget-slow":
         assert plans[0].recompute_calls, "a link this slow should make stage 0 recompute"
+    if case == "Schedule1F1B-budget-rebuild":
+        # NOTE [ Rebuilt outputs ]: with elementwise kernels cheap, GELU outputs are rebuilt.
+        assert plans[0].bytes_by_placement()["rebuild"] > 0 and not plans[0].recompute_calls
 
 
 def test_attach_rejects_other_objects_and_unplannable_budgets() -> None:
