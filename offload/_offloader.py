@@ -723,8 +723,19 @@ class ActivationOffloader:
                 continue
             step = self._profiled[sig]
             old = self._plans[sig]
+            rebuild_s = None
+            if self.device.type == "cuda":
+                # The device clock timed the planned rebuilds; the plan adds them itself (on CPU
+                # they were taken out of the clock: ComputeClock).
+                rate = self._hardware_model().pointwise_bytes_per_s
+                rebuild_s = {
+                    k: 2 * e.nbytes / rate  # input and output: one shape and dtype
+                    for e in old.entries
+                    if e.placement is Placement.REBUILD
+                    for k in e.keys
+                }
             try:
-                plan = self._make_plan(retimed(trace, step, timing), step, sig)
+                plan = self._make_plan(retimed(trace, step, timing, rebuild_s), step, sig)
             except (lifecycle.BudgetInfeasibleError, ValueError) as e:
                 log.info("offload: signature %s keeps its first plan (refining failed: %s)", sig, e)
                 continue

@@ -45,8 +45,9 @@ NOTE [ Refinement ]
     the plan added; records, bytes and memory stay the profile's). The refined plan replaces the
     first (``plan.metadata["refined"]``, with the first one's predicted step) and is not refined
     again; a plan given with ``plan=`` and the merged plan past ``MAX_SIGNATURES`` are not
-    refined. On a GPU the planned step's times include its own stalls and rebuilds (kernels on
-    the compute stream, which its clock times), if it had any.
+    refined. On a GPU the planned step's times include its own stalls, if it had any, and its
+    rebuilds (kernels on the compute stream, which the device clock times): their predicted
+    time is cut out after each rebuilt record's unpack, as recomputation is.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -311,14 +312,21 @@ _ANCHORS = frozenset(
 )
 
 
-def retimed(trace: Trace, step: int, timing: int) -> Trace:
+def retimed(
+    trace: Trace,
+    step: int,
+    timing: int,
+    rebuild_s: Mapping[tuple[str, int, int], float] | None = None,
+) -> Trace:
     """``trace`` with step ``step``'s times taken from step ``timing`` (see NOTE [ Refinement ]).
 
     Module boundaries (forward and backward starts and ends of a module call) that both steps
     have are anchors: each gets the time it had in ``timing``; the events between two anchors
     (packs, unpacks, calls the other step lacks) keep their relative place between them. Forward
     spans of ``timing`` that ``step`` lacks (a planned checkpoint's recomputation during the
-    backward) are cut out of its clock first, since a plan adds recomputation time itself.
+    backward) are cut out of its clock first, since a plan adds recomputation time itself; so
+    are ``rebuild_s[key]`` seconds after each unpack in ``timing`` of a record with that key (a
+    planned rebuild, whose kernel a device clock times: the plan adds rebuild time itself).
     Records, memory and order are left as they are.
 
     Example:
@@ -364,6 +372,10 @@ def retimed(trace: Trace, step: int, timing: int) -> Trace:
         elif open_:
             cut.append((start, e.time_s))
             open_.clear()
+        if rebuild_s and e.kind is EventKind.UNPACK and e.record >= 0:
+            took = rebuild_s.get(_key(trace.records[e.record]), 0.0)
+            if took > 0.0 and not open_:
+                cut.append((e.time_s, e.time_s + took))
 
     def clock(t: float) -> float:
         return t - sum(min(t, b) - a for a, b in cut if a < t)
