@@ -317,3 +317,27 @@ def test_autocast_weight_casts_rebuilt_bitwise_on_cuda() -> None:
     casts = 3 * 1024 * 1024 * 2
     assert last.records_rebuilt in (3, 6)
     assert last.bytes_rebuilt == casts + (last.records_rebuilt - 3) * 2048 * 1024 * 2
+
+
+@pytest.mark.parametrize("source", ["keep", "cpu"])
+def test_planned_rebuilds_bitwise_on_cuda(source: str) -> None:
+    """NOTE [ Rebuilt outputs ]: under a plan that rebuilds the GELU / SiLU outputs, from inputs
+    kept or reloaded on the H2D stream (the rebuild waits for the reload's event), gradients stay
+    bitwise equal on CUDA, every output is rebuilt and none is unplanned."""
+    from test_offload_rebuild import _act_mlp, _assert_bitwise, _forced, _profile, _step
+
+    from lifecycle import Placement
+
+    model = _act_mlp().cuda()
+    x = torch.randn(64, 128, 64, device="cuda")
+    want = _step(model, x)
+    _assert_bitwise(_step(model, x), want)
+    plan = _forced(_profile(model, x), child=Placement.REBUILD, parent=Placement(source))
+    mgr = offload.ActivationOffloader(model, plan=plan, min_offload_bytes=0)
+    try:
+        for _ in range(3):
+            _assert_bitwise(_step(model, x, mgr), want)
+            last = mgr.stats.last
+            assert last.records_rebuilt == 3 and last.unplanned_records == 0
+    finally:
+        mgr.close()
