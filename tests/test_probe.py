@@ -86,18 +86,23 @@ def test_cache_round_trip(cache_dir: Path, disk_dir: Path) -> None:
     assert _only_file(cache_dir) == path
 
 
+def _planted() -> HardwareModel:
+    """A model no probe would produce: a call that returns it has read the cache file."""
+    return HardwareModel.cpu_only(
+        copy_bytes_per_s=123.0,
+        disk_write_bytes_per_s=4.0,
+        disk_read_bytes_per_s=5.0,
+        source="planted by the test",
+    )
+
+
 def test_second_call_reads_the_file_and_refresh_measures_again(
     cache_dir: Path, disk_dir: Path
 ) -> None:
     probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL)
     path = _only_file(cache_dir)
     # A model no probe would produce: a call that returns it has read the file.
-    marker = HardwareModel.cpu_only(
-        copy_bytes_per_s=123.0,
-        disk_write_bytes_per_s=4.0,
-        disk_read_bytes_per_s=5.0,
-        source="planted by the test",
-    )
+    marker = _planted()
     marker.save(path)
     assert probe_hardware(device="cpu", nvme_dir=disk_dir, nbytes=SMALL) == marker
 
@@ -132,12 +137,7 @@ def test_cache_file_from_an_older_probe_is_measured_again(
     path = _only_file(cache_dir)
     # What the probe wrote before it measured elementwise kernels: every field but that one. A
     # marker, so that a call returning it (with the assumed pointwise rate) has read the file.
-    marker = HardwareModel.cpu_only(
-        copy_bytes_per_s=123.0,
-        disk_write_bytes_per_s=4.0,
-        disk_read_bytes_per_s=5.0,
-        source="planted by the test",
-    )
+    marker = _planted()
     old = marker.to_dict()
     del old["pointwise_bytes_per_s"]
     path.write_text(json.dumps(old))
