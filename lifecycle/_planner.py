@@ -82,9 +82,9 @@ NOTE [ Rebuilt outputs ]
     activation's own node saved) can be rebuilt at its first unpack instead of stored: one
     elementwise kernel on the compute stream, (input + output bytes) / ``pointwise_bytes_per_s``
     (against two link crossings of the output's bytes, or keeping them). Rebuild variants of
-    the order variants (of the first slack's) rebuild all such families of a column (those whose input or own block
-    is not recomputed; an input is never rebuilt itself), which then are no offload
-    candidates. Model: a rebuilt family is absent from the event after its pack until its first
+    the order variants (of the first slack's) rebuild all such families of a column (those
+    whose input or own block is not recomputed; an input is never rebuilt itself), which then
+    are no offload candidates. Model: a rebuilt family is absent from the event after its pack until its first
     unpack, then held to its last use as before; the step gains the rebuild times (a constant
     of the column, so (2) holds); its input is needed at the earlier of its own first unpack
     and the output's, so a moved input's reload is placed and timed for that (for every column

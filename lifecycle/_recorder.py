@@ -31,6 +31,7 @@ from torch import nn
 
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._tensors import (
+    ACTIVATION_NODES,
     ParameterStorages,
     activation_output,
     local_tensor,
@@ -97,7 +98,6 @@ _RECORD_FIELDS = (
 #     that stay tracked are the handle and its detached tensor.
 _KINDS = tuple(EventKind)
 _CODE = {k: i for i, k in enumerate(_KINDS)}
-_REBUILDABLE = frozenset({"GeluBackward0", "SiluBackward0"})  # see Recorder._parent_of
 
 
 class Recorder:
@@ -529,7 +529,7 @@ class Recorder:
         parent = -1
         out = t._base if t._base is not None else t  # Linear on 3-D input saves a 2-D view
         fn = out.grad_fn
-        if fn is not None and type(fn).__name__ in _REBUILDABLE:
+        if fn is not None and type(fn).__name__ in ACTIVATION_NODES:  # a cheap first filter
             parent = self._parent_of(t)
         self._seq_of[id(d)] = self._record(t, rebuild_from=parent)
         return d

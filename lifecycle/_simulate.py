@@ -32,10 +32,11 @@ NOTE [ Simulation model ]
     families from their pack until their D2H completes and from their reload's start until their
     last use, recomputed families from their recomputation until their last use, rebuilt families
     from their first through their last pack event (the op saving one still uses it) and from
-    their rebuild until their last use. Bytes are freed at the event after their last use, as in :meth:`Trace.live_saved_bytes`;
-    a rebuild is a use of its parent, so a parent stays at least until its children's first
-    unpack. A REBUILD family's records must all link into one parent family of the step, which is
-    itself kept or moved (a rebuild reads it; it cannot be recomputed or rebuilt in turn).
+    their rebuild until their last use. Bytes are freed at the event after their last use, as in
+    :meth:`Trace.live_saved_bytes`; a rebuild is a use of its parent, so a parent stays at least
+    until its children's first unpack. A REBUILD family's records must all link into one parent
+    family of the step, which is itself kept or moved (a rebuild reads it; it cannot be
+    recomputed or rebuilt in turn).
     Not modelled: a per-copy latency, kernels slowed by concurrent copies, host (pinned) memory and
     disk capacity, the allocator's rounding and fragmentation, saved tensors that Python still
     references (offloading those frees nothing in reality), the inputs a checkpointed module keeps

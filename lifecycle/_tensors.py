@@ -107,7 +107,8 @@ class ParameterStorages:
         return ref is not None and ref() is storage
 
 
-_ACTIVATIONS = {"GeluBackward0": "gelu", "SiluBackward0": "silu"}
+# The autograd nodes whose outputs :func:`activation_output` recognises, and their functions.
+ACTIVATION_NODES = {"GeluBackward0": "gelu", "SiluBackward0": "silu"}
 
 
 def activation_output(t: torch.Tensor) -> tuple[str, str, Any, torch.Tensor] | None:
@@ -118,7 +119,7 @@ def activation_output(t: torch.Tensor) -> tuple[str, str, Any, torch.Tensor] | N
         return None
     out = t._base if t._base is not None else t
     fn = out.grad_fn
-    kind = _ACTIVATIONS.get(type(fn).__name__) if fn is not None else None
+    kind = ACTIVATION_NODES.get(type(fn).__name__) if fn is not None else None
     if fn is None or kind is None or not out.is_contiguous() or out.storage_offset() != 0:
         return None
     if out.untyped_storage().nbytes() != out.numel() * out.element_size():

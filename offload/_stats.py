@@ -24,8 +24,8 @@ class StepStats:
         bytes_recomputed: bytes rebuilt by recomputation instead of stored (planner; 0 here).
         records_rebuilt / bytes_rebuilt: saved tensors not stored but rebuilt at unpack:
             autocast weight casts from their parameter, and GELU / SiLU outputs from their
-            inputs (always without a budget; under one where the plan says REBUILD) (NOTE [ Weight casts ], NOTE [ Activation recipes ] in
-            ``offload/_recipe.py``).
+            inputs (always without a budget; under one where the plan says REBUILD) (NOTE
+            [ Weight casts ], NOTE [ Activation recipes ] in ``offload/_recipe.py``).
         reloads: family reloads started (prefetched or not).
         stalls: unpacks that found no reload started and had to load synchronously.
         stall_s: seconds unpack spent waiting for bytes (stalls and late prefetches).
