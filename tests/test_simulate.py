@@ -733,6 +733,7 @@ def test_hardware_validation_names_the_field() -> None:
         "disk_write_bytes_per_s": True,
         "disk_read_bytes_per_s": "6.8e9",
         "pinned_alloc_s_per_byte": -1e-9,
+        "pointwise_bytes_per_s": 0.0,
     }
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -107,6 +108,13 @@ def test_records_must_be_in_order() -> None:
     t = _synthetic()
     with pytest.raises(ValueError, match="seq"):
         Trace(records=tuple(reversed(t.records)), events=t.events)
+    # A rebuild link names an earlier record (the input its activation saved before it).
+    for link in (1, 5, -2):
+        linked = (t.records[0], dataclasses.replace(t.records[1], rebuild_from=link))
+        with pytest.raises(ValueError, match=f"record 1's rebuild_from .* got {link}"):
+            Trace(records=(*linked, *t.records[2:]), events=t.events)
+    ok = (t.records[0], dataclasses.replace(t.records[1], rebuild_from=0), *t.records[2:])
+    assert Trace(records=ok, events=t.events).records[1].rebuild_from == 0
 
 
 def test_json_round_trip_is_exact(tmp_path) -> None:
