@@ -14,7 +14,7 @@ import numpy as np
 
 from storage._errors import StorageFullError
 from storage._file import SpillFile, storage_error
-from storage._units import ALIGNMENT_BYTES, format_bytes, round_up
+from storage._units import ALIGNMENT_BYTES, IO_THREADS, format_bytes, round_up
 
 # A probe takes at most 1 / _FREE_SPACE_DIVISOR of the directory's free space: measuring a disk
 # must not fill it (other ranks, or the job itself, may be writing there).
@@ -26,7 +26,7 @@ def measure_disk_bandwidth(
     nbytes: int = 256 << 20,
     *,
     chunk_bytes: int = 16 << 20,
-    threads: int = 4,
+    threads: int = IO_THREADS,
     direct_io: bool = True,
 ) -> dict[str, Any]:
     """Write then read ``nbytes`` through a private spill file in ``directory`` and time both.

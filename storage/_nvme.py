@@ -20,7 +20,13 @@ from storage._kvikio import KvikioFile
 from storage._pool import HostPool, HostRegion, shared_host_pool
 from storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
 from storage._transfer import CopyEngine, Transfer, chain, check_waitable, gather, wait_for
-from storage._units import ALIGNMENT_BYTES, CHECKSUM_CHUNK_BYTES, format_bytes, round_up
+from storage._units import (
+    ALIGNMENT_BYTES,
+    CHECKSUM_CHUNK_BYTES,
+    IO_THREADS,
+    format_bytes,
+    round_up,
+)
 
 _DEFAULT_GROWTH_BYTES = 256 << 20
 
@@ -85,7 +91,7 @@ class NvmeTier(Tier):
         *,
         capacity_bytes: int | None = None,
         pool: HostPool | None = None,
-        io_threads: int = 4,
+        io_threads: int = IO_THREADS,
         growth_bytes: int = _DEFAULT_GROWTH_BYTES,
         direct_io: bool = True,
         preallocate: bool = True,
