@@ -471,7 +471,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--pcie-max-bytes", type=size, default=2 * GiB, help="cap on the PCIe probe's buffer")
     add("--disk-max-bytes", type=size, default=1 * GiB, help="cap on the disk and tier probes")
     add("--probe-min-bytes", type=size, default=256 * MiB, help="floor of the disk/tier probes")
-    add("--io-repeats", type=int, default=None, help="disk probe rounds (5 CPU, 3 CUDA)")
+    add("--io-repeats", type=int, default=None, help="disk probe rounds (9 CPU, 3 CUDA)")
     add("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -482,7 +482,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.stem += f"-window{n // MiB}m" if n % MiB == 0 else f"-window{n}"
     args.autocast = args.autocast or ("bf16" if cuda else "off")
     args.steps = (5 if cuda else 9) if args.steps is None else args.steps
-    args.io_repeats = (3 if cuda else 5) if args.io_repeats is None else args.io_repeats
+    args.io_repeats = (3 if cuda else 9) if args.io_repeats is None else args.io_repeats
     if min(args.io_repeats, args.warmup, args.steps) < 1:
         ap.error("--io-repeats, --warmup and --steps must be >= 1")
     chosen = {v.strip() for v in args.variants.split(",") if v.strip()}
