@@ -402,6 +402,43 @@ def test_planning_is_pure_and_deterministic(traces: dict[str, Trace]) -> None:
     assert dataclasses.replace(a, metadata={}) == dataclasses.replace(b, metadata={})
 
 
+@pytest.mark.parametrize("hw_name", ["h200", "slow"])
+def test_the_links_free_pass_matches_one_pass_in_pack_order(
+    traces: dict[str, Trace], hw_name: str
+) -> None:
+    """The offload order's first group (the families the D2H link takes without falling behind
+    by more than their slack) is computed by one vectorised FIFO where the link takes them all:
+    it must decide exactly as the plain in-order pass does, on every suffix the planner resumes
+    from, where the link keeps up and where it refuses some."""
+    from lifecycle._planner import _Model, _Step
+
+    hw = HARDWARE[hw_name]
+    model = _Model(_Step(traces["gpt6x8192"], 0, 0), hw, ("cpu",), math.inf, math.inf, None)
+    order = model.pack_order
+    dur = model.d2h_s[order]
+    packed = model.v.t[model.v.fp[order]]
+    latest = packed + model.order_slacks[0][order] - dur
+
+    def in_order(lo: int, done: float) -> tuple[list[bool], list[float]]:
+        taken, busy = [], []
+        for i in range(lo, len(order)):
+            taken.append(done <= latest[i])
+            if taken[-1]:
+                done = max(done, packed[i]) + dur[i]
+            busy.append(done)
+        return taken, busy
+
+    outcomes = set()
+    for lo in range(len(order)):
+        for done in (0.0, float(packed[lo]), float(latest[lo]), float(latest[lo]) + 1e-3):
+            taken, busy = model._free_pass(order[lo:], done, 0)
+            want_taken, want_busy = in_order(lo, done)
+            assert taken.tolist() == want_taken, (lo, done)
+            np.testing.assert_allclose(busy, want_busy, rtol=1e-12, atol=1e-15)
+            outcomes.add(all(want_taken))
+    assert outcomes == {True, False}  # both paths ran
+
+
 @pytest.mark.parametrize("name", ["gpt6x8192", "block_stack", "checkpointed", "gpt_block"])
 def test_expected_keys_drop_the_packs_of_recomputed_calls(
     traces: dict[str, Trace], name: str
