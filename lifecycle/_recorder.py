@@ -32,6 +32,7 @@ from torch import nn
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._tensors import (
     ACTIVATION_NODES,
+    NormOutputs,
     ParameterStorages,
     activation_output,
     local_tensor,
@@ -41,6 +42,9 @@ from lifecycle._tensors import (
 from lifecycle._trace import Event, EventKind, TensorRecord, Trace
 
 MemoryProbe = Callable[[], int]
+# Nodes whose outputs may be rebuilt from another record (activation_output): the activations'
+# own, and autocast's casts (of a LayerNorm output, for one).
+_LINKABLE = frozenset(ACTIVATION_NODES) | {"ToCopyBackward0"}
 
 LIVE_SAVED_BYTES = "live_saved_bytes"
 OUTSIDE = "<outside>"  # the module path of packs made while no module runs (a functional loss)
@@ -179,6 +183,7 @@ class Recorder:
         # Per step.
         # id(detached tensor handed to autograd) -> record seq; see NOTE [ Recorder allocations ].
         self._seq_of: dict[int, int] = {}
+        self._norms = NormOutputs()  # LayerNorm outputs and their arguments, from module hooks
         # (id(storage), version) -> weak storage, and -> (family id, storage bytes).
         self._family_ref: dict[tuple[int, int], weakref.ref] = {}
         self._family_info: dict[tuple[int, int], tuple[int, int]] = {}
@@ -470,6 +475,7 @@ class Recorder:
             self._event(EventKind.FORWARD_END, call.module, call.call_index)
             if in_backward() or not torch.is_grad_enabled():
                 return
+        self._norms.note(module, output)
         # A pre-hook on the outputs' grad_fn fires right before the module's backward starts and,
         # unlike register_full_backward_pre_hook, leaves the graph alone (an in-place op after the
         # module keeps working).
@@ -529,7 +535,7 @@ class Recorder:
         parent = -1
         out = t._base if t._base is not None else t  # Linear on 3-D input saves a 2-D view
         fn = out.grad_fn
-        if fn is not None and type(fn).__name__ in ACTIVATION_NODES:  # a cheap first filter
+        if fn is not None and type(fn).__name__ in _LINKABLE:  # a cheap first filter
             parent = self._parent_of(t)
         self._seq_of[id(d)] = self._record(t, rebuild_from=parent)
         return d
@@ -537,10 +543,10 @@ class Recorder:
     def _parent_of(self, t: torch.Tensor) -> int:
         """The record ``t`` can be rebuilt from (an activation's output from the input its own
         node saved, packed by these hooks in this step), or -1."""
-        found = activation_output(t)
+        found = activation_output(t, self._norms)
         if found is None:
             return -1
-        _, _, packed, out = found
+        packed, out = found.packed, found.out
         seq = self._seq_of.get(id(packed), -1)
         if seq < 0 or seq >= len(self._records) or self._records[seq][1] != self._steps_done:
             return -1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -108,25 +108,137 @@ class ParameterStorages:
 
 
 # The autograd nodes whose outputs :func:`activation_output` recognises, and their functions.
-ACTIVATION_NODES = {"GeluBackward0": "gelu", "SiluBackward0": "silu"}
+ACTIVATION_NODES = {
+    "GeluBackward0": "gelu",
+    "SiluBackward0": "silu",
+    "NativeLayerNormBackward0": "layer_norm",
+}
+# The name each node keeps its saved input under (read raw: as its pack hook returned it).
+_SAVED_INPUT = {
+    "gelu": "_raw_saved_self",
+    "silu": "_raw_saved_self",
+    "layer_norm": "_raw_saved_input",
+}
 
 
-def activation_output(t: torch.Tensor) -> tuple[str, str, Any, torch.Tensor] | None:
-    """``(kind, approximate, what the pack of its input returned, output)`` if ``t`` is, or
-    views, a GELU / SiLU output (NOTE [ Activation recipes ] in ``offload/_recipe.py``), else
-    None."""
+class NormArgs:
+    """What a LayerNorm output is rebuilt with besides its input: the node saves the input, the
+    weight and the bias but not ``eps``, so the forward hook of the ``nn.LayerNorm`` that made
+    the output notes them all (:class:`NormOutputs`). The weight and bias versions are checked
+    at the rebuild: changed in place in between, they would give another output."""
+
+    __slots__ = ("bias", "bias_version", "eps", "shape", "weight", "weight_version")
+
+    def __init__(self, module: nn.LayerNorm) -> None:
+        self.shape = tuple(module.normalized_shape)
+        self.eps = float(module.eps)
+        self.weight, self.bias = module.weight, module.bias
+        self.weight_version = -1 if self.weight is None else self.weight._version
+        self.bias_version = -1 if self.bias is None else self.bias._version
+
+    def unchanged(self) -> bool:
+        return (self.weight is None or self.weight._version == self.weight_version) and (
+            self.bias is None or self.bias._version == self.bias_version
+        )
+
+
+class NormOutputs:
+    """The outputs of ``nn.LayerNorm`` modules in the step, each with its :class:`NormArgs`,
+    noted by forward hooks and found again from the output's autograd node (an autocast cast of
+    the output leads back to that node only). Entries go with their outputs. Only modules of
+    exactly that type: a subclass may compute its output otherwise (a cast around it, another
+    eps)."""
+
+    def __init__(self) -> None:
+        # id(output's grad_fn) -> (weak output, its arguments, its version when noted). Autograd
+        # nodes take no weak references; the output holds its node, so the id is not reused
+        # while the entry lives.
+        self._by_node: dict[int, tuple[weakref.ref[torch.Tensor], NormArgs, int]] = {}
+
+    def note(self, module: nn.Module, output: Any) -> None:
+        """From a forward hook: ``output`` of ``module``, if it is a LayerNorm's own output."""
+        if type(module) is not nn.LayerNorm or type(output) is not torch.Tensor:
+            return
+        fn = output.grad_fn
+        if fn is None or type(fn).__name__ != "NativeLayerNormBackward0":
+            return
+        key, table = id(fn), self._by_node
+
+        def forget(ref: weakref.ref[torch.Tensor]) -> None:
+            if table.get(key, (None,))[0] is ref:
+                del table[key]
+
+        table[key] = (weakref.ref(output, forget), NormArgs(module), output._version)
+
+    def output_of(self, fn: Any) -> tuple[torch.Tensor, NormArgs] | None:
+        """The noted output whose autograd node is ``fn``, unchanged since, and its arguments."""
+        got = self._by_node.get(id(fn))
+        if got is None:
+            return None
+        out = got[0]()
+        if out is None or out.grad_fn is not fn or out._version != got[2]:
+            return None
+        return out, got[1]
+
+    def clear(self) -> None:
+        self._by_node.clear()
+
+
+class Activation(NamedTuple):
+    """A saved tensor :func:`activation_output` recognises."""
+
+    kind: str  # "gelu", "silu" or "layer_norm"
+    args: Any  # GELU's ``approximate``, a LayerNorm's NormArgs, or ""
+    packed: Any  # what the pack of the function's input returned (read raw)
+    out: torch.Tensor  # the function's output (its input's shape and dtype)
+    saved: torch.Tensor  # the storage the saved tensor views: ``out``, or autocast's cast of it
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Activation | None:
+    """What ``t`` is if it is, or views, a GELU / SiLU output, a LayerNorm output that ``norms``
+    noted, or autocast's dtype cast of such a LayerNorm output (NOTE [ Activation recipes ] in
+    ``offload/_recipe.py``), else None."""
     if type(t) is not torch.Tensor:
         return None
-    out = t._base if t._base is not None else t
-    fn = out.grad_fn
-    kind = ACTIVATION_NODES.get(type(fn).__name__) if fn is not None else None
-    if fn is None or kind is None or not out.is_contiguous() or out.storage_offset() != 0:
+    saved = t._base if t._base is not None else t
+    out = saved
+    fn: Any = saved.grad_fn
+    name = type(fn).__name__ if fn is not None else ""
+    noted = None
+    if name == "ToCopyBackward0":
+        # Under autocast a LayerNorm runs in float32 and the next Linear saves a cast of its
+        # output, whose only input is the LayerNorm's node.
+        nxt = fn.next_functions
+        if norms is None or len(nxt) != 1 or nxt[0][0] is None:
+            return None
+        noted = norms.output_of(nxt[0][0])
+        if noted is None:
+            return None
+        out, fn, name = noted[0], nxt[0][0], "NativeLayerNormBackward0"
+        if out.device != saved.device or out.shape != saved.shape or out.dtype == saved.dtype:
+            return None
+    kind = ACTIVATION_NODES.get(name)
+    if kind is None or not _dense(out) or not _dense(saved):
         return None
-    if out.untyped_storage().nbytes() != out.numel() * out.element_size():
-        return None
+    args: Any = ""
+    if kind == "gelu":
+        args = str(getattr(fn, "_saved_approximate", "none"))
+    elif kind == "layer_norm":
+        if noted is None:
+            noted = norms.output_of(fn) if norms is not None else None
+        if noted is None or noted[0] is not out:
+            return None
+        args = noted[1]
     # The node's saved input as its pack hook returned it, without unpacking it.
-    packed = getattr(getattr(fn, "_raw_saved_self", None), "data", None)
+    packed = getattr(getattr(fn, _SAVED_INPUT[kind], None), "data", None)
     if packed is None:
         return None
-    approximate = str(getattr(fn, "_saved_approximate", "none")) if kind == "gelu" else ""
-    return kind, approximate, packed, out
+    return Activation(kind, args, packed, out, saved)

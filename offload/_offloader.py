@@ -28,6 +28,7 @@ import lifecycle
 import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
 from lifecycle._tensors import (
+    NormOutputs,
     ParameterStorages,
     activation_output,
     local_tensor,
@@ -255,6 +256,8 @@ class ActivationOffloader:
         # Under a plan that rebuilds: what this step's kept packs returned, by id (a rebuilt
         # record's input may be one of them; see _activation_recipe).
         self._kept_refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        # LayerNorm outputs and what they were made with (eps is not on their autograd node).
+        self._norms = NormOutputs()
         self._engine = _copy_engine
         self._tiers: list[storage.Tier] | None = None  # made at the first step
         self._executor: Executor | None = None
@@ -982,10 +985,10 @@ class ActivationOffloader:
         """An :class:`ActivationRecipe` for ``t`` if it is a GELU / SiLU output whose input this
         step offloaded, or (``key``: the plan rebuilds it) kept, else None (NOTE [ Activation
         recipes ] in _recipe.py)."""
-        found = activation_output(t)
+        found = activation_output(t, self._norms)
         if found is None:
             return None
-        kind, approximate, parent, out = found
+        parent, out = found.packed, found.out
         if isinstance(parent, _Member):
             if parent.executor is not ex or not _same_layout(parent, out):
                 return None
@@ -999,7 +1002,7 @@ class ActivationOffloader:
         else:
             return None
         step = ex.step if key is not None else None  # whose trigger table the key is in
-        recipe = ActivationRecipe(kind, approximate, held, out, t, key=key, step=step)
+        recipe = ActivationRecipe(found, held, t, key=key, step=step)
         stats.records_rebuilt += 1
         stats.bytes_rebuilt += recipe.nbytes
         if self._profiling is not None and self._profiler is not None:
@@ -1035,10 +1038,10 @@ class ActivationOffloader:
         (``TensorRecord.rebuild_from``), or -1: ``t`` is a GELU / SiLU output whose input this
         recorded step offloaded whole, as ``lifecycle.Recorder`` links them (NOTE [ Activation
         recipes ] in _recipe.py)."""
-        found = activation_output(t)
+        found = activation_output(t, self._norms)
         if found is None:
             return -1
-        parent, out = found[2], found[3]
+        parent, out = found.packed, found.out
         if (
             not isinstance(parent, _Member)
             or parent.executor is not ex
@@ -1229,6 +1232,7 @@ class _ForwardPost:
         if not mgr._in_step or mgr._paused or not mgr._stack:
             return
         name, _, own, call, _ = mgr._stack.pop()
+        mgr._norms.note(module, output)
         ex = mgr._executor
         if ex is None or ex.step is None or not torch.is_grad_enabled():
             return

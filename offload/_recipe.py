@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from lifecycle._tensors import ParameterStorages
+from lifecycle._tensors import Activation, ParameterStorages
 from offload._errors import OffloadError
 
 
@@ -113,7 +113,8 @@ class ActivationRecipe:
     """
 
     __slots__ = (
-        "approximate",
+        "args",
+        "cast",
         "key",
         "kind",
         "nbytes",
@@ -128,18 +129,18 @@ class ActivationRecipe:
 
     def __init__(
         self,
-        kind: str,
-        approximate: str,
+        found: Activation,
         parent: Any,
-        out: torch.Tensor,
         t: torch.Tensor,
         *,
         key: tuple[str, int, int] | None = None,
         step: Any = None,
     ) -> None:
-        self.kind, self.approximate, self.parent = kind, approximate, parent
+        self.kind, self.args, self.parent = found.kind, found.args, parent
+        # Autocast's cast of the output (a LayerNorm's, in float32) is what was saved.
+        self.cast = found.saved.dtype if found.saved is not found.out else None
         self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
-        self.nbytes = out.untyped_storage().nbytes()
+        self.nbytes = found.saved.untyped_storage().nbytes()
         self.version = parent._version if isinstance(parent, torch.Tensor) else -1
         self.key = key
         self.step_ref = None if step is None else weakref.ref(step)
@@ -165,9 +166,24 @@ class ActivationRecipe:
     def rebuild(self, parent: torch.Tensor) -> torch.Tensor:
         """The saved tensor again from its input ``parent`` (unpacked from ``self.parent``, or
         :meth:`kept_input`)."""
-        with torch.no_grad():
-            if self.kind == "gelu":
-                out = torch.nn.functional.gelu(parent, approximate=self.approximate)
-            else:
+        kind, args = self.kind, self.args
+        # As the forward ran it, whatever autocast state this backward runs in.
+        with torch.no_grad(), torch.autocast(parent.device.type, enabled=False):
+            if kind == "gelu":
+                out = torch.nn.functional.gelu(parent, approximate=args)
+            elif kind == "silu":
                 out = torch.nn.functional.silu(parent)
+            else:
+                if not args.unchanged():
+                    raise OffloadError(
+                        f"the weight or bias of a LayerNorm over {list(args.shape)} changed in "
+                        "place between the forward that saved its output and this backward; "
+                        "offload rebuilds that output from its input at backward, so the "
+                        "weights must not change in between (step the optimizer after backward)"
+                    )
+                out = torch.nn.functional.layer_norm(
+                    parent, args.shape, args.weight, args.bias, args.eps
+                )
+            if self.cast is not None:
+                out = out.to(self.cast)
         return out.as_strided(self.size, self.stride, self.offset)

@@ -856,6 +856,96 @@ def test_activation_outputs_are_rebuilt_from_their_inputs(how: str, tmp_path) ->
         mgr.close()
 
 
+class _CastNorm(nn.LayerNorm):
+    """A LayerNorm subclass whose forward is its own (here: a different eps): not rebuilt."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias, 0.1)
+
+
+class _NormNet(nn.Module):
+    """LayerNorm outputs saved by the next Linear: three ``nn.LayerNorm`` modules (another eps,
+    no affine, no bias) whose outputs are rebuilt, and two that are stored: a subclass with its
+    own forward and a functional ``layer_norm`` (no module says its eps)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norms = nn.ModuleList(
+            [
+                nn.LayerNorm(width, eps=1e-3),
+                nn.LayerNorm(width, elementwise_affine=False),
+                nn.LayerNorm(width, bias=False),
+                _CastNorm(width),
+            ]
+        )
+        self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, fc in zip(self.norms, self.fcs, strict=False):
+            x = x + fc(norm(x))
+        return self.fcs[-1](nn.functional.layer_norm(x, x.shape[-1:], eps=1e-4))
+
+
+@pytest.mark.parametrize("how", ["cpu", "nvme", "retain_graph", "autocast"], ids=lambda s: s)
+def test_layer_norm_outputs_are_rebuilt_with_their_modules_arguments(how: str, tmp_path) -> None:
+    """NOTE [ Activation recipes ]: an ``nn.LayerNorm``'s output saved by the next Linear is
+    rebuilt at unpack from the input its node saved, with the module's eps, weight and bias
+    (noted by its forward hook: the node does not save eps), bitwise; under autocast, the bf16
+    cast of it that the Linear saves is rebuilt and cast again. A subclass's or a functional
+    call's output is stored."""
+    model = _NormNet()
+    x = torch.randn(4, 32, 64)
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if how == "autocast"
+        else contextlib.nullcontext()
+    )
+
+    def grads(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with autocast, mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).float().pow(2).sum()
+        loss.backward(retain_graph=how == "retain_graph")
+        if how == "retain_graph":
+            loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads(None)
+    kw: dict[str, Any] = {"min_offload_bytes": 0}
+    if how == "nvme":
+        kw.update(tiers=("nvme",), nvme_dir=tmp_path)
+    mgr = offload.ActivationOffloader(model, **kw)
+    try:
+        for _ in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(grads(mgr), want, strict=True))
+            last = mgr.stats.last
+            if how == "autocast":
+                # The Linears save bf16 casts of the float32 LayerNorm outputs: three rebuilt
+                # (and cast), besides the five Linear weights' casts (NOTE [ Weight casts ]).
+                casts = 5 * 64 * 64 * 2
+                assert (last.records_rebuilt, last.bytes_rebuilt) == (8, casts + 3 * 128 * 64 * 2)
+            else:
+                assert (last.records_rebuilt, last.bytes_rebuilt) == (3, 3 * 128 * 64 * 4)
+            assert mgr._executor is not None and mgr._executor.live_families() == 0
+    finally:
+        mgr.close()
+
+
+def test_layer_norm_weight_changed_before_backward_fails_loudly() -> None:
+    """A LayerNorm output rebuilt with a weight changed in place since forward would be another
+    output: the unpack raises instead of returning it."""
+    model = _NormNet()
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    with mgr:
+        loss = model(torch.randn(4, 32, 64)).pow(2).sum()
+    with torch.no_grad():
+        model.norms[0].weight.mul_(0.5)  # an optimizer step before the backward
+    with pytest.raises(offload.OffloadError, match="LayerNorm"):
+        loss.backward()
+    mgr.close()
+
+
 def test_budget_mode_rebuilds_activation_outputs_as_planned() -> None:
     """Under a budget the plan decides (NOTE [ Rebuilt outputs ] in lifecycle/_planner.py): with
     room for everything the outputs are stored; on a tight budget with dear copies the plan

@@ -1,7 +1,8 @@
-"""Planned rebuilds (``Placement.REBUILD``): a GELU / SiLU output saved by the next Linear is not
-stored but run again at unpack from its input, which the plan kept or moved (NOTE [ Activation
-recipes ] in offload/_recipe.py, NOTE [ Budget mode ] in offload/_planned.py). Gradients are
-bitwise equal to a run without offloading (CPU tensors as the device, real files for NVMe)."""
+"""Planned rebuilds (``Placement.REBUILD``): a GELU / SiLU / LayerNorm output saved by the next
+Linear is not stored but run again at unpack from its input, which the plan kept or moved (NOTE
+[ Activation recipes ] in offload/_recipe.py, NOTE [ Budget mode ] in offload/_planned.py).
+Gradients are bitwise equal to a run without offloading (CPU tensors as the device, real files
+for NVMe)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,11 @@ def _mlp(*acts: nn.Module, width: int = 64) -> nn.Module:
 
 
 def _act_mlp() -> nn.Module:
-    return _mlp(nn.GELU(), nn.SiLU(), nn.GELU(approximate="tanh"))
+    # A LayerNorm with its own eps: its output is rebuilt with it (the node does not save it).
+    return _mlp(nn.GELU(), nn.SiLU(), nn.GELU(approximate="tanh"), nn.LayerNorm(128, eps=1e-3))
+
+
+REBUILDS = 4  # _act_mlp's rebuildable outputs (and their inputs)
 
 
 def _input() -> torch.Tensor:
@@ -123,13 +128,13 @@ def test_active_plan_rebuilds_its_keys_without_a_reload_trigger() -> None:
     active = ActivePlan(plan)
     assert active.rebuilds
     rebuilt = [e for e in plan.entries if e.placement is Placement.REBUILD]
-    assert len(rebuilt) == 3
+    assert len(rebuilt) == REBUILDS
     for e in rebuilt:
         assert all(active.action[k] == REBUILD for k in e.keys)
         assert all(active.limit[k] == e.nbytes for k in e.keys)
         assert e.keys[0] not in active.trigger
     moved = [e for e in plan.entries if e.placement is Placement.CPU]
-    assert len(moved) == 3 and all(active.action[e.keys[0]] == "host" for e in moved)
+    assert len(moved) == REBUILDS and all(active.action[e.keys[0]] == "host" for e in moved)
     assert not ActivePlan(dataclasses.replace(plan, entries=tuple(moved))).rebuilds
 
 
@@ -159,7 +164,7 @@ def test_rebuilt_outputs_are_bitwise_with_their_input_kept_or_moved(parent: str,
         for _ in range(STEPS):
             _assert_bitwise(_step(model, x, mgr, twice=twice), want)
             last = mgr.stats.last
-            assert (last.records_rebuilt, last.bytes_rebuilt) == (3, rebuilt)
+            assert (last.records_rebuilt, last.bytes_rebuilt) == (REBUILDS, rebuilt)
             assert last.unplanned_records == 0 and last.fallbacks == 0
             moved = last.bytes_offloaded_cpu + last.bytes_offloaded_nvme
             if where is Placement.KEEP:
@@ -170,7 +175,7 @@ def test_rebuilt_outputs_are_bitwise_with_their_input_kept_or_moved(parent: str,
                 # One reload per input and backward, serving both of its unpacks (none where
                 # the copy out had not completed, a file write or a deferred copy: the source
                 # serves them).
-                reloads = 3 * (2 if twice else 1)
+                reloads = REBUILDS * (2 if twice else 1)
                 if engine is None and where is Placement.CPU:
                     assert last.reloads == reloads
                 assert last.reloads <= reloads
@@ -199,7 +204,8 @@ def test_a_rebuilt_output_holds_no_bytes_until_its_unpack() -> None:
             _assert_bitwise(_step(model, x, mgr), want)
             with SavedBytes.on(mgr) as saved:
                 _assert_bitwise(_step(model, x, mgr), want)
-            assert mgr.stats.last.records_rebuilt == (3 if child is Placement.REBUILD else 0)
+            rebuilds = REBUILDS if child is Placement.REBUILD else 0
+            assert mgr.stats.last.records_rebuilt == rebuilds
             assert mgr.stats.last.unplanned_records == 0
         finally:
             mgr.close()
@@ -348,20 +354,21 @@ class _Offset(nn.Module):
         return self.act(h[1:])
 
 
-@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "layer_norm"])
 def test_the_profiling_step_of_budget_mode_records_rebuild_links(act: str) -> None:
     """The manager's profiling step stores activation outputs (its memory probe sees them) and
     links each to its input's record, as the observe-only recorder does."""
-    makers: dict[str, Callable[[], nn.Module]] = {
-        "gelu": nn.GELU,
-        "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
-        "silu": nn.SiLU,
+    makers: dict[str, Callable[[int], nn.Module]] = {
+        "gelu": lambda width: nn.GELU(),
+        "gelu_tanh": lambda width: nn.GELU(approximate="tanh"),
+        "silu": lambda width: nn.SiLU(),
+        "layer_norm": nn.LayerNorm,
     }
     make = makers[act]
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(64, 128), make(), nn.Linear(128, 128), _Offset(), nn.Linear(128, 64),
-        make(), nn.Linear(64, 8),
+        nn.Linear(64, 128), make(128), nn.Linear(128, 128), _Offset(), nn.Linear(128, 64),
+        make(64), nn.Linear(64, 8),
     )  # fmt: skip
     x = torch.randn(2, 8, 64)  # 3-D: the Linears save 2-D views of the outputs
     want = _step(model, x)
@@ -380,8 +387,10 @@ def test_the_profiling_step_of_budget_mode_records_rebuild_links(act: str) -> No
         by_seq = {r.seq: r for r in t.records}
         return {c.key: by_seq[c.rebuild_from].key for c in t.records if c.rebuild_from >= 0}
 
-    # The first and the last activation's outputs, from the activations' own packs.
-    assert links(trace) == {("2", 0, 0): ("1", 0, 0), ("6", 0, 0): ("5", 0, 0)}
+    # The first and the last activation's outputs, from the activations' own packs of their
+    # inputs (LayerNorm's node packs its weight first).
+    i = 1 if act == "layer_norm" else 0
+    assert links(trace) == {("2", 0, 0): ("1", 0, i), ("6", 0, 0): ("5", 0, i)}
     assert links(observed) == links(trace)
     for r in trace.records:
         if r.rebuild_from >= 0:
@@ -423,14 +432,14 @@ def test_a_plan_that_rebuilds_is_refined_from_its_recorded_first_step() -> None:
         first = mgr.plan
         assert first is not None and _bytes(first, Placement.REBUILD) > 0
         _assert_bitwise(_step(model, x, mgr), want)  # runs the first plan, recorded
-        assert mgr.stats.last.records_rebuilt == 3
+        assert mgr.stats.last.records_rebuilt == REBUILDS
         assert mgr._profiler is not None
         recorded = mgr._profiler.trace()
         refined = mgr.plan
         for _ in range(2):
             _assert_bitwise(_step(model, x, mgr), want)  # runs the refined plan
             last = mgr.stats.last
-            assert last.records_rebuilt == 3 and last.unplanned_records == 0
+            assert last.records_rebuilt == REBUILDS and last.unplanned_records == 0
             assert refined is not None and last.predicted_step_s == refined.predicted_step_s
             assert mgr._executor is not None and mgr._executor.live_families() == 0
     finally:
@@ -440,7 +449,7 @@ def test_a_plan_that_rebuilds_is_refined_from_its_recorded_first_step() -> None:
     # The recorded planned step: its rebuilt records, packed and unpacked once each, linked to
     # their inputs' records of the same step, as in the profile.
     profiled, timed = _links(recorded, 0), _links(recorded, 1)
-    assert len(profiled) == len(timed) == 3
+    assert len(profiled) == len(timed) == REBUILDS
     pairs = sorted((c.key, p.key) for c, p in timed.values())
     assert pairs == sorted((c.key, p.key) for c, p in profiled.values())
     for c, p in timed.values():
@@ -461,7 +470,7 @@ def test_a_plan_that_rebuilds_is_refined_from_its_recorded_first_step() -> None:
 
     took = 1e-6
     shorter = retimed(recorded, 0, 1, {c.key: took for c, _ in timed.values()})
-    assert span(out) - span(shorter) == pytest.approx(3 * took, abs=1e-12)
+    assert span(out) - span(shorter) == pytest.approx(REBUILDS * took, abs=1e-12)
 
 
 def test_the_planner_s_rebuilds_are_carried_out_within_its_predicted_peak() -> None:

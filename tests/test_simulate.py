@@ -389,10 +389,13 @@ def _pointwise(hw: HardwareModel, bytes_per_s: float = 2000.0) -> HardwareModel:
 
 
 def _links(trace: Trace) -> dict[int, int]:
-    """``{family: parent family}`` for every family whose records the trace links to a parent."""
-    return {
+    """``{family: parent family}`` for every family whose records the trace links to a parent
+    that is not linked itself (a LayerNorm of a GELU output: only the LayerNorm's output, as
+    the planner chooses; a rebuild reads a stored parent)."""
+    links = {
         r.family: trace.records[r.rebuild_from].family for r in trace.records if r.rebuild_from >= 0
     }
+    return {c: p for c, p in links.items() if p not in links}
 
 
 def test_rebuild_from_a_kept_parent_costs_one_kernel() -> None:
