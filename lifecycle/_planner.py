@@ -22,8 +22,8 @@ NOTE [ Planner ]
         first is a further order variant (each microbatch's early layers before any late ones). ``k`` runs from 0 to ``top``, the
         most the host and disk room allow. Past ``cpu_budget`` the earliest-packed offloaded
         families go to NVMe (the larger, slower tier).
-      * whether the outputs the trace links to their inputs (``rebuild_from``: a GELU / SiLU
-        output saved by the next op) are rebuilt instead of stored (NOTE [ Rebuilt outputs ]):
+      * whether the outputs the trace links to their inputs (``rebuild_from``: a GELU / SiLU /
+        LayerNorm output saved by the next op) are rebuilt instead of stored (NOTE [ Rebuilt outputs ]):
         a further order variant of every column.
     A column is one (m, lead). In each column the smallest ``k`` whose predicted peak fits is
     found by bisection over ``[0, top]`` (to within 1/256 of the column); the plan is the column
@@ -78,9 +78,9 @@ NOTE [ Planner ]
 
 NOTE [ Rebuilt outputs ]
     A family every record of which the trace links to one other family (``TensorRecord.
-    rebuild_from``: an activation's output saved by the next Linear, linked to the input the
-    activation's own node saved) can be rebuilt at its first unpack instead of stored: one
-    elementwise kernel on the compute stream, (input + output bytes) / ``pointwise_bytes_per_s``
+    rebuild_from``: an activation's or a LayerNorm's output saved by the next Linear, linked to
+    the input the function's own node saved) can be rebuilt at its first unpack instead of
+    stored: one elementwise kernel on the compute stream, (input + output bytes) / ``pointwise_bytes_per_s``
     (against two link crossings of the output's bytes, or keeping them). Rebuild variants of
     the order variants (of the first slack's) rebuild all such families of a column (those
     whose input or own block is not recomputed; an input is never rebuilt itself), which then

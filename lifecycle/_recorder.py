@@ -541,8 +541,9 @@ class Recorder:
         return d
 
     def _parent_of(self, t: torch.Tensor) -> int:
-        """The record ``t`` can be rebuilt from (an activation's output from the input its own
-        node saved, packed by these hooks in this step), or -1."""
+        """The record ``t`` can be rebuilt from (a GELU / SiLU output, or the output of an
+        ``nn.LayerNorm`` whose forward these module hooks saw, from the input its own node
+        saved, packed by these hooks in this step), or -1."""
         found = activation_output(t, self._norms)
         if found is None:
             return -1
@@ -551,8 +552,8 @@ class Recorder:
         if seq < 0 or seq >= len(self._records) or self._records[seq][1] != self._steps_done:
             return -1
         row = self._records[seq]
-        # The recipe runs the activation on the input as it is: a dense tensor of the same
-        # shape and dtype (see offload's ActivationRecipe).
+        # The recipe runs the function on the input as it is: a dense tensor of the same shape
+        # and dtype (see offload's ActivationRecipe).
         if row[9] != tuple(out.shape) or row[11] != out.dtype or row[8] != 0:
             return -1
         if row[6] != row[7] or row[10] != out.stride():

@@ -21,7 +21,7 @@ class _Op:
     name: str
     saves: tuple[tuple[int, int], ...]  # (family slot in the layer, bytes) per pack
     forward_s: float
-    rebuilt_from: int = -1  # its saves can be rebuilt from this slot's record (GELU output)
+    rebuilt_from: int = -1  # its saves can be rebuilt from this slot's record (GELU, LayerNorm)
 
 
 def transformer_trace(
@@ -40,9 +40,10 @@ def transformer_trace(
     Each layer ``layers.{i}`` calls ``ln1``, ``attn.qkv``, ``attn.core`` (flash attention: saves
     q, k and v as views of the qkv output, its output and the log-sum-exp), ``attn.proj``,
     ``ln2``, ``mlp.fc1``, ``mlp.act`` (GELU) and ``mlp.fc2``: 12 records and 9 alias families per
-    layer (about 32·h bytes per token). The GELU output ``mlp.fc2`` saves links to the input
-    ``mlp.act`` saved (``rebuild_from``), as the recorder links them. The memory probe is
-    ``base_bytes`` plus the live saved bytes.
+    layer (about 32·h bytes per token). The outputs the next op saves of ``ln1``, ``ln2`` and the
+    GELU link to the inputs those saved (``rebuild_from``), as the recorder links them (a bf16
+    model; under autocast the LayerNorms' float32 outputs are saved as bf16 casts, linked the
+    same way). The memory probe is ``base_bytes`` plus the live saved bytes.
 
     Args:
         layers: transformer layers.
@@ -78,7 +79,7 @@ def transformer_trace(
     # 6 fc1 out, 7 gelu out; the log-sum-exp joins slot 3's call as its own family (8).
     ops = (
         _Op("ln1", ((0, act),), pointwise(2 * act)),
-        _Op("attn.qkv", ((1, act),), mm(hidden, 3 * hidden)),
+        _Op("attn.qkv", ((1, act),), mm(hidden, 3 * hidden), rebuilt_from=0),
         _Op(
             "attn.core",
             ((2, act), (2, act), (2, act), (3, act), (8, lse)),
@@ -86,7 +87,7 @@ def transformer_trace(
         ),
         _Op("attn.proj", ((3, act),), mm(hidden, hidden)),
         _Op("ln2", ((4, act),), pointwise(2 * act)),
-        _Op("mlp.fc1", ((5, act),), mm(hidden, 4 * hidden)),
+        _Op("mlp.fc1", ((5, act),), mm(hidden, 4 * hidden), rebuilt_from=4),
         _Op("mlp.act", ((6, 4 * act),), pointwise(8 * act)),
         _Op("mlp.fc2", ((7, 4 * act),), mm(4 * hidden, hidden), rebuilt_from=6),
     )

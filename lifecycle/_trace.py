@@ -86,8 +86,8 @@ class TensorRecord:
         unpack_events: timeline indices of every unpack, in order.
         unpack_times_s: times of every unpack, in order.
         rebuild_from: ``seq`` of the record this one can be rebuilt from at unpack instead of
-            stored (an activation's output, saved by the next op, from the input the
-            activation's own node saved: NOTE [ Activation recipes ] in ``offload``), or -1. The
+            stored (a GELU / SiLU / LayerNorm output, saved by the next op, from the input the
+            function's own node saved: NOTE [ Activation recipes ] in ``offload``), or -1. The
             planner may choose to rebuild such a family (``Placement.REBUILD``).
     """
 

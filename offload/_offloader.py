@@ -982,9 +982,9 @@ class ActivationOffloader:
         stats: StepStats,
         key: tuple[str, int, int] | None = None,
     ) -> ActivationRecipe | None:
-        """An :class:`ActivationRecipe` for ``t`` if it is a GELU / SiLU output whose input this
-        step offloaded, or (``key``: the plan rebuilds it) kept, else None (NOTE [ Activation
-        recipes ] in _recipe.py)."""
+        """An :class:`ActivationRecipe` for ``t`` if it is a GELU / SiLU / LayerNorm output (or
+        autocast's cast of a LayerNorm output) whose input this step offloaded, or (``key``:
+        the plan rebuilds it) kept, else None (NOTE [ Activation recipes ] in _recipe.py)."""
         found = activation_output(t, self._norms)
         if found is None:
             return None
@@ -1035,9 +1035,9 @@ class ActivationOffloader:
 
     def _rebuild_link(self, t: torch.Tensor, ex: Executor) -> int:
         """The profiler's ``seq`` of the record ``t`` can be rebuilt from
-        (``TensorRecord.rebuild_from``), or -1: ``t`` is a GELU / SiLU output whose input this
-        recorded step offloaded whole, as ``lifecycle.Recorder`` links them (NOTE [ Activation
-        recipes ] in _recipe.py)."""
+        (``TensorRecord.rebuild_from``), or -1: ``t`` is an output :func:`activation_output`
+        recognises whose input this recorded step offloaded whole, as ``lifecycle.Recorder``
+        links them (NOTE [ Activation recipes ] in _recipe.py)."""
         found = activation_output(t, self._norms)
         if found is None:
             return -1

@@ -94,7 +94,8 @@ def probe_hardware(
     thread count, as :meth:`HardwareModel.cpu_only` (copies do not overlap compute). The figures
     are for this process alone: ranks that copy at the same time share the links.
 
-    ``pointwise_bytes_per_s`` (what rebuilding a GELU or SiLU output from its input costs) is a
+    ``pointwise_bytes_per_s`` (what rebuilding a GELU, SiLU or LayerNorm output from its input
+    costs) is a
     GELU into a preallocated output, input plus output bytes per second, the median of
     ``PROBE_REPEATS`` after a warm-up: on CUDA in bf16 (what autocast runs) on a probe-sized
     input, timed with CUDA events over ``CUDA_POINTWISE_LAUNCHES`` launches; on the CPU in float32

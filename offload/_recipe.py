@@ -18,15 +18,26 @@ NOTE [ Weight casts ]
     give another cast: unpack checks the parameter's version and raises instead.
 
 NOTE [ Activation recipes ]
-    In min-memory mode (no budget) the output of a GELU or SiLU, saved by the next Linear, is
-    not stored either: its input was just saved by the activation's own backward node, so the
-    output is that input passed through the same function again, computed at unpack on the
-    compute stream (the same kernel on the same bytes, at the same address alignment:
-    bitwise). The recipe holds a second handle on the input's family (``Executor.share``),
-    so one reload serves both unpacks. Checked at pack: a plain tensor whose own or whose base's
-    ``grad_fn`` is ``GeluBackward0`` / ``SiluBackward0`` whose saved input (read raw, as its
-    pack returned it, without unpacking) is a handle of this manager, both dense and
-    contiguous with the same shape and dtype.
+    In min-memory mode (no budget) the output of a GELU, a SiLU or an ``nn.LayerNorm``, saved by
+    the next Linear, is not stored either: its input was just saved by the function's own
+    backward node, so the output is that input passed through the same function again,
+    computed at unpack on the compute stream with autocast off, as the forward ran it (the same
+    kernel on the same bytes: bitwise). The recipe holds a second handle on the input's family
+    (``Executor.share``), so one reload serves both unpacks. Checked at pack: a plain tensor
+    whose own or whose base's ``grad_fn`` is ``GeluBackward0`` / ``SiluBackward0`` /
+    ``NativeLayerNormBackward0`` whose saved input (read raw, as its pack returned it, without
+    unpacking) is a handle of this manager, both dense and contiguous with the same shape and
+    dtype.
+    LayerNorm: its node saves the input, weight and bias but not eps, so the manager's forward
+    hook on each module of exactly type ``nn.LayerNorm`` notes its output with the module's
+    eps, weight and bias (``lifecycle._tensors.NormOutputs``, found again from the output's
+    node); a subclass may compute its output otherwise and a functional call has no module, so
+    their outputs are stored. The weight and bias versions are checked at unpack (changed in
+    place, they would give another output: ``OffloadError``). Under autocast a LayerNorm runs
+    in float32 and the Linear saves a bf16 cast of its output (``ToCopyBackward0`` whose only
+    input is the noted node): the recipe rebuilds the output and casts it again (the same
+    ``_to_copy``). A chain (a LayerNorm of a GELU output) rebuilds the inner output only: the
+    outer one's input pack returned a recipe, not a stored tensor.
     In budget mode the plan decides (``Placement.REBUILD``, NOTE [ Budget mode ] in
     _planned.py): the profiling step stores these outputs and records the link to their input
     (``TensorRecord.rebuild_from``: where the input was offloaded whole, at offset 0 of its own

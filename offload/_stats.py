@@ -23,8 +23,8 @@ class StepStats:
         bytes_offloaded_cpu / bytes_offloaded_nvme: bytes stored in each tier.
         bytes_recomputed: bytes rebuilt by recomputation instead of stored (planner; 0 here).
         records_rebuilt / bytes_rebuilt: saved tensors not stored but rebuilt at unpack:
-            autocast weight casts from their parameter, and GELU / SiLU outputs from their
-            inputs (always without a budget; under one where the plan says REBUILD) (NOTE
+            autocast weight casts from their parameter, and GELU / SiLU / LayerNorm outputs
+            from their inputs (always without a budget; under one where the plan says REBUILD) (NOTE
             [ Weight casts ], NOTE [ Activation recipes ] in ``offload/_recipe.py``).
         reloads: family reloads started (prefetched or not).
         stalls: unpacks that found no reload started and had to load synchronously.

@@ -946,8 +946,8 @@ def test_rebuilding_a_gelu_output_lowers_the_peak_where_it_was_gone() -> None:
 
 
 def _linked_transformer(layers: int) -> Trace:
-    """transformer_trace with each layer's GELU output (saved by mlp.fc2) linked to its input
-    (saved by mlp.act)."""
+    """transformer_trace with only each layer's GELU output (saved by mlp.fc2) linked to its
+    input (saved by mlp.act): its LayerNorm outputs' links dropped."""
     trace = transformer_trace(layers=layers, hidden=256, tokens=512)
     act = {
         r.module.removesuffix(".mlp.act"): r.seq
@@ -955,9 +955,12 @@ def _linked_transformer(layers: int) -> Trace:
         if r.module.endswith(".mlp.act")
     }
     records = tuple(
-        dataclasses.replace(r, rebuild_from=act[r.module.removesuffix(".mlp.fc2")])
-        if r.module.endswith(".mlp.fc2")
-        else r
+        dataclasses.replace(
+            r,
+            rebuild_from=act[r.module.removesuffix(".mlp.fc2")]
+            if r.module.endswith(".mlp.fc2")
+            else -1,
+        )
         for r in trace.records
     )
     return dataclasses.replace(trace, records=records)
