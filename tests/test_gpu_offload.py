@@ -321,10 +321,10 @@ def test_autocast_weight_casts_rebuilt_bitwise_on_cuda() -> None:
 
 @pytest.mark.parametrize("source", ["keep", "cpu"])
 def test_planned_rebuilds_bitwise_on_cuda(source: str) -> None:
-    """NOTE [ Rebuilt outputs ]: under a plan that rebuilds the GELU / SiLU outputs, from inputs
-    kept or reloaded on the H2D stream (the rebuild waits for the reload's event), gradients stay
-    bitwise equal on CUDA, every output is rebuilt and none is unplanned."""
-    from test_offload_rebuild import _act_mlp, _assert_bitwise, _forced, _profile, _step
+    """NOTE [ Rebuilt outputs ]: under a plan that rebuilds the GELU / SiLU / LayerNorm outputs,
+    from inputs kept or reloaded on the H2D stream (the rebuild waits for the reload's event),
+    gradients stay bitwise equal on CUDA, every output is rebuilt and none is unplanned."""
+    from test_offload_rebuild import REBUILDS, _act_mlp, _assert_bitwise, _forced, _profile, _step
 
     from lifecycle import Placement
 
@@ -338,6 +338,39 @@ def test_planned_rebuilds_bitwise_on_cuda(source: str) -> None:
         for _ in range(3):
             _assert_bitwise(_step(model, x, mgr), want)
             last = mgr.stats.last
-            assert last.records_rebuilt == 3 and last.unplanned_records == 0
+            assert last.records_rebuilt == REBUILDS and last.unplanned_records == 0
     finally:
         mgr.close()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
+def test_layer_norm_outputs_rebuilt_bitwise_on_cuda(autocast: bool) -> None:
+    """NOTE [ Activation recipes ]: in min-memory mode the nn.LayerNorm outputs (under autocast,
+    the bf16 casts of them the Linears save) are rebuilt on the compute stream from inputs
+    reloaded on the H2D stream, with the modules' eps, weight and bias: bitwise on CUDA."""
+    from test_offload_edges import _NormNet
+
+    model = _NormNet(width=1024).cuda()
+    x = torch.randn(8, 512, 1024, device="cuda")
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast)
+
+    def grads(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with amp, mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads(None)
+    assert all(torch.equal(a, b) for a, b in zip(want, grads(None), strict=True))
+    mgr = offload.ActivationOffloader(model)
+    try:
+        for _ in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(grads(mgr), want, strict=True))
+        last = mgr.stats.last
+    finally:
+        mgr.close()
+    # Three LayerNorm outputs rebuilt; under autocast also the five Linear weights' casts.
+    norms = 3 * 8 * 512 * 1024 * (2 if autocast else 4)
+    weights = 5 * 1024 * 1024 * 2 if autocast else 0
+    assert (last.records_rebuilt, last.bytes_rebuilt) == (8 if autocast else 3, norms + weights)
