@@ -18,8 +18,8 @@ Trace construction is not timed. Per size and budget share:
   the planner has its own model.
 
 ``--baseline-rev REV`` also times ``lifecycle/_planner.py`` as committed at git revision ``REV``
-(read with ``git show``, nothing checked out) on the same traces, in the same process, for a
-before/after figure measured side by side. The machine is named from /proc/cpuinfo; the load
+(read with ``git show``, nothing checked out) on the same traces, in the same process, the two
+planners alternating run by run (ABBA), for a before/after figure measured side by side. The machine is named from /proc/cpuinfo; the load
 average before and after is recorded, since a shared machine's timings move with it.
 Writes ``plan.json`` and ``plan.md`` into ``--out``.
 """
@@ -73,6 +73,17 @@ def _times(fn: Callable[[], Any], repeats: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - t)
     return out
+
+
+def _alternating(
+    a: Callable[[], Any], b: Callable[[], Any], repeats: int
+) -> tuple[list[float], list[float]]:
+    """Times of ``a`` and ``b``, ``repeats`` each, alternating in ABBA order."""
+    out: dict[Callable[[], Any], list[float]] = {a: [], b: []}
+    for i in range(repeats):
+        for fn in (a, b) if i % 2 == 0 else (b, a):
+            out[fn].extend(_times(fn, 1))
+    return out[a], out[b]
 
 
 def _summary(times: list[float]) -> dict[str, Any]:
@@ -153,11 +164,20 @@ def _one_budget(
     def model_only() -> lifecycle.Plan:
         return lifecycle.plan(trace, budget, hw, simulate_records=0, **kw)
 
+    def baseline_only() -> Any:
+        assert baseline is not None
+        return baseline.plan(trace, budget, hw, simulate_records=0, **kw)
+
     chosen = model_only()  # warm-up, and the plan the other figures describe
+    old = baseline_only() if baseline is not None else None
+    if old is None:
+        model_times = _times(model_only, repeats)
+    else:  # run by run, in ABBA order: drift and order effects hit both alike
+        model_times, old_times = _alternating(model_only, baseline_only, repeats)
     row: dict[str, Any] = {
         "share": share,
         "gpu_budget_bytes": budget,
-        "plan_model": _summary(_times(model_only, repeats)),
+        "plan_model": _summary(model_times),
         "predicted_step_s": chosen.predicted_step_s,
         "predicted_peak_bytes": chosen.predicted_peak_bytes,
         "keep_all_step_s": chosen.anchors["keep_all"].step_s,
@@ -180,11 +200,8 @@ def _one_budget(
         row["simulate"] = _summary(_times(lambda: simulate(trace, hw, decisions), slow))
         row["simulated_step_s"] = sim.step_s
         row["simulated_peak_bytes"] = sim.peak_bytes
-    if baseline is not None:
-        old = baseline.plan(trace, budget, hw, simulate_records=0, **kw)
-        row["baseline_plan"] = _summary(
-            _times(lambda: baseline.plan(trace, budget, hw, simulate_records=0, **kw), repeats)
-        )
+    if old is not None:
+        row["baseline_plan"] = _summary(old_times)
         row["baseline_predicted_step_s"] = old.predicted_step_s
         row["baseline_predicted_peak_bytes"] = old.predicted_peak_bytes
     return row
@@ -236,7 +253,7 @@ def _markdown(result: dict[str, Any]) -> str:
     if base:
         lines.append(
             f"plan at {base}: the planner as committed at `{base}`, `simulate_records=0`, same "
-            "traces and process."
+            "traces and process, its runs alternating with plan (model)'s (ABBA order)."
         )
     target = [
         row["plan_model"]["median_s"]

@@ -2,8 +2,8 @@
 
 NOTE [ Planner ]
     The planner searches a small, structured space and scores points with a closed-form model of
-    the step (below): about a second for 100k records on a slow 2-core VM, most of it reading the
-    trace's objects and building the plan's (benchmarks/bench_plan.py). When the trace is small
+    the step (below): 1.0-1.2 s for 100k records on a slow 2-core VM, about half of it reading
+    the trace's objects and building the plan's (benchmarks/bench_plan.py). When the trace is small
     enough (``simulate_records``) the chosen plan is then replayed by the discrete-event
     simulator (:func:`lifecycle.simulate`), whose peak the plan reports.
 
@@ -91,8 +91,9 @@ NOTE [ Rebuilt outputs ]
     of the variant, also where the output is recomputed instead: its reload then starts
     earlier than it needs to). Where memory is plentiful the rebuild variant loses by its
     rebuild time and the plan stores the outputs. The extra columns cost planning time: 100,800
-    records took 1.5-1.8 s at budgets of 25% and 50% against 0.9-1.2 s without them
-    (benchmarks/bench_plan.py, the same run).
+    records took 1.5-1.8 s at budgets of 25% and 50% against 0.9-1.2 s without them when they
+    came (benchmarks/bench_plan.py, the same run); 1.07 and 1.20 s since the trace's events are
+    read column by column and the link's free pass is vectorised where it takes everything.
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ NOTE [ Activation recipes ]
     hook on each module of exactly type ``nn.LayerNorm`` notes its output with the module's
     eps, weight and bias (``lifecycle._tensors.NormOutputs``, found again from the output's
     node); a subclass may compute its output otherwise and a functional call has no module, so
-    their outputs are stored. The weight and bias versions are checked at unpack (changed in
+    their outputs are stored. (A LayerNorm made an FSDP2 unit of its own has another type,
+    ``FSDPLayerNorm``, and could have its weight resharded before the Linear's backward; inside
+    a larger unit, that unit's pre-backward unshard precedes the Linear's backward.) The weight and bias versions are checked at unpack (changed in
     place, they would give another output: ``OffloadError``). Under autocast a LayerNorm runs
     in float32 and the Linear saves a bf16 cast of its output (``ToCopyBackward0`` whose only
     input is the noted node): the recipe rebuilds the output and casts it again (the same
