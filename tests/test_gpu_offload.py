@@ -348,18 +348,14 @@ def test_layer_norm_outputs_rebuilt_bitwise_on_cuda(autocast: bool) -> None:
     """NOTE [ Activation recipes ]: in min-memory mode the nn.LayerNorm outputs (under autocast,
     the bf16 casts of them the Linears save) are rebuilt on the compute stream from inputs
     reloaded on the H2D stream, with the modules' eps, weight and bias: bitwise on CUDA."""
-    from test_offload_edges import _NormNet
+    from test_offload_edges import _grads, _NormNet
 
     model = _NormNet(width=1024).cuda()
     x = torch.randn(8, 512, 1024, device="cuda")
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast)
 
     def grads(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        with amp, mgr if mgr is not None else contextlib.nullcontext():
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
+        return _grads(model, x, mgr, amp=amp)
 
     want = grads(None)
     assert all(torch.equal(a, b) for a, b in zip(want, grads(None), strict=True))

@@ -805,6 +805,26 @@ def test_planned_steps_leave_weight_casts_out_of_the_plan() -> None:
     mgr.close()
 
 
+def _grads(
+    model: nn.Module,
+    x: torch.Tensor,
+    mgr: offload.ActivationOffloader | None = None,
+    *,
+    amp: Any = None,
+    twice: bool = False,
+) -> list[torch.Tensor]:
+    """Parameter gradients of ``model(x).float().pow(2).sum()``, its forward inside ``mgr`` (and
+    ``amp``, an autocast context) when given; ``twice``: a second backward of the same graph."""
+    model.zero_grad(set_to_none=True)
+    none = contextlib.nullcontext()
+    with amp if amp is not None else none, mgr if mgr is not None else none:
+        loss = model(x).float().pow(2).sum()
+    loss.backward(retain_graph=twice)
+    if twice:
+        loss.backward()  # the saved tensors are unpacked (rebuilt) a second time
+    return [p.grad.clone() for p in model.parameters()]
+
+
 def _act_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -824,13 +844,7 @@ def test_activation_outputs_are_rebuilt_from_their_inputs(how: str, tmp_path) ->
     x = torch.randn(4, 32, 64)  # 3-D: each Linear saves a 2-D view of its input
 
     def grads(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        with mgr if mgr is not None else contextlib.nullcontext():
-            loss = model(x).pow(2).sum()
-        loss.backward(retain_graph=how == "retain_graph")
-        if how == "retain_graph":
-            loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
+        return _grads(model, x, mgr, twice=how == "retain_graph")
 
     want = grads(None)
     kw: dict[str, Any] = {"min_offload_bytes": 0}
@@ -896,20 +910,10 @@ def test_layer_norm_outputs_are_rebuilt_with_their_modules_arguments(how: str, t
     call's output is stored."""
     model = _NormNet()
     x = torch.randn(4, 32, 64)
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16)
-        if how == "autocast"
-        else contextlib.nullcontext()
-    )
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast")
 
     def grads(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        with autocast, mgr if mgr is not None else contextlib.nullcontext():
-            loss = model(x).float().pow(2).sum()
-        loss.backward(retain_graph=how == "retain_graph")
-        if how == "retain_graph":
-            loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
+        return _grads(model, x, mgr, amp=amp, twice=how == "retain_graph")
 
     want = grads(None)
     kw: dict[str, Any] = {"min_offload_bytes": 0}
