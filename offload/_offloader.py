@@ -56,7 +56,7 @@ from offload._planned import (
     signature_of,
 )
 from offload._planning import resolve_budget, resolve_hardware
-from offload._recipe import ActivationRecipe, WeightCast, weight_cast
+from offload._recipe import ActivationRecipe, SharedRebuild, WeightCast, weight_cast
 from offload._stats import OffloadStats, StepStats
 
 log = logging.getLogger("offload")
@@ -258,6 +258,8 @@ class ActivationOffloader:
         self._kept_refs: dict[int, weakref.ref[torch.Tensor]] = {}
         # LayerNorm outputs and what they were made with (eps is not on their autograd node).
         self._norms = NormOutputs()
+        # Per step: the outputs recipes stood for, by id (one rebuild serves all their packs).
+        self._rebuilds: dict[int, tuple[weakref.ref[torch.Tensor], int, SharedRebuild]] = {}
         self._engine = _copy_engine
         self._tiers: list[storage.Tier] | None = None  # made at the first step
         self._executor: Executor | None = None
@@ -395,6 +397,7 @@ class ActivationOffloader:
                 self._outside_packs = 0
                 self._kept_seq.clear()
                 self._kept_refs.clear()
+                self._rebuilds.clear()
                 self._active = None
                 self._profiling = None
             if rnd is not None:
@@ -1002,9 +1005,11 @@ class ActivationOffloader:
         else:
             return None
         step = ex.step if key is not None else None  # whose trigger table the key is in
-        recipe = ActivationRecipe(found, held, t, key=key, step=step)
+        shared = self._shared_rebuild(found.saved)
+        recipe = ActivationRecipe(found, held, t, key=key, step=step, shared=shared)
         stats.records_rebuilt += 1
-        stats.bytes_rebuilt += recipe.nbytes
+        if shared.members == 1:  # the output's bytes, once however many packs save it
+            stats.bytes_rebuilt += recipe.nbytes
         if self._profiling is not None and self._profiler is not None:
             # A planned step timed for refinement (NOTE [ Refinement ] in _planned.py).
             recipe.seq = self._profiler.recorder.record_pack(t, rebuild_from=link)
@@ -1016,6 +1021,17 @@ class ActivationOffloader:
             if held.family not in own:
                 own.append(held.family)
         return recipe
+
+    def _shared_rebuild(self, saved: torch.Tensor) -> SharedRebuild:
+        """The rebuild of ``saved`` (an output another pack of this step already stored a
+        recipe for, unchanged since), joined; else a new one."""
+        got = self._rebuilds.get(id(saved))
+        if got is not None and got[0]() is saved and got[1] == saved._version:
+            got[2].members += 1
+            return got[2]
+        shared = SharedRebuild()
+        self._rebuilds[id(saved)] = (weakref.ref(saved), saved._version, shared)
+        return shared
 
     def _kept_input(self, parent: Any, out: torch.Tensor) -> bool:
         """Whether ``parent`` (what an activation's pack of its input returned) is a tensor this
@@ -1108,8 +1124,13 @@ class ActivationOffloader:
         held = self._held_clock()
         started = time.perf_counter() if held is not None else 0.0
         try:
-            parent = recipe.parent
-            if isinstance(parent, _Member):
+            parent, shared = recipe.parent, recipe.shared
+            out = shared.out
+            if out is not None:  # rebuilt for another pack of the same output
+                family = getattr(parent, "family", None)
+                ref = family.step_ref if family is not None else recipe.step_ref
+                self._start_triggered(self._executor, ref() if ref else None, recipe.key)
+            elif isinstance(parent, _Member):
                 # The record's own reload trigger (its input's, as planned) fires first.
                 out = recipe.rebuild(self._unpack_member(parent.executor, parent, recipe.key))
             else:
@@ -1117,9 +1138,13 @@ class ActivationOffloader:
                 step = ref() if ref is not None else None
                 self._start_triggered(self._executor, step, recipe.key)
                 out = recipe.rebuild(recipe.kept_input())
-            if self._meter is not None:  # the rebuilt bytes are held from here, as planned
-                self._meter.watch(out.untyped_storage())
-            return out
+            if shared.out is None:
+                if self._meter is not None:  # the rebuilt bytes are held from here, as planned
+                    self._meter.watch(out.untyped_storage())
+                shared.hold(out)
+            if shared.out is not None:
+                shared.used()
+            return recipe.view(out)
         finally:
             # A recorded planned step on CPU: the rebuild is the plan's cost, not the model's
             # (as a copy's; see ComputeClock in _planned.py).

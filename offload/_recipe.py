@@ -39,7 +39,11 @@ NOTE [ Activation recipes ]
     in float32 and the Linear saves a bf16 cast of its output (``ToCopyBackward0`` whose only
     input is the noted node): the recipe rebuilds the output and casts it again (the same
     ``_to_copy``). A chain (a LayerNorm of a GELU output) rebuilds the inner output only: the
-    outer one's input pack returned a recipe, not a stored tensor.
+    outer one's input pack returned a recipe, not a stored tensor. Several packs of one output
+    (separate q, k and v projections of one LayerNorm output) share one rebuild
+    (``SharedRebuild``): the first unpack of a backward runs it and the others reuse it, so it
+    is held from that unpack to the last of them (as the planner models a rebuilt family), and
+    its bytes count once in ``bytes_rebuilt``.
     In budget mode the plan decides (``Placement.REBUILD``, NOTE [ Budget mode ] in
     _planned.py): the profiling step stores these outputs and records the link to their input
     (``TensorRecord.rebuild_from``: where the input was offloaded whole, at offset 0 of its own
@@ -115,6 +119,30 @@ def weight_cast(t: torch.Tensor, params: ParameterStorages) -> WeightCast | None
     return WeightCast(param, cast, t)
 
 
+class SharedRebuild:
+    """One rebuild for every pack of one output (the q, k and v projections of one LayerNorm
+    output each save it): the first unpack of a backward runs it, the others reuse it, and it
+    is let go after the last of them (see NOTE [ Activation recipes ])."""
+
+    __slots__ = ("members", "out", "pending")
+
+    def __init__(self) -> None:
+        self.members = 1  # recipes sharing it
+        self.out: torch.Tensor | None = None  # held between its uses in one backward
+        self.pending = 0  # uses of ``out`` still to come
+
+    def hold(self, out: torch.Tensor) -> None:
+        """``out`` was just rebuilt: keep it for the other members' unpacks."""
+        if self.members > 1:
+            self.out, self.pending = out, self.members
+
+    def used(self) -> None:
+        """One member's unpack took ``out``; after the last, it is let go."""
+        self.pending -= 1
+        if self.pending <= 0:
+            self.out = None
+
+
 class ActivationRecipe:
     """What pack returns for an activation output rebuilt from its input (see NOTE [ Activation
     recipes ]).
@@ -123,6 +151,7 @@ class ActivationRecipe:
     input itself where the manager kept it (budget mode). ``key``: the record key under a plan
     (its unpack is a reload trigger), else None. ``step``: the executor's state of the step
     that packed it, held weakly (whose trigger table that key is looked up in), or None.
+    ``shared``: the rebuild this pack shares with the other packs of the same output.
     """
 
     __slots__ = (
@@ -134,6 +163,7 @@ class ActivationRecipe:
         "offset",
         "parent",
         "seq",
+        "shared",
         "size",
         "step_ref",
         "stride",
@@ -148,8 +178,10 @@ class ActivationRecipe:
         *,
         key: tuple[str, int, int] | None = None,
         step: Any = None,
+        shared: SharedRebuild | None = None,
     ) -> None:
         self.kind, self.args, self.parent = found.kind, found.args, parent
+        self.shared = SharedRebuild() if shared is None else shared
         # Autocast's cast of the output (a LayerNorm's, in float32) is what was saved.
         self.cast = found.saved.dtype if found.saved is not found.out else None
         self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
@@ -176,9 +208,13 @@ class ActivationRecipe:
             )
         return parent
 
+    def view(self, out: torch.Tensor) -> torch.Tensor:
+        """The saved tensor, a view of the rebuilt output ``out``."""
+        return out.as_strided(self.size, self.stride, self.offset)
+
     def rebuild(self, parent: torch.Tensor) -> torch.Tensor:
-        """The saved tensor again from its input ``parent`` (unpacked from ``self.parent``, or
-        :meth:`kept_input`)."""
+        """The output again (whole: see :meth:`view`) from its input ``parent`` (unpacked from
+        ``self.parent``, or :meth:`kept_input`)."""
         kind, args = self.kind, self.args
         # As the forward ran it, whatever autocast state this backward runs in.
         with torch.no_grad(), torch.autocast(parent.device.type, enabled=False):
@@ -199,4 +235,4 @@ class ActivationRecipe:
                 )
             if self.cast is not None:
                 out = out.to(self.cast)
-        return out.as_strided(self.size, self.stride, self.offset)
+        return out

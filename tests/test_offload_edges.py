@@ -936,6 +936,53 @@ def test_layer_norm_outputs_are_rebuilt_with_their_modules_arguments(how: str, t
         mgr.close()
 
 
+class _QKV(nn.Module):
+    """One LayerNorm output saved three times, by separate q, k and v projections."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return self.q(h) * self.k(h) + self.v(h)
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "retain_graph"])
+def test_an_output_saved_by_several_ops_is_rebuilt_once_per_backward(
+    twice: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ Activation recipes ]: the three packs of one LayerNorm output share one rebuild:
+    the first unpack of a backward runs it, the other two reuse it (bitwise), and its bytes
+    count once."""
+    from offload._recipe import ActivationRecipe
+
+    model, x = _QKV(), torch.randn(4, 32, 64)
+    want = _grads(model, x, twice=twice)
+    runs = []
+    rebuild = ActivationRecipe.rebuild
+
+    def counted(self: ActivationRecipe, parent: torch.Tensor) -> torch.Tensor:
+        runs.append(self.kind)
+        return rebuild(self, parent)
+
+    monkeypatch.setattr(ActivationRecipe, "rebuild", counted)
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    try:
+        for _ in range(2):
+            runs.clear()
+            got = _grads(model, x, mgr, twice=twice)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            last = mgr.stats.last
+            assert (last.records_rebuilt, last.bytes_rebuilt) == (3, 128 * 64 * 4)
+            assert runs == ["layer_norm"] * (2 if twice else 1)
+            assert mgr._executor is not None and mgr._executor.live_families() == 0
+    finally:
+        mgr.close()
+
+
 def test_layer_norm_weight_changed_before_backward_fails_loudly() -> None:
     """A LayerNorm output rebuilt with a weight changed in place since forward would be another
     output: the unpack raises instead of returning it."""
