@@ -24,7 +24,8 @@ class StepStats:
         bytes_recomputed: bytes rebuilt by recomputation instead of stored (planner; 0 here).
         records_rebuilt / bytes_rebuilt: saved tensors not stored but rebuilt at unpack:
             autocast weight casts from their parameter, and GELU / SiLU / LayerNorm outputs
-            from their inputs (always without a budget; under one where the plan says REBUILD) (NOTE
+            from their inputs (always without a budget; under one where the plan says
+            REBUILD); an output several ops saved counts each record but its bytes once (NOTE
             [ Weight casts ], NOTE [ Activation recipes ] in ``offload/_recipe.py``).
         reloads: family reloads started (prefetched or not).
         stalls: unpacks that found no reload started and had to load synchronously.

@@ -303,6 +303,7 @@ def compare(run: Run, want: Run) -> dict[str, Any]:
         "comms": run.comms,
         "bytes_offloaded_cpu": [s.bytes_offloaded_cpu for s in run.stats],
         "bytes_recomputed": [s.bytes_recomputed for s in run.stats],
+        "records_rebuilt": [s.records_rebuilt for s in run.stats],
         "planned": run.planned,
     }
 
@@ -575,3 +576,9 @@ def test_fsdp2_gradients_bitwise_unsharded_views_stay_prefetch_runs(ranks: RankP
             assert got["unsharded_saved"] > 0, f"{where}: no unsharded view was saved"
             assert got["unsharded_offloaded"] == [], f"{where}: unsharded views moved"
             assert got["prefetches"] == want_prefetches, f"{where}: FSDP2 prefetches changed"
+        # Rebuilt from their inputs per step, bitwise (NOTE [ Activation recipes ]): in each
+        # block the attention norm's output (saved by wq, wk and wv), the feed-forward norm's
+        # (by w1 and w3) and the SiLU output (by the product); and the final norm's (by pow).
+        # The norms sit inside their block's FSDP unit (the final one in the root's), whose
+        # unshard precedes their savers' backward.
+        assert r["min_memory"]["records_rebuilt"] == [13] * STEPS, r["min_memory"]
