@@ -23,7 +23,7 @@ from storage._nvme import NvmeTier
 from storage._pool import HostPool, HostRegion, shared_host_pool
 from storage._tier import StoredHandle, Tier
 from storage._transfer import CopyEngine, Transfer, byte_view
-from storage._units import ALIGNMENT_BYTES, CHECKSUM_CHUNK_BYTES
+from storage._units import ALIGNMENT_BYTES, CHECKSUM_CHUNK_BYTES, IO_THREADS
 
 __all__ = [
     # host memory
@@ -51,6 +51,7 @@ __all__ = [
     # constants
     "ALIGNMENT_BYTES",
     "CHECKSUM_CHUNK_BYTES",
+    "IO_THREADS",
     # errors
     "ChecksumError",
     "StorageError",

@@ -42,6 +42,7 @@ def test_public_api_snapshot():
         "rank_share_bytes",
         "ALIGNMENT_BYTES",
         "CHECKSUM_CHUNK_BYTES",
+        "IO_THREADS",
         "ChecksumError",
         "StorageError",
         "StorageFullError",
