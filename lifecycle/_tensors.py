@@ -180,9 +180,6 @@ class NormOutputs:
             return None
         return out, got[1]
 
-    def clear(self) -> None:
-        self._by_node.clear()
-
 
 class Activation(NamedTuple):
     """A saved tensor :func:`activation_output` recognises."""
