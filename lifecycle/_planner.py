@@ -105,7 +105,7 @@ import itertools
 import math
 import operator
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -1193,12 +1193,20 @@ class _Model:
         # are refined in stages, each costlier than the last: 0, the trace plus the recompute
         # time; 1, plus the copies out of the least k that could fit (the same for both leads);
         # 2, lead 1.0's step at that k (lead 0.0's steps are no shorter); 3, the column's own
-        # step at that k; then the column is bisected. Stage _LEAVES: the boundary columns
-        # above m (see _next_leaf).
+        # step at that k; then the column is bisected. Stage _LEAVES: the search for the
+        # boundary columns above m (see _next_leaf), one probe per pop, its bound raised as
+        # the probes rule out small m.
         heap: list[tuple[float, int, int, int, float, int]] = []
         queued: set[tuple[int, float, int]] = set()
         tie = itertools.count()
         variants = range(len(self.variants))
+        nb = len(self.blocks)
+        leaf_work: dict[int, Generator[int, None, int | None]] = {}  # by tie-break
+
+        def leaves_above(m: int, lead: float, low: float) -> None:
+            order = next(tie)
+            leaf_work[order] = self._next_leaf(target, m, lead)
+            heapq.heappush(heap, (low, _LEAVES, order, m, lead, 0))
 
         def queue(m: int, lead: float) -> None:
             for variant in variants:
@@ -1212,21 +1220,28 @@ class _Model:
                 queue(m, lead)
         # m = 0 is on the ladder: the boundary columns worth adding start above it.
         if self.recompute:
-            first = self.v.step_s + self.recompute_s[min(1, len(self.blocks))]
-            heapq.heappush(heap, (first, _LEAVES, next(tie), 0, _LEADS[0], 0))
+            leaves_above(0, _LEADS[0], self.v.step_s + self.recompute_s[min(1, nb)])
         copies_out: dict[tuple[int, int], float] = {}  # (m, variant) -> stage 1's bound
         first_lead: dict[tuple[int, int], float] = {}  # (m, variant) -> lead 1.0's stage 3
         while heap:
-            low, stage, _, m, lead, variant = heapq.heappop(heap)
+            low, stage, order, m, lead, variant = heapq.heappop(heap)
             if low > bound:
                 break
             if stage == _LEAVES:
-                leaf = self._next_leaf(target, m, lead)
-                if leaf is not None:
-                    queue(leaf, lead)
-                    if leaf < len(self.blocks):
-                        above = self.v.step_s + self.recompute_s[leaf + 1]
-                        heapq.heappush(heap, (above, _LEAVES, next(tie), leaf, lead, 0))
+                work = leaf_work.pop(order)
+                try:
+                    least = next(work)  # one probe; the least m the leaf can still be
+                except StopIteration as done:
+                    leaf = done.value
+                    if leaf is not None:
+                        queue(leaf, lead)
+                        if leaf < nb:
+                            leaves_above(leaf, lead, self.v.step_s + self.recompute_s[leaf + 1])
+                    continue
+                order = next(tie)
+                leaf_work[order] = work
+                low = max(low, self.v.step_s + self.recompute_s[min(least, nb)])
+                heapq.heappush(heap, (low, _LEAVES, order, m, lead, 0))
                 continue
             column = self.column(m, lead, variant)
             col = column[0]
@@ -1261,12 +1276,17 @@ class _Model:
             heapq.heappush(heap, (low, stage, next(tie), m, lead, variant))
         return best
 
-    def _next_leaf(self, target: float, after: int, lead: float) -> int | None:
-        """The smallest ``m`` above ``after`` that a boundary bisection returns for some target
-        at most ``target`` (see _boundary); ``None``: there is none."""
+    def _next_leaf(
+        self, target: float, after: int, lead: float
+    ) -> Generator[int, None, int | None]:
+        """Returns the smallest ``m`` above ``after`` that a boundary bisection returns for some
+        target at most ``target`` (see _boundary); ``None``: there is none. A generator, run one
+        probe at a time: before each it yields the least ``m`` the result can still be (above
+        ``after``; at least the bisection's lower bracket, as later bisections, for smaller
+        targets, return no smaller ``m``), a bound the search weighs this work by."""
         t = target
         while True:
-            leaf, flips = self._boundary(t, lead)
+            leaf, flips = yield from self._boundary(t, lead, after + 1)
             if leaf is None:
                 return None
             if leaf > after:
@@ -1274,12 +1294,16 @@ class _Model:
             # Below the largest fitting peak on its path, the bisection turns right there.
             t = max(flips) - 0.5
 
-    def _boundary(self, target: float, lead: float) -> tuple[int | None, list[float]]:
-        """The smallest ``m`` whose column's top fits ``target``, by bisection over all ``m`` with
-        a fixed bracket and probe rule (to within 1/_BOUNDARY_STEPS of the blocks), and the peaks
-        that fitted on the way. The result never grows with the target; the set of results for
-        all targets up to a budget only grows with it, so its columns may join the search."""
+    def _boundary(
+        self, target: float, lead: float, least: int
+    ) -> Generator[int, None, tuple[int | None, list[float]]]:
+        """Returns the smallest ``m`` whose column's top fits ``target``, by bisection over all
+        ``m`` with a fixed bracket and probe rule (to within 1/_BOUNDARY_STEPS of the blocks),
+        and the peaks that fitted on the way; yields before each probe (see _next_leaf). The
+        result never grows with the target; the set of results for all targets up to a budget
+        only grows with it, so its columns may join the search."""
         nb = len(self.blocks)
+        yield least
         peak = self._top(nb, lead).peak
         if peak > target:
             return None, []
@@ -1287,6 +1311,7 @@ class _Model:
         lo, hi = 0, nb  # invariant: hi fits
         tolerance = max(1, nb // _BOUNDARY_STEPS)
         while hi - lo >= tolerance and lo < hi:
+            yield max(least, lo)  # the result is at least lo
             mid = (lo + hi) // 2
             col = self.column(mid, lead)[0]
             # Known not to fit without scoring it when even all its room cannot relieve the peak.
