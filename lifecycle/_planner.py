@@ -2,8 +2,8 @@
 
 NOTE [ Planner ]
     The planner searches a small, structured space and scores points with a closed-form model of
-    the step (below): 1.0-1.2 s for 100k records on a slow 2-core VM, about half of it reading
-    the trace's objects and building the plan's (benchmarks/bench_plan.py). When the trace is small
+    the step (below): 0.8-1.1 s for 100k records on a slow 2-core VM, most of it reading the
+    trace's objects and building the plan's (benchmarks/bench_plan.py). When the trace is small
     enough (``simulate_records``) the chosen plan is then replayed by the discrete-event
     simulator (:func:`lifecycle.simulate`), whose peak the plan reports.
 
@@ -37,6 +37,9 @@ NOTE [ Planner ]
     step found. The bounds only skip work: the result is the one the full search gives, which (3)
     below needs. In a transformer the result is mostly the smallest ``m`` whose column fits at
     all, so ``m``'s ladder is fine (24 geometric steps): a coarser one costs recompute time.
+    Beside the ladder, the boundary columns (the smallest ``m`` whose column's top fits, by a
+    bisection over ``m``: see _boundary) join the search; that bisection runs one probe per pop
+    of its heap entry, whose bound rises as the probes rule small ``m`` out.
 
     A larger budget never predicts a slower step, by construction:
       (1) a bisection with a fixed bracket and a fixed probe rule returns a ``k`` that never
@@ -92,8 +95,9 @@ NOTE [ Rebuilt outputs ]
     earlier than it needs to). Where memory is plentiful the rebuild variant loses by its
     rebuild time and the plan stores the outputs. The extra columns cost planning time: 100,800
     records took 1.5-1.8 s at budgets of 25% and 50% against 0.9-1.2 s without them when they
-    came (benchmarks/bench_plan.py, the same run); 1.07 and 1.20 s since the trace's events are
-    read column by column and the link's free pass is vectorised where it takes everything.
+    came (benchmarks/bench_plan.py, the same run); 1.06 and 0.95 s since the trace's events are
+    read column by column, the link's free pass is vectorised where it takes everything, and
+    the boundary search yields to the heap between probes.
 """
 
 from __future__ import annotations
