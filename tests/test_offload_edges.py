@@ -732,12 +732,7 @@ def _autocast_mlp() -> tuple[torch.nn.Module, torch.Tensor]:
 
 
 def _autocast_step(model: torch.nn.Module, x: torch.Tensor, mgr: Any = None) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with mgr if mgr is not None else contextlib.nullcontext():
-            loss = model(x).float().pow(2).sum()
-    loss.backward()
-    return [p.grad.clone() for p in model.parameters()]
+    return _grads(model, x, mgr, amp=torch.autocast("cpu", dtype=torch.bfloat16))
 
 
 def test_autocast_weight_casts_are_rebuilt_not_stored() -> None:
