@@ -180,6 +180,9 @@ class NormOutputs:
             return None
         return out, got[1]
 
+    def __bool__(self) -> bool:
+        return bool(self._by_node)
+
 
 class Activation(NamedTuple):
     """A saved tensor :func:`activation_output` recognises."""
@@ -213,8 +216,10 @@ def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Acti
     if name == "ToCopyBackward0":
         # Under autocast a LayerNorm runs in float32 and the next Linear saves a cast of its
         # output, whose only input is the LayerNorm's node.
+        if not norms:  # no LayerNorm output noted: not one of theirs (and no node walk)
+            return None
         nxt = fn.next_functions
-        if norms is None or len(nxt) != 1 or nxt[0][0] is None:
+        if len(nxt) != 1 or nxt[0][0] is None:
             return None
         noted = norms.output_of(nxt[0][0])
         if noted is None:
