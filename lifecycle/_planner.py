@@ -19,12 +19,13 @@ NOTE [ Planner ]
         rest, each group earliest packed (longest-lived, in one step's LIFO backward) first;
         where lifetimes do not fall along pack order (a pipeline round, where each
         microbatch's backward follows a few forwards, not all of them), the rest longest-lived
-        first is a further order variant (each microbatch's early layers before any late ones). ``k`` runs from 0 to ``top``, the
-        most the host and disk room allow. Past ``cpu_budget`` the earliest-packed offloaded
-        families go to NVMe (the larger, slower tier).
+        first is a further order variant (each microbatch's early layers before any late
+        ones). ``k`` runs from 0 to ``top``, the most the host and disk room allow. Past
+        ``cpu_budget`` the earliest-packed offloaded families go to NVMe (the larger, slower
+        tier).
       * whether the outputs the trace links to their inputs (``rebuild_from``: a GELU / SiLU /
-        LayerNorm output saved by the next op) are rebuilt instead of stored (NOTE [ Rebuilt outputs ]):
-        a further order variant of every column.
+        LayerNorm output saved by the next op) are rebuilt instead of stored (NOTE [ Rebuilt
+        outputs ]): a further order variant of every column.
     A column is one (m, lead). In each column the smallest ``k`` whose predicted peak fits is
     found by bisection over ``[0, top]`` (to within 1/256 of the column); the plan is the column
     result with the smallest predicted step time (then the fewest moved bytes).
@@ -83,12 +84,15 @@ NOTE [ Rebuilt outputs ]
     A family every record of which the trace links to one other family (``TensorRecord.
     rebuild_from``: an activation's or a LayerNorm's output saved by the next Linear, linked to
     the input the function's own node saved) can be rebuilt at its first unpack instead of
-    stored: one elementwise kernel on the compute stream, (input + output bytes) / ``pointwise_bytes_per_s``
-    (against two link crossings of the output's bytes, or keeping them). Rebuild variants of
-    the order variants (of the first slack's) rebuild all such families of a column (those
-    whose input or own block is not recomputed; an input is never rebuilt itself), which then
-    are no offload candidates. Model: a rebuilt family is absent from the event after its pack until its first
-    unpack, then held to its last use as before; the step gains the rebuild times (a constant
+    stored: one elementwise kernel on the compute stream, (input + output bytes) /
+    ``pointwise_bytes_per_s`` (against two link crossings of the output's bytes, or keeping
+    them). Rebuild variants of the order variants (of the first slack's) rebuild all such
+    families of a column (those whose input or own block is not recomputed; an input is never
+    rebuilt itself), which then are no offload candidates. All or none: where the GELU outputs
+    alone would do, the LayerNorm outputs are rebuilt too (on the synthetic GPTs at most 0.003x
+    of the step slower than with GELU links only; a variant per output size would cost columns).
+    Model: a rebuilt family is absent from the event after its pack until its first unpack,
+    then held to its last use as before; the step gains the rebuild times (a constant
     of the column, so (2) holds); its input is needed at the earlier of its own first unpack
     and the output's, so a moved input's reload is placed and timed for that (for every column
     of the variant, also where the output is recomputed instead: its reload then starts
