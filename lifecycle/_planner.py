@@ -24,7 +24,7 @@ NOTE [ Planner ]
         ``cpu_budget`` the earliest-packed offloaded families go to NVMe (the larger, slower
         tier).
       * whether the outputs the trace links to their inputs (``rebuild_from``: a GELU / SiLU /
-        LayerNorm output saved by the next op) are rebuilt instead of stored (NOTE [ Rebuilt
+        norm output saved by the next op) are rebuilt instead of stored (NOTE [ Rebuilt
         outputs ]): a further order variant of every column.
     A column is one (m, lead). In each column the smallest ``k`` whose predicted peak fits is
     found by bisection over ``[0, top]`` (to within 1/256 of the column); the plan is the column
@@ -82,7 +82,7 @@ NOTE [ Planner ]
 
 NOTE [ Rebuilt outputs ]
     A family every record of which the trace links to one other family (``TensorRecord.
-    rebuild_from``: an activation's or a LayerNorm's output saved by the next Linear, linked to
+    rebuild_from``: an activation's or a norm's output saved by the next Linear, linked to
     the input the function's own node saved) can be rebuilt at its first unpack instead of
     stored: one elementwise kernel on the compute stream, (input + output bytes) /
     ``pointwise_bytes_per_s`` (against two link crossings of the output's bytes, or keeping

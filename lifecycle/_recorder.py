@@ -43,7 +43,7 @@ from lifecycle._trace import Event, EventKind, TensorRecord, Trace
 
 MemoryProbe = Callable[[], int]
 # Nodes whose outputs may be rebuilt from another record (activation_output): the activations'
-# own, and autocast's casts (of a LayerNorm output, for one).
+# own, and autocast's casts (of a norm output, for one).
 _LINKABLE = frozenset(ACTIVATION_NODES) | {"ToCopyBackward0"}
 
 LIVE_SAVED_BYTES = "live_saved_bytes"
@@ -183,7 +183,7 @@ class Recorder:
         # Per step.
         # id(detached tensor handed to autograd) -> record seq; see NOTE [ Recorder allocations ].
         self._seq_of: dict[int, int] = {}
-        self._norms = NormOutputs()  # LayerNorm outputs and their arguments, from module hooks
+        self._norms = NormOutputs()  # norm outputs and their arguments, from module hooks
         # (id(storage), version) -> weak storage, and -> (family id, storage bytes).
         self._family_ref: dict[tuple[int, int], weakref.ref] = {}
         self._family_info: dict[tuple[int, int], tuple[int, int]] = {}
@@ -542,8 +542,8 @@ class Recorder:
 
     def _parent_of(self, t: torch.Tensor) -> int:
         """The record ``t`` can be rebuilt from (a GELU / SiLU output, or the output of an
-        ``nn.LayerNorm`` whose forward these module hooks saw, from the input its own node
-        saved, packed by these hooks in this step), or -1."""
+        ``nn.LayerNorm`` / ``nn.RMSNorm`` whose forward these module hooks saw, from the input
+        its own node saved, packed by these hooks in this step), or -1."""
         found = activation_output(t, self._norms)
         if found is None:
             return -1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -112,27 +112,39 @@ ACTIVATION_NODES = {
     "GeluBackward0": "gelu",
     "SiluBackward0": "silu",
     "NativeLayerNormBackward0": "layer_norm",
+    "FusedRmsNormBackward0": "rms_norm",
 }
 # The name each node keeps its saved input under (read raw: as its pack hook returned it).
 _SAVED_INPUT = {
     "gelu": "_raw_saved_self",
     "silu": "_raw_saved_self",
     "layer_norm": "_raw_saved_input",
+    "rms_norm": "_raw_saved_input",
+}
+# Norm modules whose outputs are noted, and the node their own output has. ``nn.RMSNorm`` makes
+# a ``FusedRmsNormBackward0`` where ``_fused_rms_norm`` has a kernel (CUDA); on CPU its graph is
+# a chain of elementwise nodes, none of which saves the input whole, and its outputs are stored.
+NORM_MODULES = {
+    nn.LayerNorm: "NativeLayerNormBackward0",
+    nn.RMSNorm: "FusedRmsNormBackward0",
 }
 
 
 class NormArgs:
-    """What a LayerNorm output is rebuilt with besides its input: the node saves the input, the
-    weight and the bias but not ``eps``, so the forward hook of the ``nn.LayerNorm`` that made
-    the output notes them all (:class:`NormOutputs`). The weight and bias versions are checked
-    at the rebuild: changed in place in between, they would give another output."""
+    """What a norm output is rebuilt with besides its input: the node of a LayerNorm (an
+    RMSNorm) saves the input, the weight (and the bias) but not ``eps``, so the forward hook of
+    the module that made the output notes them all (:class:`NormOutputs`). The weight and bias
+    versions are checked at the rebuild: changed in place in between, they would give another
+    output."""
 
-    __slots__ = ("bias", "bias_version", "eps", "shape", "weight", "weight_version")
+    __slots__ = ("bias", "bias_version", "eps", "name", "shape", "weight", "weight_version")
 
-    def __init__(self, module: nn.LayerNorm) -> None:
+    def __init__(self, module: nn.LayerNorm | nn.RMSNorm) -> None:
+        self.name = type(module).__name__
         self.shape = tuple(module.normalized_shape)
-        self.eps = float(module.eps)
-        self.weight, self.bias = module.weight, module.bias
+        self.eps = module.eps  # an RMSNorm's may be None (the dtype's own)
+        self.weight = module.weight
+        self.bias = getattr(module, "bias", None)
         self.weight_version = -1 if self.weight is None else self.weight._version
         self.bias_version = -1 if self.bias is None else self.bias._version
 
@@ -143,11 +155,11 @@ class NormArgs:
 
 
 class NormOutputs:
-    """The outputs of ``nn.LayerNorm`` modules in the step, each with its :class:`NormArgs`,
-    noted by forward hooks and found again from the output's autograd node (an autocast cast of
-    the output leads back to that node only). Entries go with their outputs. Only modules of
-    exactly that type: a subclass may compute its output otherwise (a cast around it, another
-    eps)."""
+    """The outputs of ``nn.LayerNorm`` and ``nn.RMSNorm`` modules in the step, each with its
+    :class:`NormArgs`, noted by forward hooks and found again from the output's autograd node
+    (an autocast cast of the output leads back to that node only). Entries go with their
+    outputs. Only modules of exactly those types: a subclass may compute its output otherwise
+    (a cast around it, another eps)."""
 
     def __init__(self) -> None:
         # id(output's grad_fn) -> (weak output, its arguments, its version when noted). Autograd
@@ -156,11 +168,12 @@ class NormOutputs:
         self._by_node: dict[int, tuple[weakref.ref[torch.Tensor], NormArgs, int]] = {}
 
     def note(self, module: nn.Module, output: Any) -> None:
-        """From a forward hook: ``output`` of ``module``, if it is a LayerNorm's own output."""
-        if type(module) is not nn.LayerNorm or type(output) is not torch.Tensor:
+        """From a forward hook: ``output`` of ``module``, if it is a norm module's own output."""
+        node = NORM_MODULES.get(type(module))
+        if node is None or type(output) is not torch.Tensor:
             return
         fn = output.grad_fn
-        if fn is None or type(fn).__name__ != "NativeLayerNormBackward0":
+        if fn is None or type(fn).__name__ != node:
             return
         key, table = id(fn), self._by_node
 
@@ -168,7 +181,8 @@ class NormOutputs:
             if table.get(key, (None,))[0] is ref:
                 del table[key]
 
-        table[key] = (weakref.ref(output, forget), NormArgs(module), output._version)
+        args = NormArgs(cast("nn.LayerNorm | nn.RMSNorm", module))  # its type was checked
+        table[key] = (weakref.ref(output, forget), args, output._version)
 
     def output_of(self, fn: Any) -> tuple[torch.Tensor, NormArgs] | None:
         """The noted output whose autograd node is ``fn``, unchanged since, and its arguments."""
@@ -187,8 +201,8 @@ class NormOutputs:
 class Activation(NamedTuple):
     """A saved tensor :func:`activation_output` recognises."""
 
-    kind: str  # "gelu", "silu" or "layer_norm"
-    args: Any  # GELU's ``approximate``, a LayerNorm's NormArgs, or ""
+    kind: str  # "gelu", "silu", "layer_norm" or "rms_norm"
+    args: Any  # GELU's ``approximate``, a norm's NormArgs, or ""
     packed: Any  # what the pack of the function's input returned (read raw)
     out: torch.Tensor  # the function's output (its input's shape and dtype)
     saved: torch.Tensor  # the storage the saved tensor views: ``out``, or autocast's cast of it
@@ -203,9 +217,9 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Activation | None:
-    """What ``t`` is if it is, or views, a GELU / SiLU output, a LayerNorm output that ``norms``
-    noted, or autocast's dtype cast of such a LayerNorm output (NOTE [ Activation recipes ] in
-    ``offload/_recipe.py``), else None."""
+    """What ``t`` is if it is, or views, a GELU / SiLU output, a LayerNorm / RMSNorm output that
+    ``norms`` noted, or autocast's dtype cast of such a norm output (NOTE [ Activation recipes ]
+    in ``offload/_recipe.py``), else None."""
     if type(t) is not torch.Tensor:
         return None
     saved = t._base if t._base is not None else t
@@ -214,9 +228,9 @@ def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Acti
     name = type(fn).__name__ if fn is not None else ""
     noted = None
     if name == "ToCopyBackward0":
-        # Under autocast a LayerNorm runs in float32 and the next Linear saves a cast of its
-        # output, whose only input is the LayerNorm's node.
-        if not norms:  # no LayerNorm output noted: not one of theirs (and no node walk)
+        # Under autocast a norm runs in float32 and the next Linear saves a cast of its output,
+        # whose only input is the norm's node.
+        if not norms:  # no norm output noted: not one of theirs (and no node walk)
             return None
         nxt = fn.next_functions
         if len(nxt) != 1 or nxt[0][0] is None:
@@ -224,7 +238,8 @@ def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Acti
         noted = norms.output_of(nxt[0][0])
         if noted is None:
             return None
-        out, fn, name = noted[0], nxt[0][0], "NativeLayerNormBackward0"
+        out, fn = noted[0], nxt[0][0]
+        name = type(fn).__name__
         if out.device != saved.device or out.shape != saved.shape or out.dtype == saved.dtype:
             return None
     kind = ACTIVATION_NODES.get(name)
@@ -233,7 +248,7 @@ def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Acti
     args: Any = ""
     if kind == "gelu":
         args = str(getattr(fn, "_saved_approximate", "none"))
-    elif kind == "layer_norm":
+    elif kind in ("layer_norm", "rms_norm"):
         if noted is None:
             noted = norms.output_of(fn) if norms is not None else None
         if noted is None or noted[0] is not out:

@@ -86,7 +86,7 @@ class TensorRecord:
         unpack_events: timeline indices of every unpack, in order.
         unpack_times_s: times of every unpack, in order.
         rebuild_from: ``seq`` of the record this one can be rebuilt from at unpack instead of
-            stored (a GELU / SiLU / LayerNorm output, saved by the next op, from the input the
+            stored (a GELU / SiLU / norm output, saved by the next op, from the input the
             function's own node saved: NOTE [ Activation recipes ] in ``offload``), or -1. The
             planner may choose to rebuild such a family (``Placement.REBUILD``).
     """

@@ -256,7 +256,7 @@ class ActivationOffloader:
         # Under a plan that rebuilds: what this step's kept packs returned, by id (a rebuilt
         # record's input may be one of them; see _activation_recipe).
         self._kept_refs: dict[int, weakref.ref[torch.Tensor]] = {}
-        # LayerNorm outputs and what they were made with (eps is not on their autograd node).
+        # Norm outputs and what they were made with (eps is not on their autograd node).
         self._norms = NormOutputs()
         # Per step: the outputs recipes stood for, by id (one rebuild serves all their packs).
         self._rebuilds: dict[int, tuple[weakref.ref[torch.Tensor], int, SharedRebuild]] = {}
@@ -985,8 +985,8 @@ class ActivationOffloader:
         stats: StepStats,
         key: tuple[str, int, int] | None = None,
     ) -> ActivationRecipe | None:
-        """An :class:`ActivationRecipe` for ``t`` if it is a GELU / SiLU / LayerNorm output (or
-        autocast's cast of a LayerNorm output) whose input this step offloaded, or (``key``:
+        """An :class:`ActivationRecipe` for ``t`` if it is a GELU / SiLU / LayerNorm / RMSNorm
+        output (or autocast's cast of a norm output) whose input this step offloaded, or (``key``:
         the plan rebuilds it) kept, else None (NOTE [ Activation recipes ] in _recipe.py)."""
         found = activation_output(t, self._norms)
         if found is None:

@@ -94,7 +94,7 @@ def probe_hardware(
     thread count, as :meth:`HardwareModel.cpu_only` (copies do not overlap compute). The figures
     are for this process alone: ranks that copy at the same time share the links.
 
-    ``pointwise_bytes_per_s`` (what rebuilding a GELU, SiLU or LayerNorm output from its input
+    ``pointwise_bytes_per_s`` (what rebuilding a GELU, SiLU or norm output from its input
     costs) is a
     GELU into a preallocated output, input plus output bytes per second, the median of
     ``PROBE_REPEATS`` after a warm-up: on CUDA in bf16 (what autocast runs) on a probe-sized

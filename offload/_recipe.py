@@ -18,32 +18,37 @@ NOTE [ Weight casts ]
     give another cast: unpack checks the parameter's version and raises instead.
 
 NOTE [ Activation recipes ]
-    In min-memory mode (no budget) the output of a GELU, a SiLU or an ``nn.LayerNorm``, saved by
-    the next Linear, is not stored either: its input was just saved by the function's own
-    backward node, so the output is that input passed through the same function again,
-    computed at unpack on the compute stream with autocast off, as the forward ran it (the same
-    kernel on the same bytes: bitwise). The recipe holds a second handle on the input's family
-    (``Executor.share``), so one reload serves both unpacks. Checked at pack: a plain tensor
-    whose own or whose base's ``grad_fn`` is ``GeluBackward0`` / ``SiluBackward0`` /
-    ``NativeLayerNormBackward0`` whose saved input (read raw, as its pack returned it, without
-    unpacking) is a handle of this manager, both dense and contiguous with the same shape and
-    dtype.
-    LayerNorm: its node saves the input, weight and bias but not eps, so the manager's forward
-    hook on each module of exactly type ``nn.LayerNorm`` notes its output with the module's
-    eps, weight and bias (``lifecycle._tensors.NormOutputs``, found again from the output's
-    node); a subclass may compute its output otherwise and a functional call has no module, so
-    their outputs are stored. (A LayerNorm made an FSDP2 unit of its own has another type,
-    ``FSDPLayerNorm``, and could have its weight resharded before the Linear's backward; inside
-    a larger unit, that unit's pre-backward unshard precedes the Linear's backward.) The weight and bias versions are checked at unpack (changed in
-    place, they would give another output: ``OffloadError``). Under autocast a LayerNorm runs
-    in float32 and the Linear saves a bf16 cast of its output (``ToCopyBackward0`` whose only
-    input is the noted node): the recipe rebuilds the output and casts it again (the same
-    ``_to_copy``). A chain (a LayerNorm of a GELU output) rebuilds the inner output only: the
-    outer one's input pack returned a recipe, not a stored tensor. Several packs of one output
-    (separate q, k and v projections of one LayerNorm output) share one rebuild
-    (``SharedRebuild``): the first unpack of a backward runs it and the others reuse it, so it
-    is held from that unpack to the last of them (as the planner models a rebuilt family), and
-    its bytes count once in ``bytes_rebuilt``.
+    In min-memory mode (no budget) the output of a GELU, a SiLU, an ``nn.LayerNorm`` or an
+    ``nn.RMSNorm``, saved by the next Linear, is not stored either: its input was just saved by
+    the function's own backward node, so the output is that input passed through the same
+    function again, computed at unpack on the compute stream with autocast off, as the forward
+    ran it (the same kernel on the same bytes: bitwise). The recipe holds a second handle on the
+    input's family (``Executor.share``), so one reload serves both unpacks. Checked at pack: a
+    plain tensor whose own or whose base's ``grad_fn`` is ``GeluBackward0`` / ``SiluBackward0``
+    / ``NativeLayerNormBackward0`` / ``FusedRmsNormBackward0`` whose saved input (read raw, as
+    its pack returned it, without unpacking) is a handle of this manager, both dense and
+    contiguous with the same shape and dtype.
+    Norms: their nodes save the input, the weight (and a LayerNorm's bias) but not eps, so the
+    manager's forward hook on each module of exactly type ``nn.LayerNorm`` or ``nn.RMSNorm``
+    notes its output with the module's eps, weight and bias (``lifecycle._tensors.NormOutputs``,
+    found again from the output's node); a subclass may compute its output otherwise and a
+    functional call has no module, so their outputs are stored. An RMSNorm output has such a
+    node where torch runs the norm as one op, ``_fused_rms_norm`` (it has CUDA kernels); CPU
+    torch decomposes that op into elementwise nodes (the last one saves the normalised tensor,
+    not the input), so there its outputs are stored. The tests give the op CPU kernels (torch's
+    own decompositions, registered for the test) to run the real ``FusedRmsNormBackward0`` on
+    CPU. (A norm made an FSDP2 unit of its own has another type, ``FSDPLayerNorm`` say, and
+    could have its weight resharded before the Linear's backward; inside a larger unit, that unit's
+    pre-backward unshard precedes the Linear's backward.) The weight and bias versions are
+    checked at unpack (changed in place, they would give another output: ``OffloadError``).
+    Under autocast a norm runs in float32 and the Linear saves a bf16 cast of its output
+    (``ToCopyBackward0`` whose only input is the noted node): the recipe rebuilds the output and
+    casts it again (the same ``_to_copy``). A chain (a LayerNorm of a GELU output) rebuilds the
+    inner output only: the outer one's input pack returned a recipe, not a stored tensor.
+    Several packs of one output (separate q, k and v projections of one norm output) share one
+    rebuild (``SharedRebuild``): the first unpack of a backward runs it and the others reuse
+    it, so it is held from that unpack to the last of them (as the planner models a rebuilt
+    family), and its bytes count once in ``bytes_rebuilt``.
     In budget mode the plan decides (``Placement.REBUILD``, NOTE [ Budget mode ] in
     _planned.py): the profiling step stores these outputs and records the link to their input
     (``TensorRecord.rebuild_from``: where the input was offloaded whole, at offset 0 of its own
@@ -225,14 +230,17 @@ class ActivationRecipe:
             else:
                 if not args.unchanged():
                     raise OffloadError(
-                        f"the weight or bias of a LayerNorm over {list(args.shape)} changed in "
-                        "place between the forward that saved its output and this backward; "
+                        f"the weight or bias of a {args.name} over {list(args.shape)} changed "
+                        "in place between the forward that saved its output and this backward; "
                         "offload rebuilds that output from its input at backward, so the "
                         "weights must not change in between (step the optimizer after backward)"
                     )
-                out = torch.nn.functional.layer_norm(
-                    parent, args.shape, args.weight, args.bias, args.eps
-                )
+                if kind == "layer_norm":
+                    out = torch.nn.functional.layer_norm(
+                        parent, args.shape, args.weight, args.bias, args.eps
+                    )
+                else:
+                    out = torch.nn.functional.rms_norm(parent, args.shape, args.weight, args.eps)
             if self.cast is not None:
                 out = out.to(self.cast)
         return out

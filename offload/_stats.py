@@ -23,7 +23,7 @@ class StepStats:
         bytes_offloaded_cpu / bytes_offloaded_nvme: bytes stored in each tier.
         bytes_recomputed: bytes rebuilt by recomputation instead of stored (planner; 0 here).
         records_rebuilt / bytes_rebuilt: saved tensors not stored but rebuilt at unpack:
-            autocast weight casts from their parameter, and GELU / SiLU / LayerNorm outputs
+            autocast weight casts from their parameter, and GELU / SiLU / norm outputs
             from their inputs (always without a budget; under one where the plan says
             REBUILD); an output several ops saved counts each record but its bytes once (NOTE
             [ Weight casts ], NOTE [ Activation recipes ] in ``offload/_recipe.py``).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -19,3 +21,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _one_thread() -> None:
     # 2-core CI: intra-op threads fighting the test process's own threads only add noise.
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def fused_rms_norm() -> Iterator[None]:
+    """``nn.RMSNorm`` on CPU as on CUDA: one ``_fused_rms_norm`` call whose autograd node
+    (``FusedRmsNormBackward0``) saves the input. ATen has that op's kernels for CUDA only, and
+    on CPU the op decomposes into elementwise nodes; this registers torch's own decompositions as
+    its CPU kernels for the test, so the real autograd node runs, and removes them after."""
+    from torch._decomp import decompositions
+
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CPU"):
+        yield  # a torch with a CPU kernel of its own
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("_fused_rms_norm", decompositions._fused_rms_norm, "CPU")
+        lib.impl("_fused_rms_norm_backward", decompositions._fused_rms_norm_backward, "CPU")
+        probe = torch.nn.RMSNorm(4)(torch.ones(2, 4, requires_grad=True))
+        assert type(probe.grad_fn).__name__ == "FusedRmsNormBackward0", probe.grad_fn
+        yield
+    finally:
+        lib._destroy()

@@ -344,13 +344,15 @@ def test_planned_rebuilds_bitwise_on_cuda(source: str) -> None:
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
-def test_layer_norm_outputs_rebuilt_bitwise_on_cuda(autocast: bool) -> None:
-    """NOTE [ Activation recipes ]: in min-memory mode the nn.LayerNorm outputs (under autocast,
-    the bf16 casts of them the Linears save) are rebuilt on the compute stream from inputs
-    reloaded on the H2D stream, with the modules' eps, weight and bias: bitwise on CUDA."""
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_norm_outputs_rebuilt_bitwise_on_cuda(kind: str, autocast: bool) -> None:
+    """NOTE [ Activation recipes ]: in min-memory mode the nn.LayerNorm / nn.RMSNorm outputs
+    (under autocast, the bf16 casts of them the Linears save) are rebuilt on the compute stream
+    from inputs reloaded on the H2D stream, with the modules' eps, weight and bias: bitwise on
+    CUDA. (RMSNorm runs ``_fused_rms_norm`` here, whose node saves the input.)"""
     from test_offload_edges import _grads, _NormNet
 
-    model = _NormNet(width=1024).cuda()
+    model = _NormNet(kind, width=1024).cuda()
     x = torch.randn(8, 512, 1024, device="cuda")
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast)
 
@@ -366,7 +368,7 @@ def test_layer_norm_outputs_rebuilt_bitwise_on_cuda(autocast: bool) -> None:
         last = mgr.stats.last
     finally:
         mgr.close()
-    # Three LayerNorm outputs rebuilt; under autocast also the five Linear weights' casts.
+    # Three norm outputs rebuilt; under autocast also the five Linear weights' casts.
     norms = 3 * 8 * 512 * 1024 * (2 if autocast else 4)
     weights = 5 * 1024 * 1024 * 2 if autocast else 0
     assert (last.records_rebuilt, last.bytes_rebuilt) == (8 if autocast else 3, norms + weights)

@@ -872,38 +872,66 @@ class _CastNorm(nn.LayerNorm):
         return nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias, 0.1)
 
 
-class _NormNet(nn.Module):
-    """LayerNorm outputs saved by the next Linear: three ``nn.LayerNorm`` modules (another eps,
-    no affine, no bias) whose outputs are rebuilt, and two that are stored: a subclass with its
-    own forward and a functional ``layer_norm`` (no module says its eps)."""
+class _CastRMSNorm(nn.RMSNorm):
+    """An RMSNorm subclass whose forward is its own (here: a different eps): not rebuilt."""
 
-    def __init__(self, width: int = 64) -> None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.rms_norm(x, self.normalized_shape, self.weight, 0.1)
+
+
+class _NormNet(nn.Module):
+    """Norm outputs saved by the next Linear: three ``nn.LayerNorm`` (``nn.RMSNorm``) modules
+    (eps 1e-3, no affine, no bias or the default eps) whose outputs are rebuilt, and two that
+    are stored: a subclass with its own forward and a functional call (no module says its
+    eps)."""
+
+    def __init__(self, kind: str = "layer_norm", width: int = 64) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.norms = nn.ModuleList(
-            [
+        norms: list[nn.Module]
+        if kind == "layer_norm":
+            norms = [
                 nn.LayerNorm(width, eps=1e-3),
                 nn.LayerNorm(width, elementwise_affine=False),
                 nn.LayerNorm(width, bias=False),
                 _CastNorm(width),
             ]
-        )
+        else:
+            norms = [
+                nn.RMSNorm(width, eps=1e-3),
+                nn.RMSNorm(width, elementwise_affine=False),
+                nn.RMSNorm(width),  # eps None: the dtype's own
+                _CastRMSNorm(width),
+            ]
+        self.kind = kind
+        self.norms = nn.ModuleList(norms)
         self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for norm, fc in zip(self.norms, self.fcs, strict=False):
             x = x + fc(norm(x))
-        return self.fcs[-1](nn.functional.layer_norm(x, x.shape[-1:], eps=1e-4))
+        if self.kind == "layer_norm":
+            x = nn.functional.layer_norm(x, x.shape[-1:], eps=1e-4)
+        else:
+            x = nn.functional.rms_norm(x, x.shape[-1:], eps=1e-4)
+        return self.fcs[-1](x)
 
 
 @pytest.mark.parametrize("how", ["cpu", "nvme", "retain_graph", "autocast"], ids=lambda s: s)
-def test_layer_norm_outputs_are_rebuilt_with_their_modules_arguments(how: str, tmp_path) -> None:
-    """NOTE [ Activation recipes ]: an ``nn.LayerNorm``'s output saved by the next Linear is
-    rebuilt at unpack from the input its node saved, with the module's eps, weight and bias
-    (noted by its forward hook: the node does not save eps), bitwise; under autocast, the bf16
-    cast of it that the Linear saves is rebuilt and cast again. A subclass's or a functional
-    call's output is stored."""
-    model = _NormNet()
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "rms_norm_composite"])
+def test_norm_outputs_are_rebuilt_with_their_modules_arguments(
+    kind: str, how: str, tmp_path, request: pytest.FixtureRequest
+) -> None:
+    """NOTE [ Activation recipes ]: an ``nn.LayerNorm``'s or ``nn.RMSNorm``'s output saved by
+    the next Linear is rebuilt at unpack from the input its node saved, with the module's eps,
+    weight and bias (noted by its forward hook: the node does not save eps), bitwise; under
+    autocast, the bf16 cast of it that the Linear saves is rebuilt and cast again. A subclass's
+    or a functional call's output is stored. ``rms_norm`` runs RMSNorm as CUDA does, through
+    ``_fused_rms_norm`` (the ``fused_rms_norm`` fixture); ``rms_norm_composite`` as CPU torch
+    does, a chain of elementwise nodes, whose outputs are stored (still bitwise)."""
+    if kind == "rms_norm":
+        request.getfixturevalue("fused_rms_norm")
+    model = _NormNet("layer_norm" if kind == "layer_norm" else "rms_norm")
     x = torch.randn(4, 32, 64)
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast")
 
@@ -915,17 +943,19 @@ def test_layer_norm_outputs_are_rebuilt_with_their_modules_arguments(how: str, t
     if how == "nvme":
         kw.update(tiers=("nvme",), nvme_dir=tmp_path)
     mgr = offload.ActivationOffloader(model, **kw)
+    norms = 0 if kind == "rms_norm_composite" else 3
     try:
         for _ in range(2):
             assert all(torch.equal(a, b) for a, b in zip(grads(mgr), want, strict=True))
             last = mgr.stats.last
             if how == "autocast":
-                # The Linears save bf16 casts of the float32 LayerNorm outputs: three rebuilt
-                # (and cast), besides the five Linear weights' casts (NOTE [ Weight casts ]).
+                # The Linears save bf16 casts of the float32 norm outputs: three rebuilt (and
+                # cast), besides the five Linear weights' casts (NOTE [ Weight casts ]).
                 casts = 5 * 64 * 64 * 2
-                assert (last.records_rebuilt, last.bytes_rebuilt) == (8, casts + 3 * 128 * 64 * 2)
+                want_rebuilt = (5 + norms, casts + norms * 128 * 64 * 2)
             else:
-                assert (last.records_rebuilt, last.bytes_rebuilt) == (3, 3 * 128 * 64 * 4)
+                want_rebuilt = (norms, norms * 128 * 64 * 4)
+            assert (last.records_rebuilt, last.bytes_rebuilt) == want_rebuilt
             assert mgr._executor is not None and mgr._executor.live_families() == 0
     finally:
         mgr.close()
@@ -978,16 +1008,22 @@ def test_an_output_saved_by_several_ops_is_rebuilt_once_per_backward(
         mgr.close()
 
 
-def test_layer_norm_weight_changed_before_backward_fails_loudly() -> None:
-    """A LayerNorm output rebuilt with a weight changed in place since forward would be another
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_norm_weight_changed_before_backward_fails_loudly(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """A norm output rebuilt with a weight changed in place since forward would be another
     output: the unpack raises instead of returning it."""
-    model = _NormNet()
+    if kind == "rms_norm":
+        request.getfixturevalue("fused_rms_norm")
+    model = _NormNet(kind)
     mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
     with mgr:
         loss = model(torch.randn(4, 32, 64)).pow(2).sum()
     with torch.no_grad():
         model.norms[0].weight.mul_(0.5)  # an optimizer step before the backward
-    with pytest.raises(offload.OffloadError, match="LayerNorm"):
+    name = "LayerNorm" if kind == "layer_norm" else "RMSNorm"
+    with pytest.raises(offload.OffloadError, match=f"weight or bias of a {name} over"):
         loss.backward()
     mgr.close()
 

@@ -38,9 +38,9 @@ def _mlp(*acts: nn.Module, width: int = 64) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _act_mlp() -> nn.Module:
-    # A LayerNorm with its own eps: its output is rebuilt with it (the node does not save it).
-    return _mlp(nn.GELU(), nn.SiLU(), nn.GELU(approximate="tanh"), nn.LayerNorm(128, eps=1e-3))
+def _act_mlp(norm: type[nn.Module] = nn.LayerNorm) -> nn.Module:
+    # A norm with its own eps: its output is rebuilt with it (the node does not save it).
+    return _mlp(nn.GELU(), nn.SiLU(), nn.GELU(approximate="tanh"), norm(128, eps=1e-3))
 
 
 REBUILDS = 4  # _act_mlp's rebuildable outputs (and their inputs)
@@ -139,19 +139,30 @@ def test_active_plan_rebuilds_its_keys_without_a_reload_trigger() -> None:
 
 
 @pytest.mark.parametrize(
-    "parent", ["keep", "cpu", "nvme", "cpu-deferred", "cpu-retain_graph"], ids=lambda s: s
+    "parent",
+    ["keep", "cpu", "nvme", "cpu-deferred", "cpu-retain_graph", "keep-rms_norm", "cpu-rms_norm"],
+    ids=lambda s: s,
 )
-def test_rebuilt_outputs_are_bitwise_with_their_input_kept_or_moved(parent: str, tmp_path) -> None:
+def test_rebuilt_outputs_are_bitwise_with_their_input_kept_or_moved(
+    parent: str, tmp_path, request: pytest.FixtureRequest
+) -> None:
     """Each output is rebuilt from its input at unpack: kept by the plan (the recipe holds the
     kept tensor) or moved (one reload serves the rebuild and the activation's own backward,
-    started by the plan's trigger at the rebuilt record's unpack: no stall). Nothing leaks."""
+    started by the plan's trigger at the rebuilt record's unpack: no stall). Nothing leaks.
+    (``rms_norm``: an ``nn.RMSNorm`` in place of the LayerNorm, run as on CUDA.)"""
     from storage import CopyEngine
 
-    model, x = _act_mlp(), _input()
+    norm: type[nn.Module] = nn.LayerNorm
+    if parent.endswith("rms_norm"):
+        request.getfixturevalue("fused_rms_norm")
+        norm = nn.RMSNorm
+    model, x = _act_mlp(norm), _input()
     twice = parent.endswith("retain_graph")
     want = _step(model, x, twice=twice)
     trace = _profile(model, x)
-    where = {"keep": Placement.KEEP, "nvme": Placement.NVME}.get(parent, Placement.CPU)
+    where = {"keep": Placement.KEEP, "nvme": Placement.NVME}.get(
+        parent.split("-")[0], Placement.CPU
+    )
     plan = _forced(trace, child=Placement.REBUILD, parent=where)
     kw: dict[str, Any] = {"min_offload_bytes": 0}
     if where is Placement.NVME:
@@ -354,15 +365,21 @@ class _Offset(nn.Module):
         return self.act(h[1:])
 
 
-@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "layer_norm"])
-def test_the_profiling_step_of_budget_mode_records_rebuild_links(act: str) -> None:
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "layer_norm", "rms_norm"])
+def test_the_profiling_step_of_budget_mode_records_rebuild_links(
+    act: str, request: pytest.FixtureRequest
+) -> None:
     """The manager's profiling step stores activation outputs (its memory probe sees them) and
-    links each to its input's record, as the observe-only recorder does."""
+    links each to its input's record, as the observe-only recorder does. (``rms_norm``: through
+    ``_fused_rms_norm``, as on CUDA: the ``fused_rms_norm`` fixture.)"""
+    if act == "rms_norm":
+        request.getfixturevalue("fused_rms_norm")
     makers: dict[str, Callable[[int], nn.Module]] = {
         "gelu": lambda width: nn.GELU(),
         "gelu_tanh": lambda width: nn.GELU(approximate="tanh"),
         "silu": lambda width: nn.SiLU(),
         "layer_norm": nn.LayerNorm,
+        "rms_norm": nn.RMSNorm,
     }
     make = makers[act]
     torch.manual_seed(0)
