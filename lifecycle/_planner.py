@@ -113,6 +113,7 @@ import itertools
 import math
 import operator
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -1461,61 +1462,63 @@ class _Model:
         return tuple(entries)
 
     def _family_keys(self, positions: np.ndarray) -> list[tuple[Key, ...]]:
-        """Record keys of the families at ``positions``, in pack order."""
+        """Record keys of the families at ``positions`` (ascending), in pack order."""
         v = self.v
         keys = v.keys
-        out: list[tuple[Key, ...]] = list(zip(map(keys.__getitem__, v.first_rec.tolist())))
-        # Families of several records (views of one storage): their records, grouped.
-        members = np.bincount(v.record_pos, minlength=len(out))
-        shared = np.flatnonzero(members[v.record_pos] > 1)
-        if len(shared):
-            grouped = shared[np.argsort(v.record_pos[shared], kind="stable")]
-            owners = v.record_pos[grouped]
-            starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
-            stops = np.r_[starts[1:], len(grouped)]
-            ordered = list(map(keys.__getitem__, grouped.tolist()))
-            for pos, lo, hi in zip(
-                owners[starts].tolist(), starts.tolist(), stops.tolist(), strict=True
-            ):
-                out[pos] = tuple(ordered[lo:hi])
-        return list(map(out.__getitem__, positions.tolist()))
+        out: list[tuple[Key, ...]] = list(
+            zip(map(keys.__getitem__, v.first_rec[positions].tolist()))
+        )
+        # Families of several records (views of one storage): their records, grouped, for the
+        # families asked for, a group size at a time (the tuples built in C).
+        pos = v.record_pos
+        members = np.bincount(pos, minlength=len(v.fid))
+        wanted = np.zeros(len(v.fid), bool)
+        wanted[positions] = True
+        shared = np.flatnonzero((members[pos] > 1) & wanted[pos])
+        if not len(shared):
+            return out
+        grouped = shared[np.argsort(pos[shared], kind="stable")]  # records, family by family
+        owners = pos[grouped]
+        starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+        sizes = np.diff(np.r_[starts, len(grouped)])
+        slot = np.searchsorted(positions, owners[starts])  # each family's place in ``out``
+        for size in np.unique(sizes).tolist():
+            first = starts[sizes == size]
+            columns = [map(keys.__getitem__, grouped[first + j].tolist()) for j in range(size)]
+            tuples = zip(*columns, strict=True)
+            deque(map(out.__setitem__, slot[sizes == size].tolist(), tuples), maxlen=0)
+        return out
 
     def _triggers(self, local_events: np.ndarray) -> dict[int, Trigger]:
         """The executor's name for each of ``local_events`` (backward starts and unpacks)."""
         v = self.v
-        n = len(local_events)
         unpack = v.codes[local_events] == _UNPACK
         # An unpack is named by its record's key, a backward start by its module call.
-        by_record = np.flatnonzero(unpack)
-        records = v.unpacked_record[local_events[by_record]].tolist()
-        by_call = np.flatnonzero(~unpack)
-        calls = list(
-            map(
-                _get("module", "call_index"),
-                map(v.events.__getitem__, local_events[by_call].tolist()),
-            )
-        )
-        module = np.empty(n, object)
-        call = np.empty(n, object)
-        ordinal = np.full(n, -1, np.int64)
-        keys = list(map(v.keys.__getitem__, records))
-        module[by_record] = list(map(operator.itemgetter(0), keys))
-        call[by_record] = list(map(operator.itemgetter(1), keys))
-        ordinal[by_record] = list(map(operator.itemgetter(2), keys))
-        module[by_call] = list(map(operator.itemgetter(0), calls))
-        call[by_call] = list(map(operator.itemgetter(1), calls))
+        at_unpack = local_events[unpack]
+        keys = list(map(v.keys.__getitem__, v.unpacked_record[at_unpack].tolist()))
+        at_call = local_events[~unpack]
+        calls = list(map(_get("module", "call_index"), map(v.events.__getitem__, at_call.tolist())))
         # Valid by construction: kinds are "backward" (ordinal -1) or "unpack".
         made = _bulk(
             Trigger,
-            n,
+            len(keys),
             {
-                "kind": map(("backward", "unpack").__getitem__, unpack.tolist()),
-                "module": module.tolist(),
-                "call_index": call.tolist(),
-                "ordinal": ordinal.tolist(),
+                "kind": itertools.repeat("unpack"),
+                "module": map(operator.itemgetter(0), keys),
+                "call_index": map(operator.itemgetter(1), keys),
+                "ordinal": map(operator.itemgetter(2), keys),
+            },
+        ) + _bulk(
+            Trigger,
+            len(calls),
+            {
+                "kind": itertools.repeat("backward"),
+                "module": map(operator.itemgetter(0), calls),
+                "call_index": map(operator.itemgetter(1), calls),
+                "ordinal": itertools.repeat(-1),
             },
         )
-        return dict(zip(local_events.tolist(), made, strict=True))
+        return dict(zip([*at_unpack.tolist(), *at_call.tolist()], made, strict=True))
 
     def recompute_calls(self, c: _Candidate) -> tuple[tuple[str, int], ...]:
         first = len(self.blocks) - c.m
