@@ -107,7 +107,6 @@ NOTE [ Rebuilt outputs ]
 from __future__ import annotations
 
 import bisect
-import gc
 import heapq
 import itertools
 import math
@@ -120,6 +119,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lifecycle._hardware import HardwareModel
+from lifecycle._nogc import gc_paused
 from lifecycle._plan import (
     BudgetInfeasibleError,
     Key,
@@ -206,16 +206,9 @@ def plan(
         >>> p.predicted_peak_bytes <= budget < p.anchors["keep_all"].peak_bytes
         True
     """
-    # A pure computation over many small objects: the cyclic GC would scan the whole trace again
-    # and again (it doubled planning time at 100k records) and there is nothing cyclic to free.
     args = dict(locals())
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _plan(**args)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _plan(

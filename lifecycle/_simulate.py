@@ -78,6 +78,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from lifecycle._hardware import HardwareModel
+from lifecycle._nogc import gc_paused
 from lifecycle._trace import Event, EventKind, ModuleSpan, Trace
 from lifecycle._units import parse_bytes
 
@@ -288,21 +289,25 @@ def simulate(
         raise TypeError(
             f"hardware must be a lifecycle.HardwareModel; got {type(hardware).__name__}"
         )
-    view = _StepView(trace, _step_index(trace, step))
-    decisions = _resolve(view, placements)
-    largest = max(
-        (view.facts[f].span_bytes for f, d in decisions.items() if d.placement.moves), default=0
-    )
-    if max_inflight_bytes is None:
-        inflight = max(2 * largest, _DEFAULT_MIN_INFLIGHT_BYTES)
-    else:
-        inflight = parse_bytes(max_inflight_bytes, name="max_inflight_bytes")
-    window = (
-        inflight if prefetch_bytes is None else parse_bytes(prefetch_bytes, name="prefetch_bytes")
-    )
-    return _Simulator(
-        view, hardware, decisions, max_inflight_bytes=inflight, prefetch_bytes=window
-    ).run()
+    with gc_paused():
+        view = _StepView.of(trace, _step_index(trace, step))
+        decisions = _resolve(view, placements)
+        largest = max(
+            (view.facts[f].span_bytes for f, d in decisions.items() if d.placement.moves),
+            default=0,
+        )
+        if max_inflight_bytes is None:
+            inflight = max(2 * largest, _DEFAULT_MIN_INFLIGHT_BYTES)
+        else:
+            inflight = parse_bytes(max_inflight_bytes, name="max_inflight_bytes")
+        window = (
+            inflight
+            if prefetch_bytes is None
+            else parse_bytes(prefetch_bytes, name="prefetch_bytes")
+        )
+        return _Simulator(
+            view, hardware, decisions, max_inflight_bytes=inflight, prefetch_bytes=window
+        ).run()
 
 
 # -- anchors ------------------------------------------------------------------------------------
@@ -341,7 +346,7 @@ def offload_all(
         raise ValueError(f"tier must be 'cpu' or 'nvme'; got {tier!r}")
     placement = Placement(tier)
     floor = parse_bytes(min_offload_bytes, name="min_offload_bytes")
-    view = _StepView(trace, _step_index(trace, step))
+    view = _StepView.of(trace, _step_index(trace, step))
     return {
         f.family: Decision(placement=placement)
         for f in view.facts.values()
@@ -368,7 +373,7 @@ def checkpoint_blocks(trace: Trace, *, step: int = -1) -> dict[int, Decision]:
         >>> sorted({d.recompute_module for d in checkpoint_blocks(trace).values()})
         ['', '0', '1']
     """
-    view = _StepView(trace, _step_index(trace, step))
+    view = _StepView.of(trace, _step_index(trace, step))
     out: dict[int, Decision] = {}
     for block in _blocks(view.forward_spans):
         inside = sorted(
@@ -443,7 +448,13 @@ class _FamilyFacts:
 
 
 class _StepView:
-    """One step of a trace, with the facts the simulator looks up by event or family."""
+    """One step of a trace, with the facts the simulator looks up by event or family. Read
+    only: one view serves every simulation of the step (:meth:`of`)."""
+
+    @staticmethod
+    def of(trace: Trace, step: int) -> _StepView:
+        """The view of ``step`` (an index from ``_step_index``), built once per trace."""
+        return trace._derived(("simulator step", step), lambda: _StepView(trace, step))
 
     def __init__(self, trace: Trace, step: int) -> None:
         self.step = step
@@ -725,6 +736,7 @@ class _Channels:
         self._duplex_factor = 1.0 if duplex >= both else duplex / both
         self._queues: dict[str, deque[_Job]] = {c: deque() for c in _CHANNELS}
         self._active: dict[str, _Job | None] = dict.fromkeys(_CHANNELS)
+        self._busy = 0  # channels with an active job
         self.busy_s = dict.fromkeys(_CHANNELS, 0.0)
 
     def submit(self, job: _Job) -> None:
@@ -737,12 +749,12 @@ class _Channels:
         """Run the channels up to ``until``, or until ``stop()`` holds; returns the time reached."""
         until = max(until, self.now)
         while stop is None or not stop():
-            active = {c: j for c, j in self._active.items() if j is not None}
-            if not active:
+            if not self._busy:
                 if math.isinf(until):
                     raise RuntimeError("simulator waits for a copy that never starts")
-                self.now = max(self.now, until)
-                return self.now
+                self.now = until
+                return until
+            active = {c: j for c, j in self._active.items() if j is not None}
             rates = self._rates(active)
             finish = {c: j.stages[j.next].remaining / rates[c] for c, j in active.items()}
             first = min(finish, key=finish.__getitem__)
@@ -779,9 +791,11 @@ class _Channels:
         for c in _CHANNELS:
             if self._active[c] is None and self._queues[c]:
                 self._active[c] = self._queues[c].popleft()
+                self._busy += 1
 
     def _complete(self, channel: str, job: _Job) -> None:
         self._active[channel] = None
+        self._busy -= 1
         stage = job.stages[job.next]
         job.next += 1
         if job.next < len(job.stages):
@@ -911,20 +925,39 @@ class _Simulator:
     # -- the loop --------------------------------------------------------------------------
 
     def run(self) -> Simulation:
-        events = self.view.events
+        events, rest = self.view.events, self.view.rest
+        advance, set_rest, free_at = self.channels.advance, self.memory.set_rest, self.free_at
+        pack, unpack = EventKind.PACK, EventKind.UNPACK
         t0 = events[0].time_s
         for e in events:
             self.now = max(self.now, e.time_s - t0 + self.delay_s)
-            self.channels.advance(self.now)
-            for fam in self.free_at.pop(e.index, ()):
-                self._hold(fam, -fam.device_bytes)
-            self.memory.set_rest(self.now, self.view.rest[e.index])
-            if e.kind is EventKind.PACK:
+            advance(self.now)
+            if free_at:
+                for fam in free_at.pop(e.index, ()):
+                    self._hold(fam, -fam.device_bytes)
+            set_rest(self.now, rest[e.index])
+            kind = e.kind
+            if kind is pack:
                 self._on_pack(e)
-            elif e.kind is EventKind.UNPACK:
+            elif kind is unpack:
                 self._on_unpack(e)
             self._start_reloads(e.index)
-        return self._result(events[-1].time_s - t0)
+        result = self._result(events[-1].time_s - t0)
+        self._unlink()
+        return result
+
+    def _unlink(self) -> None:
+        """Break the run's reference cycles (a copy-out calls back into this simulator; an
+        offload and the reload waiting on it point at each other), so that its state goes with
+        the caller's last reference instead of waiting for a full collection, which walks the
+        whole trace as well (a third of a 10k-record simulation, measured)."""
+        for fam in self.fams.values():
+            for job in (fam.offload, fam.reload):
+                if job is not None:
+                    job.after = None
+                    job.waiters.clear()
+                    for stage in job.stages:
+                        stage.on_done = None
 
     def _wait(self, kind: str, done: Callable[[], bool]) -> None:
         """Let the channels run until ``done()``; compute waits that long."""

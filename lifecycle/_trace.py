@@ -10,13 +10,14 @@ from __future__ import annotations
 import enum
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from lifecycle._jsonfile import check_header, read_json, write_json
 
 SCHEMA_VERSION = 1
+_T = TypeVar("_T")
 _FORMAT = "offload.trace"
 
 
@@ -203,8 +204,26 @@ class Trace:
 
     # -- derived facts -----------------------------------------------------------------------
 
+    def _derived(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        """A fact derived from this trace, built at its first use and kept with the trace:
+        records and events are immutable, and the simulator, the planner's replays and the
+        reports ask for the same ones again and again. Not pickled (:meth:`__getstate__`)."""
+        memo = self.__dict__.get("_memo")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_memo", memo)  # a cache, not a field: frozen still
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_memo"}
+
     def families(self) -> tuple[Family, ...]:
         """Alias families in order of first pack."""
+        return self._derived("families", self._families)
+
+    def _families(self) -> tuple[Family, ...]:
         members: dict[int, list[TensorRecord]] = {}
         for r in self.records:
             members.setdefault(r.family, []).append(r)
@@ -240,6 +259,9 @@ class Trace:
         A family is live from its first pack through its last use (the last unpack of any
         member; a family never unpacked stays live until the end of its step).
         """
+        return list(self._derived("live_saved_bytes", self._live_saved_bytes))
+
+    def _live_saved_bytes(self) -> tuple[tuple[int, int], ...]:
         step_end: dict[int, int] = {}
         for e in self.events:
             if e.kind is EventKind.STEP_END:
@@ -258,12 +280,13 @@ class Trace:
         for e in self.events:
             live += delta.get(e.index, 0)
             out.append((e.index, live))
-        return out
+        return tuple(out)
 
     @property
     def peak_saved_bytes(self) -> int:
         """Peak of :meth:`live_saved_bytes` (0 for an empty trace)."""
-        return max((b for _, b in self.live_saved_bytes()), default=0)
+        live = self._derived("live_saved_bytes", self._live_saved_bytes)
+        return max((b for _, b in live), default=0)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -293,6 +316,9 @@ class Trace:
 
     def module_spans(self) -> tuple[ModuleSpan, ...]:
         """Forward and backward spans of every module call, ordered by start."""
+        return self._derived("module_spans", self._module_spans)
+
+    def _module_spans(self) -> tuple[ModuleSpan, ...]:
         open_: dict[tuple[str, int, int, str], Event] = {}
         spans = []
         pairs = {

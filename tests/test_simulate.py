@@ -991,3 +991,50 @@ def test_rebuild_on_a_transformer_trace() -> None:
     assert simulate(trace, hw, {**rebuilt, **late}).stalls == layers
     for s in (sim, moved):
         _check_accounting(s)
+
+
+def test_simulations_of_one_trace_share_its_step_view_and_leave_no_cycles() -> None:
+    """Every simulation of a step reads one view of it, built once per trace; a finished
+    simulation's state is freed by reference counting (its copy jobs call back into it: the
+    cycles are broken at the end), so no full collection has to walk the trace for it."""
+    import gc
+
+    from lifecycle._simulate import _StepView
+
+    trace = _linked_transformer(3)
+    hw = _pointwise(HardwareModel.h200(), 4.0e12)
+    links = _links(trace)
+    mixed = {
+        **offload_all(trace),
+        **dict.fromkeys(links, REBUILD),
+        **dict.fromkeys(links.values(), NVME),
+    }
+    assert _StepView.of(trace, 0) is _StepView.of(trace, 0)
+    first = [simulate(trace, hw, d) for d in (None, mixed, offload_all(trace, tier="nvme"))]
+    gc.collect()
+    gc.disable()
+    try:
+        again = [simulate(trace, hw, d) for d in (None, mixed, offload_all(trace, tier="nvme"))]
+        unreachable = gc.collect()
+    finally:
+        gc.enable()
+    assert again == first
+    assert unreachable == 0
+    assert first[1].bytes_reloaded > 0 and first[1].rebuild_s > 0  # copies and rebuilds ran
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_gc_paused_restores_the_collector(enabled: bool) -> None:
+    import gc
+
+    from lifecycle._nogc import gc_paused
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with pytest.raises(RuntimeError), gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -199,3 +199,23 @@ def test_png_without_matplotlib_names_the_extra(tmp_path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
     )
     assert "offload[plot]" in out.stdout
+
+
+def test_derived_facts_are_built_once_and_not_pickled() -> None:
+    """Records and events are immutable, so families, module spans and live bytes are built at
+    their first use and kept with the trace (the simulator and the planner's replays ask again
+    and again); a copy or an unpickled trace builds its own, and callers get fresh lists."""
+    import pickle
+
+    t = _synthetic()
+    assert t.families() is t.families()
+    assert t.module_spans() is t.module_spans()
+    live = t.live_saved_bytes()
+    live.clear()  # the caller's list: the kept facts do not change
+    assert t.live_saved_bytes() == _synthetic().live_saved_bytes() != []
+    assert t.peak_saved_bytes == 3048
+    back = pickle.loads(pickle.dumps(t))
+    assert back == t and "_memo" not in vars(back)
+    assert back.families() == t.families() and back.families() is not t.families()
+    other = dataclasses.replace(t, records=t.records[:2])
+    assert [f.family for f in other.families()] == [0, 1]
