@@ -219,3 +219,16 @@ def test_derived_facts_are_built_once_and_not_pickled() -> None:
     assert back.families() == t.families() and back.families() is not t.families()
     other = dataclasses.replace(t, records=t.records[:2])
     assert [f.family for f in other.families()] == [0, 1]
+
+
+def test_json_files_are_written_whole_or_not_at_all(tmp_path) -> None:
+    """``write_json`` encodes first, then writes a temp file and renames it: data that cannot be
+    encoded leaves no file behind, and an existing file is replaced only by a complete one."""
+    from lifecycle._jsonfile import write_json
+
+    target = tmp_path / "plan.json"
+    write_json(target, {"ok": 1})
+    with pytest.raises(ValueError):
+        write_json(target, {"bad": float("nan")}, allow_nan=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    assert json.loads(target.read_text()) == {"ok": 1}
