@@ -1,10 +1,11 @@
 """A synthetic trace of one transformer training step: for planning experiments without a model.
 
-:func:`transformer_trace` writes the timeline a GPT-style stack would record, layer by layer,
-with byte counts and times from the usual per-layer formulas (DESIGN.md, "The physics"): about
-32·h bytes saved per token and layer in bf16 (flash attention, no dropout), matmul time from FLOPs at a given rate, pointwise
-time from bytes at a given memory bandwidth, backward twice the forward. It lets the planner and
-the simulator be exercised (and timed) at sizes no CPU can run: an h=8192 model, 100k records.
+:func:`transformer_trace` writes the timeline a GPT-style (or Llama-style: SwiGLU) stack would
+record, layer by layer, with byte counts and times from the usual per-layer formulas (DESIGN.md,
+"The physics"): about 32·h bytes saved per token and layer in bf16 for GPT (flash attention, no
+dropout; 44·h with SwiGLU), matmul time from FLOPs at a given rate, pointwise time from bytes at
+a given memory bandwidth, backward twice the forward. It lets the planner and the simulator be
+exercised (and timed) at sizes no CPU can run: an h=8192 model, 100k records.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ class _Op:
     """One leaf module of a layer: what it saves and how long its forward takes."""
 
     name: str
-    saves: tuple[tuple[int, int], ...]  # (family slot in the layer, bytes) per pack
+    # Per pack: (family slot in the layer, bytes, the slot whose record it can be rebuilt from
+    # (an activation's or a norm's output, from that function's input) or -1).
+    saves: tuple[tuple[int, int, int], ...]
     forward_s: float
-    rebuilt_from: int = -1  # its saves can be rebuilt from this slot's record (GELU, LayerNorm)
 
 
 def transformer_trace(
@@ -30,26 +32,36 @@ def transformer_trace(
     hidden: int,
     tokens: int,
     seq_len: int | None = None,
+    mlp: str = "gelu",
+    ffn_hidden: int | None = None,
     dtype_bytes: int = 2,
     flops_per_s: float = 450e12,
     memory_bytes_per_s: float = 4.0e12,
     base_bytes: int = 0,
 ) -> Trace:
-    """One training step of a pre-norm GPT stack, as :class:`lifecycle.Recorder` would trace it.
+    """One training step of a pre-norm transformer stack, as :class:`lifecycle.Recorder` would
+    trace it.
 
     Each layer ``layers.{i}`` calls ``ln1``, ``attn.qkv``, ``attn.core`` (flash attention: saves
     q, k and v as views of the qkv output, its output and the log-sum-exp), ``attn.proj``,
-    ``ln2``, ``mlp.fc1``, ``mlp.act`` (GELU) and ``mlp.fc2``: 12 records and 9 alias families per
-    layer (about 32·h bytes per token). The outputs the next op saves of ``ln1``, ``ln2`` and the
-    GELU link to the inputs those saved (``rebuild_from``), as the recorder links them (a bf16
-    model; under autocast the LayerNorms' float32 outputs are saved as bf16 casts, linked the
-    same way). The memory probe is ``base_bytes`` plus the live saved bytes.
+    ``ln2`` and its MLP. ``mlp="gelu"`` (GPT): ``mlp.fc1``, ``mlp.act`` (GELU) and ``mlp.fc2``,
+    ``ffn_hidden`` 4h: 12 records and 9 alias families per layer (about 32·h bytes per token).
+    ``mlp="swiglu"`` (Llama, without grouped-query attention): ``mlp.gate`` and ``mlp.up`` (both
+    save the ``ln2`` output), ``mlp.act`` (SiLU, saves the gate output), ``mlp.mul`` (saves the
+    SiLU output and the up output) and ``mlp.down``, ``ffn_hidden`` 3.5h: 15 records and 11
+    alias families per layer (16·h + 8·f bytes per token: 44·h). The outputs the next op saves
+    of the norms and of the activation link to the inputs those saved (``rebuild_from``), as the
+    recorder links them (a bf16 model; under autocast the norms' float32 outputs are saved as
+    bf16 casts, linked the same way). The memory probe is ``base_bytes`` plus the live saved
+    bytes.
 
     Args:
         layers: transformer layers.
         hidden: model width h.
         tokens: tokens per step (batch x sequence).
         seq_len: attention context (for its FLOPs); default ``min(tokens, 4096)``.
+        mlp: ``"gelu"`` or ``"swiglu"``.
+        ffn_hidden: the MLP's inner width f; default 4h (GELU) or 3.5h (SwiGLU, rounded down).
         dtype_bytes: bytes per activation element (2 for bf16).
         flops_per_s: matmul throughput the model reaches.
         memory_bytes_per_s: device memory bandwidth (pointwise ops).
@@ -62,11 +74,22 @@ def transformer_trace(
         >>> t.saved_bytes // (2 * 4096 * 1024)  # bytes per token per layer, in units of h
         32
     """
-    for name, value in (("layers", layers), ("hidden", hidden), ("tokens", tokens)):
+    if mlp not in ("gelu", "swiglu"):
+        raise ValueError(f"mlp must be 'gelu' or 'swiglu'; got {mlp!r}")
+    ffn = (
+        ffn_hidden if ffn_hidden is not None else (4 * hidden if mlp == "gelu" else 7 * hidden // 2)
+    )
+    for name, value in (
+        ("layers", layers),
+        ("hidden", hidden),
+        ("tokens", tokens),
+        ("ffn_hidden", ffn),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1; got {value!r}")
     seq = min(tokens, 4096) if seq_len is None else seq_len
     act = tokens * hidden * dtype_bytes  # one [tokens, h] activation
+    inner = tokens * ffn * dtype_bytes  # one [tokens, f] activation
     lse = tokens * 4 * max(1, hidden // 128)  # fp32, one per head
 
     def mm(k: int, n: int) -> float:
@@ -75,24 +98,49 @@ def transformer_trace(
     def pointwise(nbytes: int) -> float:
         return 2.0 * nbytes / memory_bytes_per_s
 
-    # Family slots: 0 x, 1 ln1 out, 2 qkv out (q, k, v views), 3 attn out, 4 x2, 5 ln2 out,
-    # 6 fc1 out, 7 gelu out; the log-sum-exp joins slot 3's call as its own family (8).
-    ops = (
-        _Op("ln1", ((0, act),), pointwise(2 * act)),
-        _Op("attn.qkv", ((1, act),), mm(hidden, 3 * hidden), rebuilt_from=0),
+    # Family slots: 0 x, 1 ln1 out, 2 qkv out (q, k, v views), 3 attn out, 4 x2, 5 ln2 out, then
+    # the MLP's, and the log-sum-exp (attn.core's own family) last.
+    attention = (
+        _Op("ln1", ((0, act, -1),), pointwise(2 * act)),
+        _Op("attn.qkv", ((1, act, 0),), mm(hidden, 3 * hidden)),
         _Op(
             "attn.core",
-            ((2, act), (2, act), (2, act), (3, act), (8, lse)),
+            ((2, act, -1), (2, act, -1), (2, act, -1), (3, act, -1), (-1, lse, -1)),
             4.0 * tokens * seq * hidden / flops_per_s,
         ),
-        _Op("attn.proj", ((3, act),), mm(hidden, hidden)),
-        _Op("ln2", ((4, act),), pointwise(2 * act)),
-        _Op("mlp.fc1", ((5, act),), mm(hidden, 4 * hidden), rebuilt_from=4),
-        _Op("mlp.act", ((6, 4 * act),), pointwise(8 * act)),
-        _Op("mlp.fc2", ((7, 4 * act),), mm(4 * hidden, hidden), rebuilt_from=6),
+        _Op("attn.proj", ((3, act, -1),), mm(hidden, hidden)),
+        _Op("ln2", ((4, act, -1),), pointwise(2 * act)),
     )
-    slot_bytes = {0: act, 1: act, 2: 3 * act, 3: act, 4: act, 5: act, 6: 4 * act, 7: 4 * act}
-    slot_bytes[8] = lse
+    slot_bytes = {0: act, 1: act, 2: 3 * act, 3: act, 4: act, 5: act}
+    mlp_ops: tuple[_Op, ...]
+    if mlp == "gelu":
+        # 6 fc1 out, 7 GELU out.
+        mlp_ops = (
+            _Op("mlp.fc1", ((5, act, 4),), mm(hidden, ffn)),
+            _Op("mlp.act", ((6, inner, -1),), pointwise(2 * inner)),
+            _Op("mlp.fc2", ((7, inner, 6),), mm(ffn, hidden)),
+        )
+        slot_bytes.update({6: inner, 7: inner})
+    else:
+        # 6 gate out, 7 up out, 8 SiLU out, 9 SiLU out x up out.
+        mlp_ops = (
+            _Op("mlp.gate", ((5, act, 4),), mm(hidden, ffn)),
+            _Op("mlp.up", ((5, act, 4),), mm(hidden, ffn)),
+            _Op("mlp.act", ((6, inner, -1),), pointwise(2 * inner)),
+            _Op("mlp.mul", ((8, inner, 6), (7, inner, -1)), pointwise(3 * inner)),
+            _Op("mlp.down", ((9, inner, -1),), mm(ffn, hidden)),
+        )
+        slot_bytes.update({6: inner, 7: inner, 8: inner, 9: inner})
+    lse_slot = len(slot_bytes)
+    slot_bytes[lse_slot] = lse
+    ops = tuple(
+        _Op(
+            op.name,
+            tuple((lse_slot if sl < 0 else sl, b, r) for sl, b, r in op.saves),
+            op.forward_s,
+        )
+        for op in (*attention, *mlp_ops)
+    )
     return _build(layers, ops, slot_bytes, base_bytes)
 
 
@@ -133,7 +181,7 @@ def _build(layers: int, ops: tuple[_Op, ...], slot_bytes: dict[int, int], base_b
             event(EventKind.FORWARD_START, name, 0)
             now += op.forward_s
             seen_slots: dict[int, int] = {}
-            for ordinal, (slot, nbytes) in enumerate(op.saves):
+            for ordinal, (slot, nbytes, rebuilt_from) in enumerate(op.saves):
                 f = fid(i, slot)
                 view = seen_slots.get(slot, 0)
                 seen_slots[slot] = view + 1
@@ -152,7 +200,7 @@ def _build(layers: int, ops: tuple[_Op, ...], slot_bytes: dict[int, int], base_b
                         "event": -1,
                         "unpacks": [],
                         "layer": i,
-                        "rebuild": slot_seq.get(op.rebuilt_from, -1),
+                        "rebuild": slot_seq.get(rebuilt_from, -1),
                     }
                 )
                 slot_seq[slot] = seq

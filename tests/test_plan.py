@@ -58,14 +58,17 @@ HARDWARE = {"h200": H200, "slow": SLOW, "cpu_only": CPU_ONLY}
 # -- traces -----------------------------------------------------------------------------------
 
 
-def _synthetic(layers: int, hidden: int, tokens: int = 2048) -> Trace:
-    return transformer_trace(layers=layers, hidden=hidden, tokens=tokens, base_bytes=1 << 30)
+def _synthetic(layers: int, hidden: int, tokens: int = 2048, mlp: str = "gelu") -> Trace:
+    return transformer_trace(
+        layers=layers, hidden=hidden, tokens=tokens, mlp=mlp, base_bytes=1 << 30
+    )
 
 
 SYNTHETIC = {
     "gpt2x1024": lambda: _synthetic(2, 1024),
     "gpt4x4096": lambda: _synthetic(4, 4096),
     "gpt6x8192": lambda: _synthetic(6, 8192, tokens=4096),
+    "llama4x4096": lambda: _synthetic(4, 4096, mlp="swiglu"),
 }
 
 
@@ -593,3 +596,33 @@ def test_bad_arguments_name_the_argument(traces: dict[str, Trace]) -> None:
         kwargs = {"trace": trace, "gpu_budget": 10**12, "hardware": H200, **change}
         with pytest.raises(error, match=name):
             plan(**kwargs)
+
+
+def test_swiglu_trace_saves_what_a_llama_layer_saves() -> None:
+    """``transformer_trace(mlp="swiglu")``: per layer 15 records in 11 families, 16·h + 8·f
+    bytes per token (bf16), the SiLU output linked to the gate output the SiLU saved and both
+    norm outputs to the norms' inputs, as the recorder links them."""
+    h, tokens, layers = 1024, 512, 3
+    trace = transformer_trace(layers=layers, hidden=h, tokens=tokens, mlp="swiglu")
+    f = 7 * h // 2
+    assert len(trace.records) == 15 * layers and len(trace.families()) == 11 * layers
+    lse = tokens * 4 * (h // 128)
+    assert trace.saved_bytes == layers * (2 * tokens * (8 * h + 4 * f) + lse)
+    by_seq = {r.seq: r for r in trace.records}
+    links = {
+        (r.module.split(".", 2)[2], r.ordinal): by_seq[r.rebuild_from].module.split(".", 2)[2]
+        for r in trace.records
+        if r.rebuild_from >= 0 and r.module.startswith("layers.1.")
+    }
+    assert links == {
+        ("attn.qkv", 0): "ln1",
+        ("mlp.gate", 0): "ln2",
+        ("mlp.up", 0): "ln2",
+        ("mlp.mul", 0): "mlp.act",
+    }
+    gate, up = (r for r in trace.records if r.module in ("layers.1.mlp.gate", "layers.1.mlp.up"))
+    assert gate.family == up.family  # both save the ln2 output
+    with pytest.raises(ValueError, match="mlp must be"):
+        transformer_trace(layers=1, hidden=8, tokens=8, mlp="relu")
+    with pytest.raises(ValueError, match="ffn_hidden"):
+        transformer_trace(layers=1, hidden=8, tokens=8, ffn_hidden=0)
