@@ -122,7 +122,8 @@ def run(rank: int, world_size: int, init_method: str) -> None:
             f"last step moved {moved.bytes_offloaded_cpu / 2**20:.2f} MiB off the device in "
             f"{moved.records_offloaded_cpu} saved tensors ({moved.stalls} reload stalls), "
             f"kept {moved.records_kept} (weights, unsharded ones included); "
-            f"gradients {'bitwise equal' if same else 'DIFFER'}",
+            f"gradients {'bitwise equal' if same else 'DIFFER'}\n",
+            end="",  # one write, newline included: the ranks share stdout
             flush=True,
         )
         dist.barrier()

@@ -151,10 +151,13 @@ def worker(rank: int, world: int, args: argparse.Namespace, init: str | None) ->
                 f"{plan.anchors['keep_all'].peak_bytes / 2**20:.2f} MiB), kept "
                 f"{by['keep'] / 2**20:.2f} MiB, moved {(sum(by.values()) - by['keep']) / 2**20:.2f} MiB"
             )
+        # One write, newline included: the ranks share stdout, and unbuffered (PYTHONUNBUFFERED)
+        # print's separate newline could land after the other rank's line.
         print(
             f"rank {rank}: {args.schedule}, {args.microbatches} microbatches x {args.steps} steps: "
             f"{moved / 2**20:.2f} MiB of saved activations left {device}{planned}; gradients "
-            f"bitwise equal to no offloading: {'yes' if same else 'NO'}",
+            f"bitwise equal to no offloading: {'yes' if same else 'NO'}\n",
+            end="",
             flush=True,
         )
         return 0 if same else 1

@@ -139,7 +139,8 @@ def run(rank: int, world_size: int, init_method: str) -> None:
             f"rank {rank} ({device}): loss {losses[-1]:.6f} (reference {want_losses[-1]:.6f}); "
             f"last step moved {moved.bytes_offloaded_cpu / 2**20:.2f} MiB off the device in "
             f"{moved.records_offloaded_cpu} saved tensors ({moved.stalls} reload stalls); "
-            f"gradients {'bitwise equal' if same else 'DIFFER'}",
+            f"gradients {'bitwise equal' if same else 'DIFFER'}\n",
+            end="",  # one write, newline included: the ranks share stdout
             flush=True,
         )
         dist.barrier()

@@ -241,6 +241,9 @@ def simulate(
     """Predict one step's device peak and time with alias families placed as ``placements`` say.
 
     See NOTE [ Simulation model ] and NOTE [ Reload policy ] in this module for what is modelled.
+    The facts of the step the replay reads are derived from the trace at its first simulation
+    and kept with it, so later simulations of the same trace (other placements, the anchors)
+    cost the replay alone.
 
     Args:
         trace: the recorded step(s).
