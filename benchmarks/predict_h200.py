@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from lifecycle import HardwareModel, plan, predict_anchors, transformer_trace
@@ -121,12 +122,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "base_bytes": _BASE_BYTES,
         "traces": [_one(*spec, hw) for spec in _TRACES],
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "predict.json"), "w") as f:
-        json.dump(result, f, indent=2)
     md = _markdown(result)
-    with open(os.path.join(args.out, "predict.md"), "w") as f:
-        f.write(md)
+    os.makedirs(args.out, exist_ok=True)
+    for ext, text in (("json", json.dumps(result, indent=2)), ("md", md)):
+        Path(args.out, f"predict.{ext}").write_text(text)
     print(md)
     return result
 
