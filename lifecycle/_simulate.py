@@ -931,6 +931,9 @@ class _Simulator:
         events, rest = self.view.events, self.view.rest
         advance, set_rest, free_at = self.channels.advance, self.memory.set_rest, self.free_at
         pack, unpack = EventKind.PACK, EventKind.UNPACK
+        # Before backward begins, only the planned reload points start reloads.
+        reload_at = self.explicit_at.keys() | self.trigger_at.keys()
+        backward_begins = self.view.backward_begins
         t0 = events[0].time_s
         for e in events:
             self.now = max(self.now, e.time_s - t0 + self.delay_s)
@@ -944,7 +947,8 @@ class _Simulator:
                 self._on_pack(e)
             elif kind is unpack:
                 self._on_unpack(e)
-            self._start_reloads(e.index)
+            if e.index >= backward_begins or e.index in reload_at:
+                self._start_reloads(e.index)
         result = self._result(events[-1].time_s - t0)
         self._unlink()
         return result
