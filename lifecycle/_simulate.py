@@ -757,6 +757,10 @@ class _Channels:
                     raise RuntimeError("simulator waits for a copy that never starts")
                 self.now = until
                 return until
+            if self._busy == 1:
+                if self._advance_one(until):
+                    return self.now
+                continue
             active = {c: j for c, j in self._active.items() if j is not None}
             rates = self._rates(active)
             finish = {c: j.stages[j.next].remaining / rates[c] for c, j in active.items()}
@@ -773,6 +777,28 @@ class _Channels:
                 if j.stages[j.next].remaining <= 0.0:
                     self._complete(c, j)
         return self.now
+
+    def _advance_one(self, until: float) -> bool:
+        """One iteration of :meth:`advance` with one channel busy (most of them), the same
+        arithmetic without the per-channel dicts: at its own rate (the duplex cap needs both
+        directions busy), it completes its stage or runs until ``until`` (then True)."""
+        channel, job = next((c, j) for c, j in self._active.items() if j is not None)
+        stage = job.stages[job.next]
+        rate = self._alone[channel]
+        dt = stage.remaining / rate
+        reached = self.now + dt > until
+        if reached:
+            dt = until - self.now
+        if dt > 0.0:
+            stage.remaining = max(0.0, stage.remaining - rate * dt)
+            self.busy_s[channel] += dt
+        if reached:
+            self.now = until
+            return True
+        self.now += dt
+        stage.remaining = 0.0
+        self._complete(channel, job)
+        return False
 
     def _rates(self, active: Mapping[str, _Job]) -> dict[str, float]:
         factor = self._duplex_factor if D2H in active and H2D in active else 1.0
