@@ -20,9 +20,10 @@ Trace construction is not timed. Per size and budget share:
   (``Trace._derived``). The two before it run on a new copy of the trace each time, so they are
   first calls, which build that view.
 
-``--baseline-rev REV`` also times ``lifecycle/_planner.py`` as committed at git revision ``REV``
-(read with ``git show``, nothing checked out) on the same traces, in the same process, the two
-planners alternating run by run (ABBA), for a before/after figure measured side by side. The
+``--baseline-rev REV`` also times ``lifecycle/_planner.py`` and ``lifecycle/_simulate.py`` as
+committed at git revision ``REV`` (read with ``git show``, nothing checked out) on the same
+traces, in the same process, each alternating run by run (ABBA) with its current version, for
+before/after figures measured side by side (the simulator's on first calls, at 1k and 10k). The
 machine is named from /proc/cpuinfo; the load average before and after is recorded, since a
 shared machine's timings move with it.
 Writes ``plan.json`` and ``plan.md`` into ``--out``.
@@ -94,13 +95,14 @@ def _times_fresh(fn: Callable[[Trace], Any], trace: Trace, repeats: int) -> list
 
 
 def _alternating(
-    a: Callable[[], Any], b: Callable[[], Any], repeats: int
+    a: Callable[[], Any], b: Callable[[], Any], repeats: int, trace: Trace | None = None
 ) -> tuple[list[float], list[float]]:
-    """Times of ``a`` and ``b``, ``repeats`` each, alternating in ABBA order."""
-    out: dict[Callable[[], Any], list[float]] = {a: [], b: []}
+    """Times of ``a`` and ``b``, ``repeats`` each, alternating in ABBA order; with ``trace``,
+    each call gets a new copy of it (as :func:`_times_fresh`)."""
+    out: dict[Callable[..., Any], list[float]] = {a: [], b: []}
     for i in range(repeats):
         for fn in (a, b) if i % 2 == 0 else (b, a):
-            out[fn].extend(_times(fn, 1))
+            out[fn].extend(_times(fn, 1) if trace is None else _times_fresh(fn, trace, 1))
     return out[a], out[b]
 
 
@@ -112,23 +114,33 @@ def _summary(times: list[float]) -> dict[str, Any]:
     }
 
 
-def _baseline(rev: str) -> ModuleType:
-    """``lifecycle/_planner.py`` at git revision ``rev``, imported beside the current one."""
+def _baseline(rev: str, module: str = "_planner") -> ModuleType:
+    """``lifecycle/<module>.py`` at git revision ``rev``, imported beside the current one (it
+    imports the rest of ``lifecycle`` as it is now)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = f"lifecycle/{module}.py"
     source = subprocess.run(
-        ["git", "show", f"{rev}:lifecycle/_planner.py"],
-        cwd=root,
-        check=True,
-        capture_output=True,
-        text=True,
+        ["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True, text=True
     ).stdout
-    name = "lifecycle._planner_baseline"
+    name = f"lifecycle.{module}_baseline"
     spec = importlib.util.spec_from_loader(name, loader=None)
     assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    exec(compile(source, f"{rev}:lifecycle/_planner.py", "exec"), module.__dict__)
-    return module
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[name] = loaded  # dataclasses look their module up while the class is built
+    exec(compile(source, f"{rev}:{path}", "exec"), loaded.__dict__)
+    return loaded
+
+
+def _old_decisions(sim_module: ModuleType, decisions: dict[int, Any]) -> dict[int, Any]:
+    """``decisions`` as the baseline simulator's own Decision objects."""
+    return {
+        fam: sim_module.Decision(
+            placement=sim_module.Placement(d.placement.value),
+            reload_event=d.reload_event,
+            recompute_module=d.recompute_module,
+        )
+        for fam, d in decisions.items()
+    }
 
 
 def _one_size(
@@ -137,6 +149,7 @@ def _one_size(
     repeats: int,
     hw: HardwareModel,
     baseline: ModuleType | None,
+    sim_baseline: ModuleType | None,
 ) -> dict[str, Any]:
     layers = max(1, records // 12)
     t = time.perf_counter()
@@ -154,7 +167,7 @@ def _one_size(
     }
     for share in shares:
         budget = _BASE_BYTES + int(share * saved)
-        row = _one_budget(trace, budget, share, repeats, hw, baseline)
+        row = _one_budget(trace, budget, share, repeats, hw, baseline, sim_baseline)
         out["budgets"].append(row)
         print(
             f"{len(trace.records):>7} records, budget base + {share:.0%}: plan (model) "
@@ -176,6 +189,7 @@ def _one_budget(
     repeats: int,
     hw: HardwareModel,
     baseline: ModuleType | None,
+    sim_baseline: ModuleType | None,
 ) -> dict[str, Any]:
     kw: dict[str, Any] = {"min_offload_bytes": 0}
 
@@ -215,7 +229,24 @@ def _one_budget(
         row["plan_default_simulations"] = default.metadata["simulations"]
         decisions = chosen.decisions()
         sim = simulate(trace, hw, decisions)
-        row["simulate"] = _summary(_times_fresh(lambda t: simulate(t, hw, decisions), trace, slow))
+        if sim_baseline is None:
+            row["simulate"] = _summary(
+                _times_fresh(lambda t: simulate(t, hw, decisions), trace, slow)
+            )
+        else:  # the simulator at the baseline revision, run by run in ABBA order, first calls
+            old_decisions = _old_decisions(sim_baseline, decisions)
+            new_sim, old_sim = _alternating(
+                lambda t: simulate(t, hw, decisions),
+                lambda t: sim_baseline.simulate(t, hw, old_decisions),
+                slow,
+                trace,
+            )
+            row["simulate"], row["baseline_simulate"] = _summary(new_sim), _summary(old_sim)
+            before = sim_baseline.simulate(dataclasses.replace(trace), hw, old_decisions)
+            row["baseline_simulate_agrees"] = (before.peak_bytes, before.step_s) == (
+                sim.peak_bytes,
+                sim.step_s,
+            )
         row["simulate_again"] = _summary(_times(lambda: simulate(trace, hw, decisions), slow))
         row["simulated_step_s"] = sim.step_s
         row["simulated_peak_bytes"] = sim.peak_bytes
@@ -242,9 +273,11 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         "| records | events | budget | plan (model) ms | "
         + (f"plan at {base} ms | " if base else "")
-        + "plan (default) ms | simulate() ms | simulate() again ms | predicted step / keep-all | "
-        "recomputed blocks | offloaded families |",
-        "|---|---|---|---|" + ("---|" if base else "") + "---|---|---|---|---|---|",
+        + "plan (default) ms | simulate() ms | "
+        + (f"simulate() at {base} ms | " if base else "")
+        + "simulate() again ms | predicted step / keep-all | recomputed blocks | "
+        "offloaded families |",
+        "|---|---|---|---|" + ("---|---|" if base else "") + "---|---|---|---|---|---|",
     ]
 
     def ms(d: dict[str, Any] | None) -> str:
@@ -259,7 +292,8 @@ def _markdown(result: dict[str, Any]) -> str:
                 f"{ms(row['plan_model'])} | "
                 + (f"{ms(row.get('baseline_plan'))} | " if base else "")
                 + f"{ms(row.get('plan_default'))} | {ms(row.get('simulate'))} | "
-                f"{ms(row.get('simulate_again'))} | "
+                + (f"{ms(row.get('baseline_simulate'))} | " if base else "")
+                + f"{ms(row.get('simulate_again'))} | "
                 f"{row['predicted_step_s'] / row['keep_all_step_s']:.4f} | "
                 f"{row['recomputed_blocks']} | {row['offloaded_families']} |"
             )
@@ -275,7 +309,20 @@ def _markdown(result: dict[str, Any]) -> str:
     if base:
         lines.append(
             f"plan at {base}: the planner as committed at `{base}`, `simulate_records=0`, same "
-            "traces and process, its runs alternating with plan (model)'s (ABBA order)."
+            "traces and process, its runs alternating with plan (model)'s (ABBA order). "
+            f"simulate() at {base}: the simulator as committed there, first calls on new copies "
+            "of the trace, alternating with simulate()'s (ABBA; it reads the trace through "
+            "today's Trace, which keeps what it derives, so the family list that simulator built "
+            "twice per call it now builds once: the figure flatters it slightly); "
+            + (
+                "its predictions equal this one's at every size and budget."
+                if all(
+                    row.get("baseline_simulate_agrees", True)
+                    for size in result["sizes"]
+                    for row in size["budgets"]
+                )
+                else "its predictions DIFFER from this one's (see plan.json)."
+            )
         )
     target = [
         row["plan_model"]["median_s"]
@@ -301,8 +348,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     hw = HardwareModel.h200()
     baseline = _baseline(args.baseline_rev) if args.baseline_rev else None
+    sim_baseline = _baseline(args.baseline_rev, "_simulate") if args.baseline_rev else None
     load_before = os.getloadavg()
-    sizes = [_one_size(n, args.budgets, args.repeats, hw, baseline) for n in args.records]
+    sizes = [
+        _one_size(n, args.budgets, args.repeats, hw, baseline, sim_baseline) for n in args.records
+    ]
     result = {
         "benchmark": "bench_plan",
         "machine": _cpu(),
