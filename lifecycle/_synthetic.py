@@ -100,12 +100,13 @@ def transformer_trace(
 
     # Family slots: 0 x, 1 ln1 out, 2 qkv out (q, k, v views), 3 attn out, 4 x2, 5 ln2 out, then
     # the MLP's, and the log-sum-exp (attn.core's own family) last.
+    lse_slot = 8 if mlp == "gelu" else 10
     attention = (
         _Op("ln1", ((0, act, -1),), pointwise(2 * act)),
         _Op("attn.qkv", ((1, act, 0),), mm(hidden, 3 * hidden)),
         _Op(
             "attn.core",
-            ((2, act, -1), (2, act, -1), (2, act, -1), (3, act, -1), (-1, lse, -1)),
+            ((2, act, -1), (2, act, -1), (2, act, -1), (3, act, -1), (lse_slot, lse, -1)),
             4.0 * tokens * seq * hidden / flops_per_s,
         ),
         _Op("attn.proj", ((3, act, -1),), mm(hidden, hidden)),
@@ -131,16 +132,9 @@ def transformer_trace(
             _Op("mlp.down", ((9, inner, -1),), mm(ffn, hidden)),
         )
         slot_bytes.update({6: inner, 7: inner, 8: inner, 9: inner})
-    lse_slot = len(slot_bytes)
     slot_bytes[lse_slot] = lse
-    ops = tuple(
-        _Op(
-            op.name,
-            tuple((lse_slot if sl < 0 else sl, b, r) for sl, b, r in op.saves),
-            op.forward_s,
-        )
-        for op in (*attention, *mlp_ops)
-    )
+    assert lse_slot == len(slot_bytes) - 1  # family ids are layer * slots + slot
+    ops = (*attention, *mlp_ops)
     return _build(layers, ops, slot_bytes, base_bytes)
 
 
