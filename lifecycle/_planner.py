@@ -2,10 +2,11 @@
 
 NOTE [ Planner ]
     The planner searches a small, structured space and scores points with a closed-form model of
-    the step (below): 0.8-1.1 s for 100k records on a slow 2-core VM, most of it reading the
-    trace's objects and building the plan's (benchmarks/bench_plan.py). When the trace is small
-    enough (``simulate_records``) the chosen plan is then replayed by the discrete-event
-    simulator (:func:`lifecycle.simulate`), whose peak the plan reports.
+    the step (below): 0.7-1.3 s for 100k records on a slow 2-core VM (its speed moves that much
+    from one run to the next), most of it reading the trace's objects and building the plan's
+    (benchmarks/bench_plan.py). When the trace is small enough (``simulate_records``) the chosen
+    plan is then replayed by the discrete-event simulator (:func:`lifecycle.simulate`), whose
+    peak the plan reports.
 
     The space. Following "The physics" in DESIGN.md, a point is (m, lead, k):
       * ``m``: how many blocks (a transformer's layers: see :func:`_blocks`) run under
@@ -112,7 +113,6 @@ import itertools
 import math
 import operator
 import time
-from collections import deque
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -1455,32 +1455,24 @@ class _Model:
         return tuple(entries)
 
     def _family_keys(self, positions: np.ndarray) -> list[tuple[Key, ...]]:
-        """Record keys of the families at ``positions`` (ascending), in pack order."""
+        """Record keys of the families at ``positions``, in pack order."""
         v = self.v
         keys = v.keys
-        out: list[tuple[Key, ...]] = list(
-            zip(map(keys.__getitem__, v.first_rec[positions].tolist()))
-        )
-        # Families of several records (views of one storage): their records, grouped, for the
-        # families asked for, a group size at a time (the tuples built in C).
-        pos = v.record_pos
-        members = np.bincount(pos, minlength=len(v.fid))
-        wanted = np.zeros(len(v.fid), bool)
-        wanted[positions] = True
-        shared = np.flatnonzero((members[pos] > 1) & wanted[pos])
-        if not len(shared):
-            return out
-        grouped = shared[np.argsort(pos[shared], kind="stable")]  # records, family by family
-        owners = pos[grouped]
-        starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
-        sizes = np.diff(np.r_[starts, len(grouped)])
-        slot = np.searchsorted(positions, owners[starts])  # each family's place in ``out``
-        for size in np.unique(sizes).tolist():
-            first = starts[sizes == size]
-            columns = [map(keys.__getitem__, grouped[first + j].tolist()) for j in range(size)]
-            tuples = zip(*columns, strict=True)
-            deque(map(out.__setitem__, slot[sizes == size].tolist(), tuples), maxlen=0)
-        return out
+        out: list[tuple[Key, ...]] = list(zip(map(keys.__getitem__, v.first_rec.tolist())))
+        # Families of several records (views of one storage): their records, grouped.
+        members = np.bincount(v.record_pos, minlength=len(out))
+        shared = np.flatnonzero(members[v.record_pos] > 1)
+        if len(shared):
+            grouped = shared[np.argsort(v.record_pos[shared], kind="stable")]
+            owners = v.record_pos[grouped]
+            starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+            stops = np.r_[starts[1:], len(grouped)]
+            ordered = list(map(keys.__getitem__, grouped.tolist()))
+            for pos, lo, hi in zip(
+                owners[starts].tolist(), starts.tolist(), stops.tolist(), strict=True
+            ):
+                out[pos] = tuple(ordered[lo:hi])
+        return list(map(out.__getitem__, positions.tolist()))
 
     def _triggers(self, local_events: np.ndarray) -> dict[int, Trigger]:
         """The executor's name for each of ``local_events`` (backward starts and unpacks)."""
