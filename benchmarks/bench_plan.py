@@ -72,37 +72,28 @@ def _cpu() -> dict[str, Any]:
     }
 
 
-def _times(fn: Callable[[], Any], repeats: int) -> list[float]:
+def _times(fn: Callable[..., Any], repeats: int, trace: Trace | None = None) -> list[float]:
+    """Times of ``repeats`` calls of ``fn``; with ``trace``, each call gets a new copy of it,
+    made untimed: a trace keeps facts it derived for the simulator (``Trace._derived``), so a
+    first call on a trace pays for them and later ones do not. Those are first calls."""
     out = []
     for _ in range(repeats):
+        args = () if trace is None else (dataclasses.replace(trace),)
         t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
-
-
-def _times_fresh(fn: Callable[[Trace], Any], trace: Trace, repeats: int) -> list[float]:
-    """Times of ``fn`` on a new copy of ``trace`` each (made untimed): a trace keeps facts it
-    derived for the simulator (``Trace._derived``), so a first call on a trace pays for them and
-    later ones do not. These are first calls."""
-    out = []
-    for _ in range(repeats):
-        fresh = dataclasses.replace(trace)
-        t = time.perf_counter()
-        fn(fresh)
+        fn(*args)
         out.append(time.perf_counter() - t)
     return out
 
 
 def _alternating(
-    a: Callable[[], Any], b: Callable[[], Any], repeats: int, trace: Trace | None = None
+    a: Callable[..., Any], b: Callable[..., Any], repeats: int, trace: Trace | None = None
 ) -> tuple[list[float], list[float]]:
-    """Times of ``a`` and ``b``, ``repeats`` each, alternating in ABBA order; with ``trace``,
-    each call gets a new copy of it (as :func:`_times_fresh`)."""
+    """Times of ``a`` and ``b`` (as :func:`_times`), ``repeats`` each, alternating in ABBA
+    order."""
     out: dict[Callable[..., Any], list[float]] = {a: [], b: []}
     for i in range(repeats):
         for fn in (a, b) if i % 2 == 0 else (b, a):
-            out[fn].extend(_times(fn, 1) if trace is None else _times_fresh(fn, trace, 1))
+            out[fn].extend(_times(fn, 1, trace))
     return out[a], out[b]
 
 
@@ -223,16 +214,14 @@ def _one_budget(
         slow = max(1, min(repeats, 3 if n > 2000 else repeats))
         default = lifecycle.plan(trace, budget, hw, **kw)
         row["plan_default"] = _summary(
-            _times_fresh(lambda t: lifecycle.plan(t, budget, hw, **kw), trace, slow)
+            _times(lambda t: lifecycle.plan(t, budget, hw, **kw), slow, trace)
         )
         row["plan_default_source"] = default.prediction_source
         row["plan_default_simulations"] = default.metadata["simulations"]
         decisions = chosen.decisions()
         sim = simulate(trace, hw, decisions)
         if sim_baseline is None:
-            row["simulate"] = _summary(
-                _times_fresh(lambda t: simulate(t, hw, decisions), trace, slow)
-            )
+            row["simulate"] = _summary(_times(lambda t: simulate(t, hw, decisions), slow, trace))
         else:  # the simulator at the baseline revision, run by run in ABBA order, first calls
             old_decisions = _old_decisions(sim_baseline, decisions)
             new_sim, old_sim = _alternating(
