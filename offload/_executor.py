@@ -341,41 +341,46 @@ class Executor:
         tiers = self.tiers
         if prefer is not None and prefer != tiers[0].name:
             tiers = sorted(tiers, key=lambda t: t.name != prefer)
-        for i, tier in enumerate(tiers):
-            if tier.name == "host" and self.host_bytes + n > self.cpu_budget_bytes:
-                last_error = storage.StorageFullError(
-                    f"cpu_budget of {self.cpu_budget_bytes} bytes is used up "
-                    f"({self.host_bytes} held); {n} more needed",
-                    bytes_needed=n,
-                )
-                continue
-            try:
-                if region is not None and tier.name == "host":
-                    handle = tier.write(region, n)  # adopts the region; D orders the reads
-                elif region is not None:
-                    # The I/O threads wait for D before reading the staging region, which stays
-                    # the record's copy until the file write completed (see _poll_writes).
-                    handle = tier.write(region, n, after=event)
-                    fam.spill = region
-                else:
-                    handle = tier.write(source)
-            except storage.StorageFullError as e:
-                last_error = e
-                continue
-            if i > 0 or last_error is not None:
-                step.stats.fallbacks += 1
-            break
-        else:
-            if region is not None:
-                # Rule 4: the D2H copy into the region may still be running.
-                assert event is not None
-                event.synchronize()
-                region.release()
-            assert last_error is not None
-            raise from_storage(
-                last_error,
-                f"no allowed tier ({', '.join(t.name for t in self.tiers)}) has room for {n} bytes",
-            ) from last_error
+        try:
+            for i, tier in enumerate(tiers):
+                if tier.name == "host" and self.host_bytes + n > self.cpu_budget_bytes:
+                    last_error = storage.StorageFullError(
+                        f"cpu_budget of {self.cpu_budget_bytes} bytes is used up "
+                        f"({self.host_bytes} held); {n} more needed",
+                        bytes_needed=n,
+                    )
+                    continue
+                try:
+                    if region is not None and tier.name == "host":
+                        handle = tier.write(region, n)  # adopts the region; D orders the reads
+                    elif region is not None:
+                        # The I/O threads wait for D before reading the staging region, which stays
+                        # the record's copy until the file write completed (see _poll_writes).
+                        handle = tier.write(region, n, after=event)
+                        fam.spill = region
+                    else:
+                        handle = tier.write(source)
+                except storage.StorageError as e:  # full, or an I/O error: the next tier
+                    last_error = e
+                    continue
+                if i > 0 or last_error is not None:
+                    step.stats.fallbacks += 1
+                break
+            else:
+                if region is not None:
+                    # Rule 4: the D2H copy into the region may still be running.
+                    assert event is not None
+                    event.synchronize()
+                    region.release()
+                assert last_error is not None
+                raise from_storage(
+                    last_error,
+                    f"no allowed tier ({', '.join(t.name for t in self.tiers)}) has room for {n} bytes",
+                ) from last_error
+        finally:
+            # A caught error's traceback holds this frame: dropping it here breaks the cycle that
+            # kept the frame's tensors (the saved one, its region) alive until a GC pass.
+            last_error = None
         fam.tier, fam.handle = tier, handle
         fam.source, fam.source_event = source, event
         fam.to(Life.COPYING_OUT)

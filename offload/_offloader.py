@@ -247,7 +247,8 @@ class ActivationOffloader:
         self._profiling: str | None = None  # signature being profiled in the current step
         self._last_signature: str | None = None
         self._active: ActivePlan | None = None
-        self._recompute: dict[str, tuple[nn.Module, RecomputeForward]] = {}
+        # Module name -> (module, its RecomputeForward), both weakly.
+        self._recompute: dict[str, tuple[weakref.ref[nn.Module], weakref.ref[Any]]] = {}
         # Per step: calls per module and packs outside any module (record keys), and the
         # profiler's numbers of packs returned as plain tensors.
         self._calls: dict[str, int] = {}
@@ -292,7 +293,7 @@ class ActivationOffloader:
         # Closed on garbage collection and at exit too; the finalizer holds only the resources.
         self._resources: list[Any] = []
         self._finalizer = weakref.finalize(
-            self, _close_resources, self._module_handles, self._resources
+            self, _close_resources, self._module_handles, self._resources, self._recompute
         )
 
     # -- public --------------------------------------------------------------------------------
@@ -797,13 +798,11 @@ class ActivationOffloader:
                 continue
             wrapper = RecomputeForward(self, name, mod.forward)
             mod.forward = wrapper  # type: ignore[method-assign]
-            self._recompute[name] = (mod, wrapper)
+            # Weakly (the finalizer holds this dict): the model's lifetime is its owner's.
+            self._recompute[name] = (weakref.ref(mod), weakref.ref(wrapper))
 
     def _uninstall_recompute(self) -> None:
-        for mod, wrapper in self._recompute.values():
-            if mod.__dict__.get("forward") is wrapper:
-                del mod.forward
-        self._recompute.clear()
+        _uninstall_forwards(self._recompute)
 
     def _recompute_this(self, name: str) -> tuple[str, int] | None:
         """Called by a RecomputeForward: the (module, call) to checkpoint now, or None."""
@@ -1209,15 +1208,19 @@ def _add_note(exc: BaseException, note: str) -> None:
         add(note)
 
 
+# The module hooks hold their manager weakly: the model outlives a manager dropped without
+# close(), whose finalizer must still run (the hooks are removed then).
+
+
 class _ForwardPre:
     __slots__ = ("kept", "mgr", "name")
 
     def __init__(self, mgr: ActivationOffloader, name: str, kept: bool) -> None:
-        self.mgr, self.name, self.kept = mgr, name, kept
+        self.mgr, self.name, self.kept = weakref.ref(mgr), name, kept
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        mgr = self.mgr
-        if not mgr._in_step:
+        mgr = self.mgr()
+        if mgr is None or not mgr._in_step:
             return
         # Calls are numbered as lifecycle.Recorder numbers them: every call of the step.
         call = mgr._calls.get(self.name, 0)
@@ -1250,11 +1253,11 @@ class _ForwardPost:
     __slots__ = ("mgr",)
 
     def __init__(self, mgr: ActivationOffloader) -> None:
-        self.mgr = mgr
+        self.mgr = weakref.ref(mgr)
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        mgr = self.mgr
-        if not mgr._in_step or mgr._paused or not mgr._stack:
+        mgr = self.mgr()
+        if mgr is None or not mgr._in_step or mgr._paused or not mgr._stack:
             return
         name, _, own, call, _ = mgr._stack.pop()
         mgr._norms.note(module, output)
@@ -1362,13 +1365,23 @@ class _StepEnd:
                 )
 
 
-def _close_resources(handles: list[Any], resources: list[Any]) -> None:
+def _close_resources(handles: list[Any], resources: list[Any], recompute: dict[str, Any]) -> None:
     for h in handles:
         with contextlib.suppress(Exception):
             h.remove()
     for r in resources:  # the executor first, then the tiers
         with contextlib.suppress(Exception):
             r.close()
+    _uninstall_forwards(recompute)
+
+
+def _uninstall_forwards(installed: dict[str, tuple[weakref.ref[Any], weakref.ref[Any]]]) -> None:
+    """Give modules their own forward back where a RecomputeForward still stands in for it."""
+    for mod_ref, wrapper_ref in installed.values():
+        mod, wrapper = mod_ref(), wrapper_ref()
+        if mod is not None and wrapper is not None and mod.__dict__.get("forward") is wrapper:
+            del mod.forward
+    installed.clear()
 
 
 _cache: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], ActivationOffloader]] = (

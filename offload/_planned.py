@@ -57,6 +57,7 @@ import functools
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -224,11 +225,13 @@ class RecomputeForward:
     calls run under non-reentrant ``torch.utils.checkpoint``; others run as they are."""
 
     def __init__(self, mgr: Any, name: str, forward: Callable[..., Any]) -> None:
-        self.mgr, self.name, self.forward = mgr, name, forward
+        # The manager weakly: the module outlives a manager dropped without close().
+        self.mgr, self.name, self.forward = weakref.ref(mgr), name, forward
         functools.update_wrapper(self, forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = self.mgr._recompute_this(self.name)
+        mgr = self.mgr()
+        call = None if mgr is None else mgr._recompute_this(self.name)
         if call is None:
             return self.forward(*args, **kwargs)
         return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)

@@ -72,7 +72,13 @@ class Transfer:
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the transfer keeps running).
         """
-        self._future.result(timeout)
+        try:
+            self._future.result(timeout)
+        finally:
+            # A raised error's traceback holds this frame, which holds this transfer, whose future
+            # holds the error: a cycle that would keep whatever the callers' frames hold (saved
+            # tensors, host regions) alive until a GC pass. (concurrent.futures does the same.)
+            del self
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until it finished; return its error instead of raising it (``None`` on success)."""
@@ -236,7 +242,8 @@ def gather(futures: Sequence[Future[Any]]) -> Future[Any]:
     if not futures:
         out.set_result(None)
         return out
-    remaining = [len(futures)]
+    pending = list(futures)  # emptied when the last one finishes (see below)
+    remaining = [len(pending)]
     lock = threading.Lock()
 
     def one_done(_: Future[Any]) -> None:
@@ -244,13 +251,17 @@ def gather(futures: Sequence[Future[Any]]) -> Future[Any]:
             remaining[0] -= 1
             last = remaining[0] == 0
         if last:
-            error = next((f.exception() for f in futures if f.exception() is not None), None)
+            error = next((f.exception() for f in pending if f.exception() is not None), None)
+            # Each future holds this callback, which held them all: a cycle that kept a failed
+            # piece's error, and the frames its traceback holds (host regions, saved tensors),
+            # alive until a GC pass.
+            pending.clear()
             if error is None:
                 out.set_result(None)
             else:
                 out.set_exception(error)
 
-    for f in futures:
+    for f in list(pending):
         f.add_done_callback(one_done)
     return out
 

@@ -4,9 +4,12 @@ bitwise equal to a run without offloading (CPU tensors as the device, real files
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import math
+import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -181,6 +184,43 @@ def test_recompute_under_a_slow_link_is_bitwise_and_restores_forward() -> None:
     mgr.close()
     # close() gives the modules their own forward back.
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("steps", [1, 2], ids=["profiled", "planned"])
+def test_a_dropped_manager_is_closed_by_the_garbage_collector_while_its_model_lives(
+    steps: int,
+) -> None:
+    """DESIGN: close() also runs on garbage collection. The model's hooks and the forwards a plan
+    recomputes must not keep a manager the user dropped alive (with its tiers, pool share and
+    threads): the model often outlives it (a new manager per epoch or per budget)."""
+    model, x, want = _blocks_case()
+    trace = offload.profile(lambda: model(x).pow(2).sum().backward(), model, warmup_steps=0)
+    hooks = (len(model.blocks[0]._forward_pre_hooks), len(model.blocks[0]._forward_hooks))
+    threads = threading.active_count()
+    refs = []
+    for _ in range(2):
+        mgr = offload.ActivationOffloader(
+            model, gpu_budget=trace.peak_saved_bytes // 2, hardware=SLOW, min_offload_bytes=0
+        )
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            with mgr:
+                loss = model(x).pow(2).sum()
+            loss.backward()
+        if steps == 2:
+            assert mgr.plan is not None and mgr.plan.recompute_calls
+        refs.append(weakref.ref(mgr))
+        del mgr, loss
+        gc.collect()
+    assert [r() for r in refs] == [None, None]
+    # Collected means closed: hooks removed, forwards given back, threads ended.
+    assert (len(model.blocks[0]._forward_pre_hooks), len(model.blocks[0]._forward_hooks)) == hooks
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert threading.active_count() <= threads
+    model.zero_grad(set_to_none=True)
+    model(x).pow(2).sum().backward()
+    for g, w in zip((p.grad for p in model.parameters()), want, strict=True):
+        assert torch.equal(g, w)
 
 
 def test_recomputed_blocks_drop_their_saved_tensors() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import stat
@@ -221,6 +222,72 @@ def test_real_enospc_falls_back_to_cpu(tmp_path) -> None:
             mgr.close()
     finally:
         os.system(f"umount {mnt}")
+
+
+@contextlib.contextmanager
+def gc_off():
+    """The cyclic GC held off: what a step leaves behind must go by reference counting alone
+    (a reference cycle would hold its tensors and host bytes until some later GC pass)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _failing(errno_: int):
+    """A replacement for a SpillFile method that fails like the disk would (fault injection: a
+    real EIO needs a failing device)."""
+
+    def fail(*args, **kwargs):
+        raise OSError(errno_, os.strerror(errno_))
+
+    return fail
+
+
+def test_an_io_error_writing_falls_back_and_frees_at_once(tmp_path, monkeypatch) -> None:
+    """DESIGN: on ENOSPC or EIO a record goes to the next tier. An EIO growing the spill file
+    (raised by the write itself) sends it on; the step stays bitwise, and what it stored is
+    freed when its graph goes, without a GC pass."""
+    want = ALL_MODELS["gpt_block"](seed=0)
+    want.step()
+    case = gpt_block(seed=0)
+    monkeypatch.setattr(storage._file.SpillFile, "grow", _failing(errno.EIO))
+    mgr = offload.ActivationOffloader(
+        case.model, min_offload_bytes=0, tiers=("nvme", "cpu"), nvme_dir=tmp_path
+    )
+    try:
+        with gc_off():
+            step(case, mgr)
+            last = mgr.stats.last
+            assert last.fallbacks > 0 and last.bytes_offloaded_cpu > 0
+            assert last.bytes_offloaded_nvme == 0
+            assert mgr._executor.live_families() == 0 and mgr._executor.host_bytes == 0
+        for k, g in want.grads().items():
+            assert torch.equal(case.grads()[k], g), k
+    finally:
+        mgr.close()
+
+
+def test_an_io_error_reading_raises_and_frees_at_once(tmp_path, monkeypatch) -> None:
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model, min_offload_bytes=0, tiers=("nvme",), nvme_dir=tmp_path
+    )
+    try:
+        with gc_off():
+            with mgr:
+                loss = case.loss(case.batch())
+            monkeypatch.setattr(storage._file.SpillFile, "read_into", _failing(errno.EIO))
+            with pytest.raises(offload.StorageError) as info:
+                loss.backward()
+            assert info.value.errno == errno.EIO
+            del info, loss
+            assert mgr._executor.live_families() == 0
+            assert mgr._tiers[0].used_bytes == 0
+    finally:
+        mgr.close()
 
 
 def test_steady_state_no_growth(tmp_path) -> None:
