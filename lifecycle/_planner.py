@@ -465,7 +465,10 @@ class _Step:
         act = ~self.param
         live = _diff(n, self.fp[act], self.end[act] + 1, self.nbytes[act])
         rest = np.maximum(0.0, mem - self.base - live)
-        self.blocks = _blocks(codes, self.t, events)
+        # A block holding a module whose forward updates running statistics (BatchNorm in
+        # training) is never recomputed: running its forward again would update them twice.
+        stateful = trace.metadata.get("stateful_modules") or ()
+        self.blocks = _blocks(codes, self.t, events).without(stateful)
         # See NOTE [ Planner ]: memory is tracked over frames of consecutive events.
         nf = min(n, _MAX_FRAMES)
         self.n_frames = nf
@@ -621,6 +624,24 @@ class _Blocks:
 
     def __len__(self) -> int:
         return len(self.module)
+
+    def without(self, modules: Iterable[str]) -> _Blocks:
+        """These blocks less those that are, or hold, one of ``modules`` (module paths)."""
+        modules = list(modules)
+        if not modules:
+            return self
+        keep = [
+            not any(p == "" or m == p or m.startswith(p + ".") for m in modules)
+            for p in self.module
+        ]
+        mask = np.asarray(keep, bool)
+        return _Blocks(
+            list(itertools.compress(self.module, keep)),
+            list(itertools.compress(self.call_index, keep)),
+            self.start[mask],
+            self.end[mask],
+            list(itertools.compress(self.duration_s, keep)),
+        )
 
     @classmethod
     def of(cls, spans: Sequence[tuple[str, int, int, int, float]]) -> _Blocks:

@@ -6,12 +6,15 @@ on the outputs' ``grad_fn``, backward spans. Time and memory come from an inject
 memory probe, so this module makes no CUDA call.
 
 NOTE [ Alias families ]
-    A family is one live storage at one version: it is keyed on the storage's Python object (held
-    weakly) plus ``t._version``, never on ``data_ptr()``. Once a saved tensor dies, the allocator
-    hands its address to the next tensor of the step, so an address key would merge unrelated
-    tensors. ``t.untyped_storage()`` returns the same Python object for every view of a storage for
-    as long as the storage lives, so ``id()`` of a live one is a unique key; the weak reference
-    tells us whether it is still that storage.
+    A family is one live storage at one version of one version counter: it is keyed on the
+    storage's Python object and on the tensor whose counter the saved one uses (its view base,
+    else itself: ``version_root``), both held weakly, plus ``t._version``; never on
+    ``data_ptr()``. Pieces of one storage made by ``unsafe_chunk``, as GRU cells make them, count
+    versions apart: equal versions there are no evidence of equal bytes. Once a saved tensor
+    dies, the allocator hands its address to the next tensor of the step, so an address key would
+    merge unrelated tensors. ``t.untyped_storage()`` returns the same Python object for every view
+    of a storage for as long as the storage lives, so ``id()`` of a live one is a unique key; the
+    weak reference tells us whether it is still that storage.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._tensors import (
@@ -37,7 +41,9 @@ from lifecycle._tensors import (
     activation_output,
     local_tensor,
     named_modules_stop_at_compiled,
+    parameter_cast,
     tensors_in,
+    version_root,
 )
 from lifecycle._trace import Event, EventKind, TensorRecord, Trace
 
@@ -184,9 +190,10 @@ class Recorder:
         # id(detached tensor handed to autograd) -> record seq; see NOTE [ Recorder allocations ].
         self._seq_of: dict[int, int] = {}
         self._norms = NormOutputs()  # norm outputs and their arguments, from module hooks
-        # (id(storage), version) -> weak storage, and -> (family id, storage bytes).
-        self._family_ref: dict[tuple[int, int], weakref.ref] = {}
-        self._family_info: dict[tuple[int, int], tuple[int, int]] = {}
+        # (id(storage), id(version root), version) -> weak storage and root, and -> (family id,
+        # storage bytes).
+        self._family_ref: dict[tuple[int, int, int], tuple[weakref.ref, weakref.ref]] = {}
+        self._family_info: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._next_family = 0
         self._stack: list[_Call] = []
         self._call_counts: dict[str, int] = {}
@@ -198,6 +205,9 @@ class Recorder:
         self._roots: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
         self._on_step_end: list[Callable[[int, bool], None]] = []
         self._step_first = (0, 0)
+        # Modules whose forward updated running statistics in a recorded step (BatchNorm in
+        # training): the trace names them, so that no plan recomputes them.
+        self._stateful: set[str] = set()
 
     # -- public control ----------------------------------------------------------------------
 
@@ -407,6 +417,8 @@ class Recorder:
                 if self._probe is None
                 else getattr(self._probe, "__name__", "custom"),
             }
+            if self._stateful:
+                meta["stateful_modules"] = sorted(self._stateful)
             meta.update(metadata or {})
             trace = Trace(
                 records=tuple(records), events=tuple(events), steps=self._steps_done, metadata=meta
@@ -452,6 +464,8 @@ class Recorder:
         if not self._recording:
             return
         name = self._names.get(module, type(module).__name__)
+        if isinstance(module, _NormBase) and module.training and module.track_running_stats:
+            self._stateful.add(name)
         with self._lock:
             idx = self._call_counts.get(name, 0)
             self._call_counts[name] = idx + 1
@@ -533,11 +547,15 @@ class Recorder:
             self._seq_of.pop(id(d), None)
             return d
         parent = -1
+        cast = False
         out = t._base if t._base is not None else t  # Linear on 3-D input saves a 2-D view
         fn = out.grad_fn
         if fn is not None and type(fn).__name__ in _LINKABLE:  # a cheap first filter
-            parent = self._parent_of(t)
-        self._seq_of[id(d)] = self._record(t, rebuild_from=parent)
+            # An autocast weight cast is made again from its parameter, never stored: as offload
+            # records it (NOTE [ Weight casts ] there), so offline plans see the same step.
+            cast = parameter_cast(t, self._params) is not None
+            parent = -1 if cast else self._parent_of(t)
+        self._seq_of[id(d)] = self._record(t, parameter=cast, rebuild_from=parent)
         return d
 
     def _parent_of(self, t: torch.Tensor) -> int:
@@ -569,11 +587,12 @@ class Recorder:
         fn = t.grad_fn
         is_param = parameter or self._params.holds(local, storage)
         # See NOTE [ Alias families ].
-        key = (sid, version)
-        ref = self._family_ref.get(key)
-        if ref is None or ref() is not storage:
-            # Two dicts, so that only the weak reference stays tracked by the GC.
-            self._family_ref[key] = weakref.ref(storage)
+        root = version_root(local)
+        key = (sid, id(root), version)
+        refs = self._family_ref.get(key)
+        if refs is None or refs[0]() is not storage or refs[1]() is not root:
+            # Two dicts, so that only the weak references stay tracked by the GC.
+            self._family_ref[key] = (weakref.ref(storage), weakref.ref(root))
             fam = self._family_info[key] = (self._next_family, storage.nbytes())
             self._next_family += 1
         else:

@@ -22,6 +22,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def version_root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter ``t`` uses: its base when ``t`` is a view, else ``t``.
+
+    Saved tensors with the same root share one version counter, so equal ``_version`` means equal
+    bytes. Tensors that share a storage without a common root count their in-place changes
+    apart: ``unsafe_chunk`` / ``unsafe_split`` outputs (GRU cells make them, then change each in
+    place) reach equal versions holding different bytes. (``detach()`` shares its source's counter
+    without being a view: such pairs count as apart, which costs a copy, never a wrong byte.)
+    """
+    base = t._base if t._is_view() else None
+    return t if base is None else base
+
+
 def is_parameter(t: torch.Tensor) -> bool:
     """Whether ``t`` is an ``nn.Parameter`` (a subclass included)."""
     # ``isinstance(t, nn.Parameter)`` goes through a metaclass hook and a failed attribute lookup
@@ -259,3 +272,33 @@ def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Acti
     if packed is None:
         return None
     return Activation(kind, args, packed, out, saved)
+
+
+def parameter_cast(
+    t: torch.Tensor, params: ParameterStorages
+) -> tuple[nn.Parameter, torch.Tensor] | None:
+    """``(parameter, cast)`` when ``t`` is a dtype cast of one of ``params``' parameters, or a
+    view of one (a Linear under autocast saves its weight's cast, transposed), laid out as the
+    parameter is; else None. Such a cast can be made again from its parameter at unpack, so it
+    is no activation: ``offload`` never stores it (NOTE [ Weight casts ]) and the recorder
+    records it as a parameter."""
+    if type(t) is not torch.Tensor:
+        return None
+    cast = t._base if t._base is not None else t
+    fn = cast.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return None
+    nxt = fn.next_functions
+    acc = nxt[0][0] if nxt else None
+    param = getattr(acc, "variable", None)
+    if type(param) is not nn.Parameter or not params.registered(param):
+        return None
+    if (
+        cast.device != param.device
+        or cast.shape != param.shape
+        or cast.stride() != param.stride()
+        or cast.storage_offset() != 0
+        or cast.untyped_storage().nbytes() != cast.numel() * cast.element_size()
+    ):
+        return None
+    return param, cast

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import storage
+from lifecycle._tensors import version_root
 from offload._errors import OffloadError, from_storage
 from offload._family import (
     Family,
@@ -226,6 +227,9 @@ class Executor:
         ``tier``: the tier a plan chose (``"host"`` or ``"nvme"``), tried first; the others
         follow in their order (a fallback, counted). ``None``: the tiers in order.
         """
+        root = version_root(t)
+        view = root is not t
+        t = t.detach()  # what is copied, and the guard: not the graph (see NOTE [ Alias handling ])
         st = t.untyped_storage()
         version = t._version
         start, end = span_of(t)
@@ -238,6 +242,7 @@ class Executor:
                 # See NOTE [ Alias handling ].
                 if (
                     f.storage_ref() is st
+                    and f.root_ref() is root
                     and f.version == version
                     and f.covers(start, end)
                     and f.life is not Life.FREED
@@ -245,7 +250,7 @@ class Executor:
                     fam = f
                     break
             if fam is None:
-                fam = self._new_family(step, t, st, version, start, end, module, tier)
+                fam = self._new_family(step, t, st, root, view, version, start, end, module, tier)
             else:
                 step.stats.records_deduplicated += 1
             fam.members += 1
@@ -271,21 +276,25 @@ class Executor:
         step: _StepState,
         t: torch.Tensor,
         st: torch.UntypedStorage,
+        root: torch.Tensor,
+        view: bool,
         version: int,
         start: int,
         end: int,
         module: str,
         tier: str | None = None,
     ) -> Family:
-        # See NOTE [ Alias handling ]: a member spanning at least a quarter of its storage brings
+        # See NOTE [ Alias handling ]: a view spanning at least a quarter of its storage brings
         # the whole storage along, so sibling views packed later (q, k and v of one qkv output)
-        # find their bytes already stored; a small slice of a large storage copies only itself.
+        # find their bytes already stored; a small slice of a large storage copies only itself,
+        # and so does a tensor that is no view (its siblings count versions apart: none can join).
         whole = st.nbytes()
-        if whole <= _WHOLE_STORAGE_FACTOR * (end - start):
+        if view and whole <= _WHOLE_STORAGE_FACTOR * (end - start):
             start, end = 0, whole
         fam = Family(
             fid=self._next_fid,
             storage=st,
+            root=root,
             version=version,
             span_start=start,
             nbytes=end - start,
@@ -876,5 +885,8 @@ class Executor:
                     fam.spill = None
             self._writing.clear()
             self._writing_bytes = 0
+            # Copies out still in flight belong to families released above.
+            self._inflight.clear()
+            self._inflight_bytes = 0
             self._pending_free, self._pending_regions = [], []
             self.step = None

@@ -1,8 +1,13 @@
 """One alias family's life off the device: its state machine, its bytes, and how views come back.
 
 NOTE [ Alias handling ]
-    A family is one live storage at one version, keyed on the storage's Python object (held
-    weakly) plus ``t._version`` and never on ``data_ptr()``: once an offloaded tensor is freed, the
+    A family is one live storage at one version of one version counter, keyed on the storage's
+    Python object and the root tensor whose counter the member uses (its view base, else itself;
+    both held weakly) plus ``t._version``, and never on ``data_ptr()``. Versions of different
+    counters do not compare: GRU cells split one storage with ``unsafe_chunk`` (no views, a
+    counter each) and change the pieces in place, so sibling pieces reach equal versions holding
+    different bytes (matching on storage and version alone gave a wrong gradient). Never on
+    ``data_ptr()``: once an offloaded tensor is freed, the
     allocator hands its address to the next tensor of the step (keying on the address gave
     gradients off by 8.0). The family is copied once, from ``t.detach()`` taken inside pack (a
     later ``out.data = ...`` must not change what is copied): the whole storage when the first
@@ -74,6 +79,7 @@ class Family:
         "reload_started_s",
         "resident",
         "resident_ref",
+        "root_ref",
         "source",
         "source_event",
         "span_start",
@@ -92,6 +98,7 @@ class Family:
         *,
         fid: int,
         storage: torch.UntypedStorage,
+        root: torch.Tensor,
         version: int,
         span_start: int,
         nbytes: int,
@@ -103,6 +110,8 @@ class Family:
     ) -> None:
         self.fid = fid
         self.storage_ref = weakref.ref(storage)
+        # The tensor whose version counter ``version`` is read from (lifecycle.version_root).
+        self.root_ref = weakref.ref(root)
         self.version = version
         self.span_start = span_start  # byte offset of the copied span in the storage
         self.nbytes = nbytes  # bytes of the copied span

@@ -40,6 +40,7 @@ from offload._device import compute_device
 from offload._errors import OffloadError, from_infeasible
 from offload._executor import Executor, _Member
 from offload._family import span_of
+from offload._info import check_nvme_dir
 from offload._pipelining import PipelineAttachment, PipelineRound
 from offload._planned import (
     KEEP,
@@ -62,6 +63,8 @@ from offload._stats import OffloadStats, StepStats
 log = logging.getLogger("offload")
 
 _TIERS = ("cpu", "nvme")
+# Profiles of one signature cut short by overlapping steps before it runs in min-memory mode.
+_UNFINISHED_PROFILES = 2
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _autograd = torch._C._autograd
 _top_hooks = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
@@ -92,8 +95,13 @@ class OffloadConfig:
             raise ValueError(f"tiers: {self.tiers!r} names a tier twice")
         if "nvme" in self.tiers and self.nvme_dir is None:
             raise ValueError("nvme_dir is required when 'nvme' is in tiers")
-        if self.nvme_dir is not None and not os.path.isdir(self.nvme_dir):
-            raise ValueError(f"nvme_dir {self.nvme_dir!r} is not an existing directory")
+        if self.nvme_dir is not None:
+            check_nvme_dir(self.nvme_dir)  # NvmeDirError (a ValueError) says what is wrong
+        if self.tiers == ("cpu",) and self.cpu_budget_bytes == 0:
+            raise ValueError(
+                "cpu_budget 0 leaves the only tier, 'cpu', no room; give a positive cpu_budget, "
+                "None for the node-aware default, or add 'nvme' to tiers"
+            )
         if self.on_infeasible not in ("raise", "min_memory"):
             raise ValueError(
                 f"on_infeasible must be 'raise' or 'min_memory'; got {self.on_infeasible!r}"
@@ -147,15 +155,19 @@ class ActivationOffloader:
         tiers: where bytes may go, in spill and fallback order: ``("cpu",)``, ``("nvme",)``,
             ``("cpu", "nvme")``, ``("nvme", "cpu")``.
         cpu_budget: the most bytes this manager keeps in host memory (int or "8GiB"); ``None``
-            = half of the available RAM (cgroup aware) divided by the local ranks.
-        nvme_dir: an existing directory on a fast disk; required with ``"nvme"``. The manager
-            works in a private subdirectory (0700) with unlinked files (0600).
+            = half of the available RAM (cgroup aware) divided by the local ranks; 0 = none
+            (with ``"nvme"`` in ``tiers``: every record goes there). With ``"nvme"``, the pool
+            also holds pinned staging for NVMe copies (2 x ``max_inflight_bytes``) beyond it.
+        nvme_dir: an existing directory on a fast disk that this process can create files in
+            (checked here); required with ``"nvme"``. The manager works in a private
+            subdirectory (0700) with unlinked files (0600).
         min_offload_bytes: smaller saved tensors stay where they are.
         plan: a :class:`Plan` (or a path to one) to use instead of profiling: for its signature,
             or for the first signature met when it has none. Its budget is the default
             ``gpu_budget``.
-        hardware: the :class:`HardwareModel` (or a path to one) to plan with; ``None``: measure
-            this machine once with :func:`offload.probe_hardware` (cached on disk).
+        hardware: the :class:`HardwareModel` (or a path to one, read here) to plan with;
+            ``None``: measure this machine once with :func:`offload.probe_hardware` (cached on
+            disk).
         keep: module names (as in ``named_modules()``) or ``nn.Module`` types whose saved
             tensors never move.
         max_inflight_bytes: bound on copies out in flight and on the reload look-ahead; ``None``
@@ -207,11 +219,21 @@ class ActivationOffloader:
             )
         if isinstance(tiers, str):
             tiers = (tiers,)
+        if not isinstance(tiers, Iterable):
+            raise TypeError(
+                f"tiers must be 'cpu', 'nvme' or a sequence of them; got {type(tiers).__name__}"
+            )
+        if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
+            raise TypeError(
+                f"nvme_dir must be a directory path (str or os.PathLike) or None; got "
+                f"{type(nvme_dir).__name__}"
+            )
         keep_names, keep_types = _keep_arg(keep)
         self.config = OffloadConfig(
             tiers=tuple(tiers),
-            cpu_budget_bytes=_bytes_arg("cpu_budget", cpu_budget, 0)
-            or storage.default_cpu_budget_bytes(),
+            cpu_budget_bytes=storage.default_cpu_budget_bytes()
+            if cpu_budget is None
+            else parse_bytes(cpu_budget, name="cpu_budget"),
             nvme_dir=None if nvme_dir is None else os.fspath(nvme_dir),
             min_offload_bytes=parse_bytes(min_offload_bytes, name="min_offload_bytes"),
             keep_names=keep_names,
@@ -231,9 +253,14 @@ class ActivationOffloader:
         self._budget_bytes = None if gpu_budget is None else resolve_budget(gpu_budget, self.device)
         self._user_plan = user_plan
         self._hardware_arg = hardware
-        self._hardware: HardwareModel | None = None
+        # A path is read now: a bad file should fail here, not at the first plan.
+        self._hardware: HardwareModel | None = (
+            None if hardware is None else resolve_hardware(hardware, self.device)
+        )
         self._plans: dict[str, Plan] = {}
         self._active_plans: dict[str, ActivePlan] = {}
+        # Signatures run in min-memory mode: their budget cannot be met (on_infeasible=
+        # "min_memory"), or their profiles never finish (_drop_unfinished_profile).
         self._infeasible: set[str] = set()
         self._over_budget: set[str | None] = set()
         self._profiler: Profiler | None = None
@@ -245,6 +272,10 @@ class ActivationOffloader:
         self._refine_next: set[str] = set()
         self._timed: dict[str, int] = {}
         self._profiling: str | None = None  # signature being profiled in the current step
+        # Profiles cut short by a step that began before their backward ended, per signature
+        # (see _drop_unfinished_profile), and whether this step began so.
+        self._unfinished: dict[str, int] = {}
+        self._overlapping = False
         self._last_signature: str | None = None
         self._active: ActivePlan | None = None
         # Module name -> (module, its RecomputeForward), both weakly.
@@ -305,7 +336,7 @@ class ActivationOffloader:
         with self._lock:
             last = self._snapshot_last()
             total = dataclasses.replace(self._done, _leads=list(self._done._leads))
-            if last.steps:
+            if last.steps and not self._step_added:  # added at close already
                 total.add(last)
             return OffloadStats(last=last, total=total)
 
@@ -400,7 +431,7 @@ class ActivationOffloader:
                 self._kept_refs.clear()
                 self._rebuilds.clear()
                 self._active = None
-                self._profiling = None
+                self._drop_unfinished_profile()
             if rnd is not None:
                 rnd.steps += 1
             self._refresh_params()
@@ -524,7 +555,8 @@ class ActivationOffloader:
         handles = []
         for name, mod in named_modules_stop_at_compiled(model):
             kept = name in self.config.keep_names or isinstance(mod, self.config.keep_types)
-            handles.append(mod.register_forward_pre_hook(_ForwardPre(self, name, kept)))
+            pre = _ForwardPre(self, name, kept)
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=name == ""))
             handles.append(mod.register_forward_hook(_ForwardPost(self)))
         return handles
 
@@ -601,9 +633,9 @@ class ActivationOffloader:
             self._profiling = None
             self._round = None
 
-    def _begin_signature(self, args: Any) -> None:
+    def _begin_signature(self, args: Any, kwargs: Any = None) -> None:
         """At the root's first forward of a step: choose how this step runs."""
-        sig = signature_of(args)
+        sig = signature_of(args, kwargs)
         if self._round is not None:
             sig += self._round.label
         self._last_signature = sig
@@ -629,7 +661,12 @@ class ActivationOffloader:
             self._install_recompute(active)
             stats.predicted_peak_bytes = plan.predicted_peak_bytes
             stats.predicted_step_s = plan.predicted_step_s
-            if sig in self._refine_next and self._profiler is not None:
+            if (
+                sig in self._refine_next
+                and self._profiler is not None
+                and not self._overlapping
+                and torch.is_grad_enabled()
+            ):
                 # The first planned step of a profiled signature: recorded for its timings.
                 self._refine_next.discard(sig)
                 self._profiler.begin()
@@ -641,8 +678,37 @@ class ActivationOffloader:
             return  # past the profiled signatures, no merged plan could be made (said once)
         if self._profiler is None:
             return  # the model is gone
+        if self._overlapping or not torch.is_grad_enabled():
+            return  # see _drop_unfinished_profile; without grad, nothing is saved to plan
         self._profiler.begin()
         self._profiling = sig
+
+    def _drop_unfinished_profile(self) -> None:
+        """At a step's start: a profile still open is one whose backward has not ended (two
+        forwards before their backwards, or a forward never run backward). It cannot describe
+        one step: drop it. This step is not profiled (an older backward may still run inside
+        it); after two such profiles the signature stays in min-memory mode, said once."""
+        self._overlapping = False
+        sig = self._profiling
+        if sig is None:
+            return
+        self._profiling = None
+        if self._profiler is not None:
+            self._profiler.discard()
+        self._overlapping = True
+        if sig in self._plans:
+            return  # a timing step (NOTE [ Refinement ]): the plan stands as it is
+        n = self._unfinished[sig] = self._unfinished.get(sig, 0) + 1
+        if n >= _UNFINISHED_PROFILES:
+            self._infeasible.add(sig)
+            self._warn_once(
+                "unfinished",
+                f"a step of signature {sig} began before the backward of the step being "
+                "profiled ended (forwards run before their backwards, or a forward never run "
+                f"backward), {n} times; gpu_budget profiles one step with its backward, so this "
+                "signature runs in min-memory mode. Run each backward before the next forward, "
+                "or plan offline (offload.profile, offload.plan) and pass plan=",
+            )
 
     def _profile_ended(self, sig: str) -> None:
         """The profiling (or timing) step's backward ended (autograd's final callback)."""
@@ -958,7 +1024,7 @@ class ActivationOffloader:
                 return self._keep(t, stats)
         held = self._held_clock()
         started = time.perf_counter() if held is not None else 0.0
-        member = ex.offload(local.detach(), module, dtensor, tier)
+        member = ex.offload(local, module, dtensor, tier)
         if held is not None:
             held.held_s += time.perf_counter() - started
         member.key = key
@@ -1218,7 +1284,8 @@ class _ForwardPre:
     def __init__(self, mgr: ActivationOffloader, name: str, kept: bool) -> None:
         self.mgr, self.name, self.kept = weakref.ref(mgr), name, kept
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        # ``kwargs``: the root's hook is registered with them (they are part of the signature).
         mgr = self.mgr()
         if mgr is None or not mgr._in_step:
             return
@@ -1235,11 +1302,11 @@ class _ForwardPre:
             and mgr._budget_bytes is not None
             and mgr._executor is not None
         ):
-            mgr._begin_signature(args)
+            mgr._begin_signature(args, kwargs)
         if not mgr._stack and self.name == "" and mgr._stage_inputs_held:
             # A pipeline stage holds each microbatch's inputs until its backward (its forward
             # cache): copying them out would free nothing. Kept, and not activations to plan.
-            held = list(tensors_in(args))
+            held = list(tensors_in((args, kwargs)))
             mgr._params.add_tensors(held)
             if mgr._profiling is not None and mgr._profiler is not None:
                 mgr._profiler.recorder.add_held(held)

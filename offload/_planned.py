@@ -80,19 +80,25 @@ REBUILD = "rebuild"
 _ACTION_OF = {Placement.CPU: "host", Placement.NVME: "nvme", Placement.REBUILD: REBUILD}
 
 
-def signature_of(args: Any) -> str:
-    """The shapes and dtypes of the tensors in a module call's arguments, as one string.
+def signature_of(args: Any, kwargs: Mapping[str, Any] | None = None) -> str:
+    """The shapes and dtypes of the tensors in a module call's arguments, as one string
+    (keyword arguments by name, in name order, after the positional ones).
 
     Example:
         >>> import torch
         >>> signature_of((torch.zeros(2, 3), 4, [torch.zeros(5, dtype=torch.int64)]))
         'float32[2,3];int64[5]'
+        >>> signature_of((), {"labels": torch.zeros(2, dtype=torch.int64), "ids": torch.zeros(2, 7)})
+        'ids=float32[2,7];labels=int64[2]'
     """
-    parts = []
-    for t in tensors_in(args):
-        dtype = str(t.dtype).removeprefix("torch.")
-        parts.append(f"{dtype}[{','.join(str(n) for n in t.shape)}]")
+    parts = [_shape_of(t) for t in tensors_in(args)]
+    for name in sorted(kwargs or ()):
+        parts.extend(f"{name}={_shape_of(t)}" for t in tensors_in(kwargs[name]))  # type: ignore[index]
     return ";".join(parts)
+
+
+def _shape_of(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}[{','.join(str(n) for n in t.shape)}]"
 
 
 class ActivePlan:

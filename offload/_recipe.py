@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from lifecycle._tensors import Activation, ParameterStorages
+from lifecycle._tensors import Activation, ParameterStorages, parameter_cast
 from offload._errors import OffloadError
 
 
@@ -102,26 +102,8 @@ class WeightCast:
 def weight_cast(t: torch.Tensor, params: ParameterStorages) -> WeightCast | None:
     """A :class:`WeightCast` for ``t`` if it is a weight cast the recipe can rebuild, else None
     (see NOTE [ Weight casts ])."""
-    if type(t) is not torch.Tensor:
-        return None
-    cast = t._base if t._base is not None else t  # Linear saves the cast's transpose, a view
-    fn = cast.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return None
-    nxt = fn.next_functions
-    acc = nxt[0][0] if nxt else None
-    param = getattr(acc, "variable", None)
-    if type(param) is not torch.nn.Parameter or not params.registered(param):
-        return None
-    if (
-        cast.device != param.device
-        or cast.shape != param.shape
-        or cast.stride() != param.stride()
-        or cast.storage_offset() != 0
-        or cast.untyped_storage().nbytes() != cast.numel() * cast.element_size()
-    ):
-        return None
-    return WeightCast(param, cast, t)
+    found = parameter_cast(t, params)
+    return None if found is None else WeightCast(found[0], found[1], t)
 
 
 class SharedRebuild:

@@ -43,6 +43,7 @@ __all__ = [
     "checkpointed",
     "conv_net",
     "gpt_block",
+    "gru",
     "lstm",
     "mixed_dtypes",
     "mlp",
@@ -294,6 +295,34 @@ def lstm(seed: int = 0, device: Device = "cpu") -> ModelCase:
     return _case("lstm", LSTMHead, make_batch, _call_loss(_sequence_ce), seed, device)
 
 
+class GRUHead(nn.Module):
+    """``nn.GRU`` over the sequence, then a Linear head on every time step.
+
+    CPU torch runs the GRU cell by cell: each step splits its gate pre-activations with
+    ``unsafe_chunk`` (pieces of one storage that are not views, each with its own version
+    counter) and applies ``sigmoid_`` / ``tanh_`` to them in place, so pieces of one storage are
+    saved at equal version numbers holding unrelated bytes.
+    """
+
+    def __init__(self, d_in: int = 32, hidden: int = 64, classes: int = 10):
+        super().__init__()
+        self.gru = nn.GRU(d_in, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x)
+        return self.head(out)
+
+
+def gru(seed: int = 0, device: Device = "cpu") -> ModelCase:
+    """A one-layer GRU on ``(16, 16, 32)`` sequences with a per-step cross-entropy loss."""
+
+    def make_batch(g: torch.Generator) -> Batch:
+        return torch.randn(16, 16, 32, generator=g), torch.randint(0, 10, (16, 16), generator=g)
+
+    return _case("gru", GRUHead, make_batch, _call_loss(_sequence_ce), seed, device)
+
+
 # -- tied_weights ----------------------------------------------------------------------------
 
 
@@ -464,6 +493,7 @@ ALL_MODELS: dict[str, Callable[..., ModelCase]] = {
     "gpt_block": gpt_block,
     "conv_net": conv_net,
     "lstm": lstm,
+    "gru": gru,
     "tied_weights": tied_weights,
     "views_model": views_model,
     "checkpointed": checkpointed,

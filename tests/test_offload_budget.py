@@ -10,6 +10,7 @@ import math
 import threading
 import warnings
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -131,6 +132,111 @@ def test_each_signature_is_profiled_and_planned_once() -> None:
     assert predicted[4] == predicted[5] == mgr.plans["float32[48,64]"].predicted_peak_bytes
 
 
+class KeywordInputs(nn.Module):
+    """Called as ``model(x=..., scale=...)``, as many trainers call their models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Tanh())
+
+    def forward(self, *, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * scale
+
+
+def test_keyword_inputs_are_part_of_the_signature() -> None:
+    """DESIGN: a signature is the shapes and dtypes of the root module's inputs: keyword ones
+    too, or a new batch size passed by keyword would run another signature's plan."""
+    torch.manual_seed(0)
+    model = KeywordInputs()
+    mgr = offload.ActivationOffloader(model, gpu_budget="96KiB", hardware=FAST, min_offload_bytes=0)
+    try:
+        for i, n in enumerate([32, 32, 48, 48]):
+            x = torch.randn(n, 64, generator=torch.Generator().manual_seed(i))
+            model.zero_grad(set_to_none=True)
+            with mgr:
+                loss = model(x=x, scale=torch.tensor(2.0)).sum()
+            loss.backward()
+            got = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            model(x=x, scale=torch.tensor(2.0)).sum().backward()
+            for g, p in zip(got, model.parameters(), strict=True):
+                assert torch.equal(g, p.grad)
+            assert mgr.stats.last.unplanned_records == 0
+        assert sorted(mgr.plans) == [
+            "scale=float32[];x=float32[32,64]",
+            "scale=float32[];x=float32[48,64]",
+        ]
+    finally:
+        mgr.close()
+
+
+def _mlp_and_batches(n: int) -> tuple[nn.Module, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Tanh())
+    return model, [
+        torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i in range(n)
+    ]
+
+
+def _accumulated(model: nn.Module, batches: list[torch.Tensor], mgr: Any) -> list[torch.Tensor]:
+    """Gradients of two microbatches whose forwards both run before their backwards."""
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for x in batches:
+        with mgr:
+            losses.append(model(x).pow(2).sum())
+    for loss in losses:
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_forwards_before_their_backwards_never_leave_the_profiler_recording() -> None:
+    """DESIGN names two forwards before their backwards (accumulation). A profile the next step
+    cuts short cannot describe one step: it is dropped, and the GC the recorder holds off during
+    a profiled step comes back. After two such profiles the signature runs in min-memory mode
+    (said once) instead of recording again and again; gradients stay bitwise."""
+    model, batches = _mlp_and_batches(2)
+    want = _accumulated(model, batches, contextlib.nullcontext())
+    mgr = offload.ActivationOffloader(model, gpu_budget="96KiB", hardware=FAST, min_offload_bytes=0)
+    try:
+        with pytest.warns(RuntimeWarning, match="began before the backward") as caught:
+            for _ in range(4):
+                got = _accumulated(model, batches, mgr)
+                assert gc.isenabled()
+                assert not mgr._profiler.recorder.recording
+                for g, w in zip(got, want, strict=True):
+                    assert torch.equal(g, w)
+        assert len([w for w in caught if "began before" in str(w.message)]) == 1
+        assert mgr.plans == {}
+        assert mgr.stats.last.bytes_offloaded_cpu > 0  # min-memory mode
+    finally:
+        mgr.close()
+
+
+def test_a_forward_without_grad_at_a_new_signature_is_not_profiled() -> None:
+    """A validation forward (no_grad) saves nothing to plan: the signature's first training
+    step is the one profiled, and the one after it runs the plan."""
+    model, batches = _mlp_and_batches(3)
+    mgr = offload.ActivationOffloader(model, gpu_budget="96KiB", hardware=FAST, min_offload_bytes=0)
+    try:
+        with mgr, torch.no_grad():
+            model(batches[0])
+        assert gc.isenabled() and not mgr._profiler.recorder.recording
+        unplanned = []
+        for x in batches:
+            with mgr:
+                loss = model(x).pow(2).sum()
+            loss.backward()
+            unplanned.append(mgr.stats.last.unplanned_records)
+        assert list(mgr.plans) == ["float32[32,64]"]
+        assert (
+            mgr.stats.last.predicted_peak_bytes == mgr.plans["float32[32,64]"].predicted_peak_bytes
+        )
+        assert unplanned[1:] == [0, 0]
+    finally:
+        mgr.close()
+
+
 class Blocks(nn.Module):
     def __init__(self, n: int = 6, width: int = 128) -> None:
         super().__init__()
@@ -221,6 +327,63 @@ def test_a_dropped_manager_is_closed_by_the_garbage_collector_while_its_model_li
     model(x).pow(2).sum().backward()
     for g, w in zip((p.grad for p in model.parameters()), want, strict=True):
         assert torch.equal(g, w)
+
+
+class NormBlocks(nn.Module):
+    """Blocks of which every other one holds a BatchNorm (running statistics in training)."""
+
+    def __init__(self, n: int = 6, width: int = 64) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(width, 2 * width),
+                nn.BatchNorm1d(2 * width) if i % 2 == 0 else nn.Identity(),
+                nn.Tanh(),
+                nn.Linear(2 * width, width),
+            )
+            for i in range(n)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def test_blocks_with_running_statistics_are_not_recomputed_and_stay_exact() -> None:
+    """Recomputing a BatchNorm in training would update its running statistics twice: the
+    profile names it and the plan recomputes only the other blocks. Buffers and gradients
+    stay bitwise equal to a run without offloading."""
+    torch.manual_seed(0)
+    ref = NormBlocks()
+    model = NormBlocks()
+    model.load_state_dict(ref.state_dict())
+    batches = [torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    probe = NormBlocks()
+    trace = offload.profile(lambda: probe(batches[0]).pow(2).sum().backward(), probe)
+    assert trace.metadata["stateful_modules"] == ["blocks.0.1", "blocks.2.1", "blocks.4.1"]
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=trace.peak_saved_bytes // 2, hardware=SLOW, min_offload_bytes=0
+    )
+    try:
+        for x in batches:
+            for m, ctx in ((ref, contextlib.nullcontext()), (model, mgr)):
+                m.zero_grad(set_to_none=True)
+                with ctx:
+                    loss = m(x).pow(2).sum()
+                loss.backward()
+            for (name, a), b in zip(
+                ref.state_dict().items(), model.state_dict().values(), strict=True
+            ):
+                assert torch.equal(a, b), name
+            for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+                assert torch.equal(a.grad, b.grad), name
+        plan = mgr.plan
+        assert plan is not None and plan.recompute_calls
+        assert {m for m, _ in plan.recompute_calls} <= {"blocks.1", "blocks.3", "blocks.5"}
+        assert mgr.stats.last.bytes_recomputed > 0
+    finally:
+        mgr.close()
 
 
 def test_recomputed_blocks_drop_their_saved_tensors() -> None:

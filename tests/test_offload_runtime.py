@@ -285,9 +285,9 @@ def test_an_io_error_reading_raises_and_frees_at_once(tmp_path, monkeypatch) -> 
             assert info.value.errno == errno.EIO
             del info, loss
             assert mgr._executor.live_families() == 0
-            assert mgr._tiers[0].used_bytes == 0
     finally:
         mgr.close()
+    assert mgr._tiers[0].used_bytes == 0  # once the writes still in flight have completed
 
 
 def test_steady_state_no_growth(tmp_path) -> None:
@@ -354,6 +354,9 @@ def test_stats_fields_and_as_dict() -> None:
         assert st.last.reloads > 0 and st.last.step_s > 0
         # Every family came back: prefetched or stalled.
         assert st.last.reloads == st.last.records_offloaded_cpu
+        mgr.close()
+        # close() folds the last step into the total: the totals stay what they were.
+        assert mgr.stats.total.as_dict() == st.total.as_dict()
     finally:
         mgr.close()
 
@@ -417,6 +420,34 @@ def test_close_is_idempotent_and_later_unpack_raises() -> None:
     assert not case.model._forward_pre_hooks
 
 
+def test_close_with_copies_in_flight_then_backward_raises_offload_error(tmp_path) -> None:
+    """close() releases families whose copies out are still in flight (a deferred engine holds
+    them back): a later backward raises OffloadError, not an error from a released handle."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.01, seed=1)
+    mgr = offload.ActivationOffloader(
+        model,
+        min_offload_bytes=0,
+        tiers=("cpu", "nvme"),
+        nvme_dir=tmp_path,
+        cpu_budget="300KiB",
+        _copy_engine=engine,
+    )
+    try:
+        with mgr:
+            loss = model(torch.randn(256, 256)).sum()
+        assert mgr._executor._inflight  # what this test is about
+        pool = mgr._executor.pool
+        mgr.close()
+        with pytest.raises(offload.OffloadError, match="closed"):
+            loss.backward()
+        assert pool.used_bytes == 0 and [t.used_bytes for t in mgr._tiers] == [0, 0]
+    finally:
+        mgr.close()
+        engine.close()
+
+
 def test_steps_do_not_nest() -> None:
     mgr = offload.ActivationOffloader(nn.Linear(2, 2))
     try:
@@ -447,11 +478,45 @@ def test_steps_do_not_nest() -> None:
         ({"gpu_budget": -1}, ValueError, "gpu_budget"),
         ({"plan": object()}, TypeError, "plan"),
         ({"hardware": 3}, TypeError, "hardware"),
+        ({"hardware": "/definitely/not/here.json"}, FileNotFoundError, "not/here"),
+        ({"tiers": None}, TypeError, "tiers"),
+        ({"tiers": ("nvme",), "nvme_dir": 5}, TypeError, "nvme_dir"),
+        ({"tiers": ("nvme",), "nvme_dir": __file__}, ValueError, r"nvme_dir.*not a directory"),
+        ({"cpu_budget": 0}, ValueError, "cpu_budget 0"),
     ],
 )
 def test_bad_arguments(kwargs, exc, match) -> None:
     with pytest.raises(exc, match=match):
         offload.ActivationOffloader(nn.Linear(2, 2), **kwargs)
+
+
+def test_cpu_budget_zero_with_nvme_sends_everything_to_nvme(tmp_path) -> None:
+    """0 means no host room (it used to mean the default): with 'nvme' in tiers, every record
+    goes there."""
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model, min_offload_bytes=0, tiers=("cpu", "nvme"), nvme_dir=tmp_path, cpu_budget=0
+    )
+    try:
+        assert mgr.config.cpu_budget_bytes == 0
+        step(case, mgr)
+        assert mgr.stats.last.bytes_offloaded_cpu == 0 < mgr.stats.last.bytes_offloaded_nvme
+    finally:
+        mgr.close()
+
+
+def test_an_nvme_dir_this_process_cannot_write_fails_at_construction(tmp_path) -> None:
+    """An unwritable nvme_dir used to pass construction and fail every step with a bare
+    PermissionError; it is checked up front, with the argument named."""
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root writes anyway, unless the capability is dropped
+            pytest.skip("this process can write into a 0500 directory (root)")
+        with pytest.raises(ValueError, match=r"nvme_dir.*not writable"):
+            offload.ActivationOffloader(nn.Linear(2, 2), tiers=("nvme",), nvme_dir=ro)
+    finally:
+        ro.chmod(0o700)
 
 
 def test_model_must_be_a_module() -> None:

@@ -1,8 +1,9 @@
 """The lifecycle recorder against an oracle: identity hooks that keep every saved tensor alive.
 
 While every packed tensor is kept alive no address can be reused, so the oracle may group alias
-families by ``data_ptr`` and measure spans from real addresses: an implementation independent of
-the recorder's storage-object keys and its span arithmetic.
+families by ``data_ptr`` (and version counter, seen by bumping it) and measure spans from real
+addresses: an implementation independent of the recorder's storage-object keys and its span
+arithmetic.
 """
 
 from __future__ import annotations
@@ -38,11 +39,28 @@ class Oracle:
             case.step()
         return self
 
-    def family_keys(self) -> list[tuple[int, int]]:
-        return [
-            (t.untyped_storage().data_ptr(), v)
-            for t, v in zip(self.packed, self.versions, strict=True)
-        ]
+    def families(self) -> list[set[int]]:
+        """Pack indices grouped by storage address, version at pack and version counter. Which
+        tensors share a counter is seen, not derived: bump one member's counter (the step is
+        over; only these copies remain) and see whose version moves. Pieces made by
+        ``unsafe_chunk`` share a storage but not a counter."""
+        ptrs = [t.untyped_storage().data_ptr() for t in self.packed]
+        out: list[set[int]] = []
+        placed: set[int] = set()
+        for i, t in enumerate(self.packed):
+            if i in placed:
+                continue
+            same = [
+                j
+                for j in range(i, len(self.packed))
+                if j not in placed and ptrs[j] == ptrs[i] and self.versions[j] == self.versions[i]
+            ]
+            before = [self.packed[j]._version for j in same]
+            torch._C._increment_version([t])
+            members = {j for j, v in zip(same, before, strict=True) if self.packed[j]._version != v}
+            out.append(members)
+            placed |= members
+        return out
 
     def span_bytes(self, members: list[torch.Tensor]) -> int:
         lo = min(t.data_ptr() for t in members if t.numel())
@@ -87,10 +105,7 @@ def test_records_match_oracle(name: str) -> None:
     unpack_order = [e.record for e in trace.events if e.kind is EventKind.UNPACK]
     assert unpack_order == oracle.unpacks
     # Alias families: the same partition of records.
-    keys = oracle.family_keys()
-    by_oracle: dict[tuple[int, int], set[int]] = {}
-    for i, k in enumerate(keys):
-        by_oracle.setdefault(k, set()).add(i)
+    by_oracle = dict(enumerate(oracle.families()))
     by_trace = {f.family: set(f.records) for f in trace.families()}
     assert sorted(map(sorted, by_trace.values())) == sorted(map(sorted, by_oracle.values()))
     # Bytes: each activation storage once, as the span its members cover (from real addresses).
@@ -350,3 +365,43 @@ def test_gc_paused_only_while_a_step_is_recorded() -> None:
     with pytest.raises(RuntimeError):
         offload.profile(lambda: (_ for _ in ()).throw(RuntimeError("x")), model, warmup_steps=0)
     assert gc.isenabled()
+
+
+def test_autocast_weight_casts_are_recorded_as_parameters() -> None:
+    """The bf16 cast of a weight a Linear saves under autocast is made again from the parameter
+    at unpack (offload never stores it), so an offline profile records it as a parameter, as the
+    manager's own profile does: the same activations, and plans over the same families."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+
+    trace = offload.profile(step, model, warmup_steps=0)
+    casts = [r for r in trace.records if r.dtype == "torch.bfloat16" and r.grad_fn == "TBackward0"]
+    # The second Linear's weight cast (the first Linear's input needs no gradient, so its
+    # weight cast is not saved).
+    assert len(casts) == 1 and all(r.is_parameter for r in casts)
+    activations = {f.family for f in trace.families() if not f.is_parameter}
+    assert not activations & {r.family for r in casts}
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=1 << 30, min_offload_bytes=0, hardware=offload.HardwareModel.h200()
+    )
+    try:
+        for _ in range(2):
+            with mgr:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x).float().pow(2).mean()
+            loss.backward()
+        planned = mgr.plan
+    finally:
+        mgr.close()
+    offline = offload.plan(
+        trace, 1 << 30, offload.HardwareModel.h200(), min_offload_bytes=0, margin=0
+    )
+    assert planned is not None
+    assert sorted(e.keys for e in planned.entries) == sorted(e.keys for e in offline.entries)
+    assert trace.saved_bytes == sum(e.nbytes for e in offline.entries)
