@@ -245,6 +245,7 @@ class ActivationOffloader:
         if unknown:
             raise ValueError(f"keep: no module named {sorted(unknown)!r} in the model")
         self._model_ref = weakref.ref(model)
+        self._cpu_budget_default = cpu_budget is None
         self.device = compute_device(model)
         # Budget mode (see NOTE [ Budget mode ] in _planned.py).
         user_plan = load_plan(plan)
@@ -505,10 +506,8 @@ class ActivationOffloader:
             self._finalizer.detach()
             for h in self._module_handles:
                 h.remove()
-            if self._executor is not None:
-                self._executor.close()
-            for tier in self._tiers or ():
-                tier.close()
+            for r in self._resources:  # the executor, its tiers, its claim on the host pool
+                r.close()
             self._uninstall_recompute()
             if self._profiler is not None:
                 self._profiler.close()
@@ -527,9 +526,16 @@ class ActivationOffloader:
         # room for that (copies out in flight plus the reload window) beyond the host tier's
         # cpu_budget, so a full host tier can still spill.
         staging = 2 * (inflight or 256 << 20) if "nvme" in cfg.tiers else 0
-        pool = storage.shared_host_pool(
-            cfg.cpu_budget_bytes + staging, pin_memory=self.device.type == "cuda"
+        # The process-wide pool, with room for this manager's own budget beside the others'
+        # (pipeline stages on one rank each have a manager); its free slabs go back to the host
+        # when the last manager closes.
+        share = storage.claim_shared_host_pool(
+            cfg.cpu_budget_bytes,
+            staging_bytes=staging,
+            default=self._cpu_budget_default,
+            pin_memory=self.device.type == "cuda",
         )
+        pool = share.pool
         tiers: list[storage.Tier] = []
         for name in cfg.tiers:
             if name == "cpu":
@@ -548,7 +554,7 @@ class ActivationOffloader:
             staging_bytes=staging,
         )
         ex.meter = self._meter
-        self._resources[:] = [ex, *tiers]
+        self._resources[:] = [ex, *tiers, share]
         return ex
 
     def _install_module_hooks(self, model: nn.Module) -> list[Any]:
@@ -1477,7 +1483,12 @@ def activations(
         True
     """
     tiers = (tiers,) if isinstance(tiers, str) else tuple(tiers)
-    key = (tiers, None if nvme_dir is None else os.fspath(nvme_dir), min_offload_bytes)
+    # By meaning, not spelling: 0 and "0", or two spellings of one directory, are one manager.
+    key = (
+        tiers,
+        None if nvme_dir is None else os.path.realpath(nvme_dir),
+        parse_bytes(min_offload_bytes, name="min_offload_bytes"),
+    )
     with _cache_lock:
         per_model = _cache.setdefault(model, {})
         mgr = per_model.get(key)

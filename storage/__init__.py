@@ -20,7 +20,13 @@ from storage._errors import ChecksumError, StorageError, StorageFullError
 from storage._host_tier import HostTier
 from storage._kvikio import kvikio_available
 from storage._nvme import NvmeTier
-from storage._pool import HostPool, HostRegion, shared_host_pool
+from storage._pool import (
+    HostPool,
+    HostRegion,
+    PoolShare,
+    claim_shared_host_pool,
+    shared_host_pool,
+)
 from storage._tier import StoredHandle, Tier
 from storage._transfer import CopyEngine, Transfer, byte_view
 from storage._units import ALIGNMENT_BYTES, CHECKSUM_CHUNK_BYTES, IO_THREADS
@@ -30,6 +36,8 @@ __all__ = [
     "HostPool",
     "HostRegion",
     "shared_host_pool",
+    "claim_shared_host_pool",
+    "PoolShare",
     # tiers
     "HostTier",
     "NvmeTier",

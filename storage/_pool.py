@@ -362,6 +362,17 @@ class HostPool:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
+    def trim(self) -> int:
+        """Give back every slab no live region uses; returns the bytes given back."""
+        with self._lock:
+            freed = 0
+            for slab in list(self._slabs):
+                usable = (slab.memory.numel() - slab.base) // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+                if slab.allocator.largest_free() == usable:
+                    freed += slab.memory.numel()
+                    self._drop_slab(slab)
+            return freed
+
     def close(self) -> None:
         """Drop every slab (regions still live become released) and, for pinned slabs, return the
         memory to the driver. Idempotent."""
@@ -446,3 +457,80 @@ def shared_host_pool(capacity_bytes: int | None = None, *, pin_memory: bool = Tr
         elif capacity_bytes is not None and capacity_bytes > pool.capacity_bytes:
             pool.set_capacity_bytes(capacity_bytes)
         return pool
+
+
+class PoolShare:
+    """One user's claim on the process-wide pool (see :func:`claim_shared_host_pool`).
+
+    Example:
+        >>> share = claim_shared_host_pool(1 << 20, pin_memory=False)
+        >>> region = share.pool.allocate(4096)
+        >>> region.release()
+        >>> share.close()  # the last claim: the pool's free slabs go back to the host
+    """
+
+    def __init__(self, pool: HostPool, nbytes: int, staging_bytes: int, default: bool) -> None:
+        self.pool = pool
+        self.nbytes = nbytes
+        self.staging_bytes = staging_bytes
+        self.default = default
+        self._released = False
+
+    def close(self) -> None:
+        """Give the claim back (idempotent): the pool's cap follows the claims left, and with
+        none left the pool returns its free slabs to the host."""
+        with _shared_lock:
+            if self._released:
+                return
+            self._released = True
+            claims = _shared_claims.get(self.pool, [])
+            if self in claims:
+                claims.remove(self)
+            if claims:
+                self.pool.set_capacity_bytes(_cap_of(claims))
+            else:
+                _shared_claims.pop(self.pool, None)
+        if not self.pool.closed:
+            self.pool.trim()
+
+
+_shared_claims: dict[HostPool, list[PoolShare]] = {}
+
+
+def _cap_of(claims: list[PoolShare]) -> int:
+    # Defaults are each the node's share for this rank, not more of it: they count once.
+    default = max((c.nbytes for c in claims if c.default), default=0)
+    return (
+        default
+        + sum(c.nbytes for c in claims if not c.default)
+        + sum(c.staging_bytes for c in claims)
+    )
+
+
+def claim_shared_host_pool(
+    nbytes: int, *, staging_bytes: int = 0, default: bool = False, pin_memory: bool = True
+) -> PoolShare:
+    """A claim of ``nbytes`` (plus ``staging_bytes`` of staging) on the process-wide pool.
+
+    Several users of one pool (an offload manager per pipeline stage on one rank) each get room
+    for what they claimed: the cap is the sum of the live claims, except that claims of the
+    node-aware default (``default=True``: :func:`default_cpu_budget_bytes`, this rank's share of
+    the node) count once, whichever is largest. Closing the last claim returns the pool's free
+    slabs to the host (DESIGN.md: the pool is returned on close).
+
+    Example:
+        >>> a = claim_shared_host_pool(1 << 20, pin_memory=False)
+        >>> b = claim_shared_host_pool(2 << 20, pin_memory=False)
+        >>> a.pool is b.pool, a.pool.capacity_bytes >= 3 << 20
+        (True, True)
+        >>> a.close(); b.close()
+    """
+    _check_bytes("nbytes", nbytes)
+    _check_bytes("staging_bytes", staging_bytes)
+    pool = shared_host_pool(pin_memory=pin_memory)
+    share = PoolShare(pool, nbytes, staging_bytes, bool(default))
+    with _shared_lock:
+        claims = _shared_claims.setdefault(pool, [])
+        claims.append(share)
+        pool.set_capacity_bytes(_cap_of(claims))
+    return share

@@ -694,6 +694,33 @@ def test_two_managers_share_the_pool_and_stay_exact(engine: str) -> None:
         assert_nothing_live(mb)
 
 
+def test_each_manager_gets_its_own_cpu_budget_from_the_shared_pool(monkeypatch) -> None:
+    """Two managers on one rank (two pipeline stages, say), each with cpu_budget=4MiB, each
+    holding 2.5 MiB at once: the shared pool has room for both (its cap used to be the larger
+    budget, not the sum). When both have closed, its slabs are back with the host."""
+    monkeypatch.setattr(storage._pool, "_shared_pools", {})
+    monkeypatch.setattr(storage._pool, "_shared_claims", {})
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)) for _ in "ab"]
+    x = torch.randn(512, 256)
+    managers = [
+        offload.ActivationOffloader(m, cpu_budget="4MiB", min_offload_bytes=0) for m in models
+    ]
+    losses = []
+    for m, mgr in zip(models, managers, strict=True):
+        with mgr:
+            losses.append(m(x).sum())
+    held = [mgr._executor.host_bytes for mgr in managers]
+    assert held[0] == held[1] > 2 << 20
+    pool = managers[0]._executor.pool
+    assert managers[1]._executor.pool is pool and pool.capacity_bytes >= 8 << 20
+    for loss in losses:
+        loss.backward()
+    for mgr in managers:
+        mgr.close()
+    assert pool.reserved_bytes == 0
+
+
 def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monkeypatch) -> None:
     """An I/O error after pack returned: the record goes to the next tier from the held source;
     the host-tier accounting must come back to zero once the graph is gone."""

@@ -400,6 +400,7 @@ def test_activations_caches_one_manager_per_model_and_settings() -> None:
         loss = case.loss(case.batch())
     loss.backward()
     assert a is b
+    assert offload.activations(case.model, min_offload_bytes="0") is a  # by value
     assert offload.activations(case.model) is not a
     a.close()
     assert offload.activations(case.model, min_offload_bytes=0) is not a

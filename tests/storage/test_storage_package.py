@@ -25,6 +25,8 @@ def test_public_api_snapshot():
         "HostPool",
         "HostRegion",
         "shared_host_pool",
+        "claim_shared_host_pool",
+        "PoolShare",
         "HostTier",
         "NvmeTier",
         "StoredHandle",

@@ -17,6 +17,7 @@ from storage import (
     HostPool,
     StorageError,
     StorageFullError,
+    claim_shared_host_pool,
     shared_host_pool,
 )
 
@@ -250,6 +251,48 @@ def test_shared_host_pool_is_one_per_process_and_raises_its_cap(monkeypatch):
     c = shared_host_pool(1 * MiB, pin_memory=False)
     assert c is not a and not c.closed
     c.close()
+
+
+def test_claims_on_the_shared_pool_add_up_and_the_last_one_returns_the_slabs(monkeypatch):
+    monkeypatch.setattr(storage._pool, "_shared_pools", {})
+    monkeypatch.setattr(storage._pool, "_shared_claims", {})
+    a = claim_shared_host_pool(1 * MiB, staging_bytes=256 * KiB, pin_memory=False)
+    b = claim_shared_host_pool(2 * MiB, pin_memory=False)
+    pool = a.pool
+    assert b.pool is pool and pool.capacity_bytes == 3 * MiB + 256 * KiB
+    # Claims of the node-aware default are this rank's share each: counted once, the largest.
+    c = claim_shared_host_pool(4 * MiB, default=True, pin_memory=False)
+    d = claim_shared_host_pool(5 * MiB, default=True, pin_memory=False)
+    assert pool.capacity_bytes == 5 * MiB + 3 * MiB + 256 * KiB
+    d.close()
+    c.close()
+    a.close()
+    a.close()  # idempotent
+    assert pool.capacity_bytes == 2 * MiB
+    held = pool.allocate(512 * KiB)
+    b.close()  # the last claim: the slab holding ``held`` stays
+    assert pool.reserved_bytes > 0 and not pool.closed
+    held.release()
+    e = claim_shared_host_pool(1 * MiB, pin_memory=False)
+    assert e.pool is pool
+    e.close()  # the last claim again, and nothing held: every slab goes back
+    assert pool.reserved_bytes == 0
+    pool.close()
+
+
+def test_trim_returns_only_slabs_no_region_uses():
+    with HostPool(8 * MiB, slab_bytes=1 * MiB) as pool:
+        kept = pool.allocate(512 * KiB)
+        kept.tensor.fill_(7)
+        big = pool.allocate(MiB + 1)  # a 2 MiB slab of its own
+        assert pool.reserved_bytes == 3 * MiB
+        assert pool.trim() == 0  # both slabs in use
+        big.release()
+        assert pool.trim() == 2 * MiB and pool.reserved_bytes == 1 * MiB
+        assert bool((kept.tensor == 7).all())
+        again = pool.allocate(MiB + 1)  # grows again under the cap
+        again.release()
+        kept.release()
 
 
 @pytest.mark.gpu
