@@ -692,9 +692,11 @@ class ActivationOffloader:
     def _drop_unfinished_profile(self) -> None:
         """At a step's start: a profile still open is one whose backward has not ended (two
         forwards before their backwards, or a forward never run backward). It cannot describe
-        one step: drop it. This step is not profiled (an older backward may still run inside
-        it); after two such profiles the signature stays in min-memory mode, said once."""
-        self._overlapping = False
+        one step: drop it. Until no older step's saved tensor is left (their backwards ran),
+        steps are not profiled: an older backward running inside one would be recorded as its
+        own. After two such profiles the signature stays in min-memory mode, said once."""
+        ex = self._executor
+        self._overlapping = self._overlapping and ex is not None and ex.live_families() > 0
         sig = self._profiling
         if sig is None:
             return

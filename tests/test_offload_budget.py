@@ -190,12 +190,16 @@ def _accumulated(model: nn.Module, batches: list[torch.Tensor], mgr: Any) -> lis
     return [p.grad.clone() for p in model.parameters()]
 
 
-def test_forwards_before_their_backwards_never_leave_the_profiler_recording() -> None:
+@pytest.mark.parametrize("microbatches", [2, 3])
+def test_forwards_before_their_backwards_never_leave_the_profiler_recording(
+    microbatches: int,
+) -> None:
     """DESIGN names two forwards before their backwards (accumulation). A profile the next step
     cuts short cannot describe one step: it is dropped, and the GC the recorder holds off during
     a profiled step comes back. After two such profiles the signature runs in min-memory mode
-    (said once) instead of recording again and again; gradients stay bitwise."""
-    model, batches = _mlp_and_batches(2)
+    (said once) instead of recording again and again; gradients stay bitwise. No step is
+    profiled while an older one's backward is still to run (it would be recorded as its own)."""
+    model, batches = _mlp_and_batches(microbatches)
     want = _accumulated(model, batches, contextlib.nullcontext())
     mgr = offload.ActivationOffloader(model, gpu_budget="96KiB", hardware=FAST, min_offload_bytes=0)
     try:
@@ -207,7 +211,7 @@ def test_forwards_before_their_backwards_never_leave_the_profiler_recording() ->
                 for g, w in zip(got, want, strict=True):
                     assert torch.equal(g, w)
         assert len([w for w in caught if "began before" in str(w.message)]) == 1
-        assert mgr.plans == {}
+        assert mgr.plans == {} and mgr._profiler.recorder.steps_recorded == 0
         assert mgr.stats.last.bytes_offloaded_cpu > 0  # min-memory mode
     finally:
         mgr.close()
