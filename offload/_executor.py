@@ -470,7 +470,9 @@ class Executor:
             if host is not None and self.host_bytes + fam.nbytes <= self.cpu_budget_bytes:
                 fam.tier, fam.handle = host, host.write(region, fam.nbytes)
                 self.host_bytes += fam.nbytes
+                _recount(fam, "nvme", "host")
             else:
+                _recount(fam, "nvme", None)
                 log.warning(
                     "offload: writing %d bytes of %s to NVMe failed (%s); they stay in pinned memory",
                     fam.nbytes,
@@ -502,7 +504,8 @@ class Executor:
         # The write failed after pack returned (EIO, late ENOSPC): try the next tier from the
         # source, which is still held; with none left, keep the source where it is (its bytes stay
         # on the device and unpack returns them) and say so once.
-        if fam.tier.name == "host":
+        failed = fam.tier.name
+        if failed == "host":
             self.host_bytes -= fam.nbytes
         # On CUDA the source is device memory, which the host tiers do not take: it stays.
         later = [] if self.cuda else self.tiers[self.tiers.index(fam.tier) + 1 :]
@@ -520,9 +523,11 @@ class Executor:
             if tier.name == "host":
                 # _drop gives these back; without this, host_bytes went negative.
                 self.host_bytes += fam.nbytes
+            _recount(fam, failed, tier.name)
             fam.source = None
             fam.to(Life.OFF_DEVICE)
             return
+        _recount(fam, failed, None)
         fam.error = None
         log.warning(
             "offload: storing %d bytes of %s failed (%s); they stay on %s",
@@ -890,3 +895,19 @@ class Executor:
             self._inflight_bytes = 0
             self._pending_free, self._pending_regions = [], []
             self.step = None
+
+
+def _recount(fam: Family, failed: str, now: str | None) -> None:
+    """A write failed after pack returned and the record went to tier ``now`` instead (``None``:
+    it stayed where it was): move its count in its step's stats (if that step is still held)."""
+    step = fam.step_ref() if fam.step_ref is not None else None
+    if step is None:
+        return
+    s = step.stats
+    for name, sign in ((failed, -1), (now, 1)):
+        if name == "host":
+            s.bytes_offloaded_cpu += sign * fam.nbytes
+            s.records_offloaded_cpu += sign
+        elif name == "nvme":
+            s.bytes_offloaded_nvme += sign * fam.nbytes
+            s.records_offloaded_nvme += sign

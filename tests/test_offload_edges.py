@@ -740,6 +740,10 @@ def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monke
         case.model.zero_grad(set_to_none=True)
         loss.backward()
         assert_bitwise(case.grads(), want)
+        # Counted where the bytes went: the host tier.
+        last = mgr.stats.last
+        assert last.bytes_offloaded_nvme == last.records_offloaded_nvme == 0
+        assert last.bytes_offloaded_cpu > 0 and last.records_offloaded_cpu > 0
         del loss
         gc.collect()
         assert_nothing_live(mgr)
