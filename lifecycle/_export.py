@@ -126,7 +126,7 @@ def write_memory_png(trace: Trace, path: str | os.PathLike[str]) -> None:
     )
     ax.legend(loc="upper right")
     fig.tight_layout()
-    fig.savefig(os.fspath(path))
+    fig.savefig(os.fspath(path), format="png")  # a PNG whatever the name ends in
 
 
 def write_plan_png(
@@ -203,7 +203,7 @@ def write_plan_png(
     # Outside the axes: the curves peak mid-step, where any inside corner may be.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
-    fig.savefig(os.fspath(path))
+    fig.savefig(os.fspath(path), format="png")  # a PNG whatever the name ends in
 
 
 def _figure_class(what: str) -> type[Figure]:

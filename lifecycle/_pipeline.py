@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from lifecycle._hardware import HardwareModel
 from lifecycle._plan import BudgetInfeasibleError, Plan
 from lifecycle._planner import plan
-from lifecycle._simulate import Placement, Simulation, offload_all, simulate
+from lifecycle._simulate import Placement, Simulation, _step_index, offload_all, simulate
 from lifecycle._trace import Event, EventKind, Trace
 from lifecycle._units import parse_bytes
 
@@ -98,8 +98,10 @@ def pipeline_trace(
 ) -> Trace:
     """Stage ``stage``'s 1F1B timeline, every microbatch replaying one step of ``trace``.
 
-    ``trace``'s step is split at its first backward event into a forward part and a backward
-    part; each microbatch's records get their own families and call indices.
+    ``trace``'s step ``step`` (``-1``: the last; a step in ``[-steps, steps - 1]`` as
+    :func:`lifecycle.plan` takes it, else ``ValueError``) is split at its first backward event
+    into a forward part and a backward part; each microbatch's records get their own families
+    and call indices.
 
     Example:
         >>> import torch, offload
@@ -114,7 +116,7 @@ def pipeline_trace(
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
         raise ValueError(f"stage must be an int in [0, {stages - 1}]; got {stage!r}")
     actions = schedule_1f1b(stages, microbatches)
-    index = step % trace.steps if trace.steps else 0
+    index = _step_index(trace, step)  # in [-steps, steps - 1], as lifecycle.plan takes it
     events = [e for e in trace.events if e.step == index]
     if not events:
         raise ValueError(f"the trace has no step {step}")
@@ -306,7 +308,8 @@ def predict_1f1b(
         min_offload_bytes: families smaller than this stay on the device.
         max_inflight_bytes: the executor's bound on copies out in flight (``None``: its default).
         prefetch_bytes: the reload look-ahead (see above).
-        step: which step of ``trace`` is the microbatch (``-1``: the last).
+        step: which step of ``trace`` is the microbatch (``-1``: the last), in
+            ``[-steps, steps - 1]``.
         gpu_budget: ``None`` (no plans), one budget for every stage, or a sequence of one per
             stage; each an int of bytes or a size string like ``"8GiB"``, base memory included.
 
@@ -339,6 +342,7 @@ def predict_1f1b(
         True
     """
     schedule_1f1b(stages, microbatches)  # validates both before a budget is matched to a stage
+    _step_index(trace, step)  # the trace and the step, before any of the trace is read
     budgets = None if gpu_budget is None else _stage_budgets(gpu_budget, stages)
     out = []
     window = trace.peak_saved_bytes if prefetch_bytes is None else prefetch_bytes

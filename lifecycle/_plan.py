@@ -18,11 +18,13 @@ from typing import Any
 
 from lifecycle._hardware import HardwareModel
 from lifecycle._jsonfile import check_header, read_json, write_json
+from lifecycle._report import check_top
 from lifecycle._simulate import Decision, Placement
 from lifecycle._units import format_bytes
 
 PLAN_SCHEMA_VERSION = 1
 _FORMAT = "offload.plan"
+_TIERS = ("cpu", "nvme")
 
 Key = tuple[str, int, int]  # (module path, call index, ordinal): TensorRecord.key
 
@@ -243,7 +245,12 @@ class Plan:
 
     def summary(self, top: int = 12) -> str:
         """A plain-text explanation: budget, predictions next to the anchors, bytes per tier,
-        and the modules holding the most bytes with where their bytes wait."""
+        and the ``top`` modules holding the most bytes (0: none) with where their bytes wait.
+
+        Raises:
+            TypeError / ValueError: ``top`` is not an int >= 0.
+        """
+        check_top(top)
         lines = [
             f"plan for a budget of {format_bytes(self.gpu_budget_bytes)} "
             f"(margin {format_bytes(self.margin_bytes)}, aiming at {format_bytes(self.target_bytes)}); "
@@ -319,17 +326,33 @@ class Plan:
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         """Inverse of :meth:`to_dict`; raises ``ValueError`` for another format or schema."""
         check_header(data, fmt=_FORMAT, version=PLAN_SCHEMA_VERSION, what="plan")
+        tiers, anchors = data.get("tiers"), data.get("anchors")
+        if (
+            not isinstance(tiers, list)
+            or not tiers
+            or any(t not in _TIERS for t in tiers)
+            or len(set(tiers)) != len(tiers)
+        ):
+            raise ValueError(
+                f"plan field 'tiers' must be a list naming 'cpu' and/or 'nvme', each once; got "
+                f"{tiers!r}"
+            )
+        if not isinstance(anchors, Mapping):
+            raise ValueError(
+                "plan field 'anchors' must be a JSON object of predictions by name; got "
+                f"{anchors!r}"
+            )
         try:
             return cls(
                 gpu_budget_bytes=int(data["gpu_budget_bytes"]),
                 margin_bytes=int(data["margin_bytes"]),
-                tiers=tuple(data["tiers"]),
+                tiers=tuple(tiers),
                 signature=str(data.get("signature", "")),
                 prediction_source=str(data["prediction_source"]),
                 trace_step_s=float(data["trace_step_s"]),
                 base_bytes=int(data["base_bytes"]),
                 predicted=_prediction_from_json(data["predicted"]),
-                anchors={k: _prediction_from_json(v) for k, v in data["anchors"].items()},
+                anchors={k: _prediction_from_json(v) for k, v in anchors.items()},
                 hardware=HardwareModel.from_dict(data["hardware"]),
                 recompute_calls=tuple((str(m), int(c)) for m, c in data["recompute_calls"]),
                 expected_keys=tuple(_key(k) for k in data["expected_keys"]),

@@ -17,8 +17,18 @@ def _quantiles(values: list[float], qs: tuple[float, ...]) -> list[float]:
     return [v[min(len(v) - 1, round(q * (len(v) - 1)))] for q in qs]
 
 
+def check_top(top: object) -> None:
+    """The ``top`` of a summary: how many modules it lists, 0 for none."""
+    if isinstance(top, bool) or not isinstance(top, int):
+        raise TypeError(f"top must be an int (modules to list, 0 for none); got {top!r}")
+    if top < 0:
+        raise ValueError(f"top must be >= 0 (modules to list, 0 for none); got {top}")
+
+
 def summarize(trace: Trace, top: int = 10) -> str:
-    """Totals, peak live saved bytes, top modules by bytes, lifetime distribution, aliasing."""
+    """Totals, peak live saved bytes, top modules by bytes (``top`` of them, 0 for none),
+    lifetime distribution, aliasing."""
+    check_top(top)
     acts = trace.activation_records
     params = [r for r in trace.records if r.is_parameter]
     fams = [f for f in trace.families() if not f.is_parameter]
@@ -33,7 +43,7 @@ def summarize(trace: Trace, top: int = 10) -> str:
     if trace.metadata.get("memory_probe") not in (None, "live_saved_bytes"):
         lines.append(f"  peak memory in use              : {format_bytes(trace.peak_memory_bytes)}")
     by_mod = trace.bytes_by_module()
-    if by_mod:
+    if by_mod and top:
         total = sum(by_mod.values()) or 1
         lines.append(f"  top modules by saved bytes (of {len(by_mod)}):")
         width = min(48, max(len(m or "<root>") for m in list(by_mod)[:top]))

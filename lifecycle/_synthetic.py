@@ -10,6 +10,7 @@ exercised (and timed) at sizes no CPU can run: an h=8192 model, 100k records.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lifecycle._trace import Event, EventKind, TensorRecord, Trace
@@ -67,6 +68,10 @@ def transformer_trace(
         memory_bytes_per_s: device memory bandwidth (pointwise ops).
         base_bytes: memory in use at the step's start (weights, optimizer state).
 
+    Raises:
+        ValueError: an argument out of its range (the message names it): the sizes and
+            ``dtype_bytes`` are ints >= 1, ``base_bytes`` an int >= 0, the rates finite and > 0.
+
     Example:
         >>> t = transformer_trace(layers=2, hidden=1024, tokens=4096)
         >>> len(t.records), len(t.families())
@@ -79,14 +84,25 @@ def transformer_trace(
     ffn = (
         ffn_hidden if ffn_hidden is not None else (4 * hidden if mlp == "gelu" else 7 * hidden // 2)
     )
-    for name, value in (
+    counts = [
         ("layers", layers),
         ("hidden", hidden),
         ("tokens", tokens),
         ("ffn_hidden", ffn),
-    ):
+        ("dtype_bytes", dtype_bytes),
+    ]
+    if seq_len is not None:
+        counts.append(("seq_len", seq_len))
+    for name, value in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+    if isinstance(base_bytes, bool) or not isinstance(base_bytes, int) or base_bytes < 0:
+        raise ValueError(f"base_bytes must be an int >= 0; got {base_bytes!r}")
+    for name, rate in (("flops_per_s", flops_per_s), ("memory_bytes_per_s", memory_bytes_per_s)):
+        # Every op's time is a size divided by a rate: 0 divides by zero, a negative rate runs
+        # time backwards, and an infinite one makes ops take no time.
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0; got {rate!r}")
     seq = min(tokens, 4096) if seq_len is None else seq_len
     act = tokens * hidden * dtype_bytes  # one [tokens, h] activation
     inner = tokens * ffn * dtype_bytes  # one [tokens, f] activation

@@ -371,7 +371,12 @@ class Trace:
         return tuple(sorted(spans, key=lambda s: s.start_event))
 
     def summary(self, top: int = 10) -> str:
-        """A plain-text report: totals, peak, top modules, lifetimes, aliasing."""
+        """A plain-text report: totals, peak, the ``top`` modules by saved bytes (0: none),
+        lifetimes, aliasing.
+
+        Raises:
+            TypeError / ValueError: ``top`` is not an int >= 0.
+        """
         from lifecycle._report import summarize
 
         return summarize(self, top=top)
@@ -395,15 +400,33 @@ class Trace:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Trace:
-        """Inverse of :meth:`to_dict`; raises ``ValueError`` for another format or schema."""
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: another format or schema, or a body that is not a trace's: a missing or
+                malformed field, or an index to an event or record that is not there. The
+                message names what is wrong.
+        """
         check_header(data, fmt=_FORMAT, version=SCHEMA_VERSION, what="trace")
-        with gc_paused():
-            return cls(
-                records=tuple(_record_from_json(r) for r in data["records"]),
-                events=tuple(_event_from_json(e) for e in data["events"]),
-                steps=int(data["steps"]),
-                metadata=dict(data.get("metadata", {})),
+        missing = [k for k in ("steps", "records", "events") if k not in data]
+        if missing:
+            raise ValueError(f"trace is missing the field(s) {', '.join(map(repr, missing))}")
+        steps, metadata = data["steps"], data.get("metadata", {})
+        if type(steps) is not int or steps < 0:  # type(), not isinstance: a bool is no count
+            raise ValueError(f"trace field 'steps' must be an int >= 0; got {steps!r}")
+        if not isinstance(metadata, Mapping):
+            raise ValueError(
+                f"trace field 'metadata' must be a JSON object; got {type(metadata).__name__}"
             )
+        with gc_paused():
+            records = _items_from_json(data, "records", _record_from_json)
+            events = _items_from_json(data, "events", _event_from_json)
+            try:
+                trace = cls(records=records, events=events, steps=steps, metadata=dict(metadata))
+                _check_indices(trace)
+            except TypeError as e:  # an index field that is not a number
+                raise ValueError(f"trace has a malformed index field: {e}") from e
+        return trace
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the trace as JSON to ``path`` (atomically: a temp file, then a rename)."""
@@ -440,6 +463,30 @@ class Trace:
                 )
 
 
+def _check_indices(trace: Trace) -> None:
+    """Raise ``ValueError`` when a record names an event, or an event a record, that is not in
+    ``trace``: a bad file fails at load rather than deep inside the planner or the simulator.
+    Only loaded traces are checked; traces built in memory come from the recorder and from
+    transforms that keep their indices consistent."""
+    n_events, n_records = len(trace.events), len(trace.records)
+    for r in trace.records:
+        if not 0 <= r.pack_event < n_events:
+            raise ValueError(_not_an_event(r.seq, "pack_event", r.pack_event, n_events))
+        for u in r.unpack_events:
+            if not 0 <= u < n_events:
+                raise ValueError(_not_an_event(r.seq, "unpack_events", u, n_events))
+    for e in trace.events:
+        if not -1 <= e.record < n_records:
+            raise ValueError(
+                f"event {e.index}: record {e.record!r} is not a record's seq in [0, {n_records}) "
+                "or -1"
+            )
+
+
+def _not_an_event(seq: int, name: str, index: Any, n_events: int) -> str:
+    return f"record {seq}: {name} {index!r} is not an event index in [0, {n_events})"
+
+
 def _span_bytes(records: Iterable[TensorRecord]) -> int:
     """Bytes of the storage span covered by views (offset/shape/stride in elements)."""
     lo, hi = None, 0
@@ -473,10 +520,44 @@ def _record_to_json(r: TensorRecord) -> dict[str, Any]:
     return d
 
 
+def _items_from_json(
+    data: Mapping[str, Any], name: str, convert: Callable[[Mapping[str, Any]], _T]
+) -> tuple[_T, ...]:
+    """``data[name]``, a list of JSON objects, converted; a ``ValueError`` naming the item and
+    what is wrong with it when one does not convert."""
+    items = data[name]
+    if not isinstance(items, list):
+        raise ValueError(f"trace field {name!r} must be a list; got {type(items).__name__}")
+    try:
+        return tuple(map(convert, items))
+    except (KeyError, TypeError, ValueError) as e:
+        # Only now find which item it was: a good trace (10k records, 50k events) loads without
+        # paying for the bookkeeping.
+        i, item = next((i, d) for i, d in enumerate(items) if not _converts(convert, d))
+        if not isinstance(item, dict):
+            why = f"expected a JSON object; got {type(item).__name__}"
+        elif isinstance(e, KeyError):
+            why = f"missing the field {e}"
+        else:  # an unknown field, a list that is not one, an unknown event kind
+            why = str(e)
+        raise ValueError(f"trace {name}[{i}]: {why}") from e
+
+
+def _converts(convert: Callable[[Mapping[str, Any]], Any], item: Any) -> bool:
+    try:
+        convert(item)
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
+
+
 def _record_from_json(d: Mapping[str, Any]) -> TensorRecord:
     d = dict(d)
     for k in _TUPLE_FIELDS:
-        d[k] = tuple(d[k])
+        try:
+            d[k] = tuple(d[k])
+        except TypeError:
+            raise TypeError(f"field {k!r} must be a list; got {d[k]!r}") from None
     return TensorRecord(**d)
 
 

@@ -30,7 +30,8 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
         value: an int (bytes) or a string with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; K, M,
             G, T mean KiB, MiB, GiB, TiB) or a percentage when ``total`` is given.
         name: the argument's name, used in error messages.
-        total: what a percentage is a share of.
+        total: what a percentage is a share of; ``None`` for an argument that takes no
+            percentage (the error messages then offer none).
 
     Raises:
         ValueError: the value is negative, unparsable, or a percentage without a total.
@@ -43,8 +44,9 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
         500
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
+        forms = "'12GiB' or '85%'" if total is not None else "'12GiB'"
         raise TypeError(
-            f"{name} must be an int (bytes) or a string like '12GiB' or '85%'; got {type(value).__name__}"
+            f"{name} must be an int (bytes) or a string like {forms}; got {type(value).__name__}"
         )
     if isinstance(value, int):
         if value < 0:
@@ -53,7 +55,10 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
     text = value.strip()
     if text.endswith("%"):
         if total is None:
-            raise ValueError(f"{name}={value!r}: a percentage needs a known total (device memory)")
+            raise ValueError(
+                f"{name}={value!r}: {name} takes bytes, not a percentage; give an int or a size "
+                "such as '12GiB'"
+            )
         try:
             pct = float(text[:-1])
         except ValueError:

@@ -435,6 +435,9 @@ def _write_png(trace: Trace, p: Plan, path: str, prog: str) -> None:
     except OSError as e:  # the plan is written: a missing picture is not a failed command
         print(f"{prog}: warning: cannot write {path!r}: {_reason(e)}", file=sys.stderr)
         return
+    except ValueError as e:  # the plan and the trace disagree, say: the plan is still written
+        print(f"{prog}: warning: cannot draw {path!r}: {e}", file=sys.stderr)
+        return
     print(f"wrote {path}")
 
 

@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     err = _prepare_out(args.out)
     if err:
         return _fail(err)
+    # The script may change directory (os.chdir to its data, say): write where --out named
+    # when the command started.
+    out = os.path.abspath(args.out)
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     failure: BaseException | None = None
-    old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
+    old_argv, old_path0, old_cwd = sys.argv, sys.path[0] if sys.path else None, os.getcwd()
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     stop = nn.modules.module.register_module_forward_pre_hook(stop_when_done)
@@ -171,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         failure = e
     finally:
         stop.remove()
+        os.chdir(old_cwd)
         sys.argv = old_argv
         if sys.path and sys.path[0] != old_path0:
             sys.path.pop(0)
@@ -192,22 +196,19 @@ def run(args: argparse.Namespace) -> int:
             "record (does the script call loss.backward()? lower --warmup?)",
             1,
         )
-    paths = _write_outputs(trace, args.out)
+    paths = _write_outputs(trace, out)
+    plan_path, png_path = os.path.join(out, "plan.json"), os.path.join(out, "plan.png")
+    # A plan left by an earlier run belongs to the trace just replaced: never leave it beside
+    # this one (a run without --gpu-budget, or with an infeasible one, writes none).
+    for stale in (plan_path, png_path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
     print(trace.summary())
     for p in paths:
         print(f"wrote {p}")
     status = 0
     if plan_options is not None:
         print()
-        plan_path, png_path = (
-            os.path.join(args.out, "plan.json"),
-            os.path.join(args.out, "plan.png"),
-        )
-        # A plan left by an earlier run belongs to the trace just replaced: never leave it
-        # beside this one (an infeasible budget writes none).
-        for stale in (plan_path, png_path):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(stale)
         status = _cli_plan.plan_and_write(
             trace, plan_options, plan_path=plan_path, png_path=png_path, prog="offload profile"
         )

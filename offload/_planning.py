@@ -37,6 +37,12 @@ def resolve_hardware(
 
 def resolve_budget(gpu_budget: int | str, device: torch.device) -> int:
     """Bytes for an int, a size string, or a percentage of ``device``'s memory."""
+    if isinstance(gpu_budget, bool) or not isinstance(gpu_budget, (int, str)):
+        # Checked here: parse_bytes offers a percentage only when it has the total at hand.
+        raise TypeError(
+            "gpu_budget must be an int (bytes) or a string like '12GiB' or '85%' (of a CUDA "
+            f"device's memory); got {type(gpu_budget).__name__}"
+        )
     total = None
     if isinstance(gpu_budget, str) and gpu_budget.strip().endswith("%"):
         if device.type != "cuda":
@@ -95,6 +101,11 @@ def plan(
         ...     print(e.min_feasible_bytes > 1)
         True
     """
+    if not isinstance(trace, Trace):  # checked first: the device and the hardware come from it
+        raise TypeError(
+            "trace must be a lifecycle.Trace (offload.Trace.load(path) reads a saved one); got "
+            f"{type(trace).__name__}"
+        )
     device = trace_device(trace)
     hw = resolve_hardware(hardware, device)
     budget = resolve_budget(gpu_budget, device)

@@ -4,6 +4,7 @@ subprocess, as a user runs it; argument errors through ``offload._cli.main`` in 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -239,6 +240,13 @@ def test_bad_trace_files(work: Path, tmp_path: Path, capsys: pytest.CaptureFixtu
         work, "--gpu-budget", "1GiB", "--out", out, trace=work / "hardware.json", capsys=capsys
     )
     assert r.returncode == 2 and "cannot read trace" in r.stderr
+    # A trace's header over a body that is not a trace's: unreadable too, not a traceback.
+    body = json.loads((work / "trace.json").read_text())
+    body["records"][0]["pack_event"] = len(body["events"])
+    spoiled = tmp_path / "spoiled.json"
+    spoiled.write_text(json.dumps(body))
+    r = plan_main(work, "--gpu-budget", "1GiB", "--out", out, trace=spoiled, capsys=capsys)
+    assert r.returncode == 2 and "cannot read trace" in r.stderr and "pack_event" in r.stderr
     r = plan_main(work, "--gpu-budget", "1GiB", "--out", str(work / "trace.json"), capsys=capsys)
     assert r.returncode == 2 and "--out" in r.stderr
     assert Trace.load(work / "trace.json").steps == 1  # not overwritten
@@ -303,6 +311,69 @@ def test_png_skipped_without_matplotlib(work: Path, peak: int, tmp_path: Path) -
     assert Plan.load(out).predicted_peak_bytes <= peak // 2
     assert not (tmp_path / "plan.png").exists()
     assert "skipped" in r.stderr and "offload[plot]" in r.stderr
+
+
+def test_png_whatever_the_file_name(
+    work: Path, peak: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--png`` names a file; its extension does not choose the format (matplotlib refuses
+    .txt, and a .jpg holding a PNG would be worse than either)."""
+    pytest.importorskip("matplotlib")
+    for name in ("picture.txt", "picture"):
+        png = tmp_path / name
+        out = str(tmp_path / "p.json")
+        r = plan_main(
+            work, "--gpu-budget", str(peak // 2), *SMALL, "--out", out, "--png", str(png),
+            capsys=capsys,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        assert f"wrote {png}" in r.stdout
+
+
+def test_png_that_cannot_be_drawn_is_a_warning(
+    work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan is written before its picture: a picture that cannot be drawn (here the plan is
+    of another trace, whose families the simulator refuses) is a warning, not a traceback."""
+    pytest.importorskip("matplotlib")
+    from lifecycle import plan, transformer_trace
+    from offload._cli_plan import _write_png
+
+    other = transformer_trace(layers=4, hidden=64, tokens=64)
+    budget = other.peak_memory_bytes // 2
+    p = plan(other, budget, HardwareModel.h200(), min_offload_bytes=0, margin=0)
+    png = tmp_path / "plan.png"
+    _write_png(Trace.load(work / "trace.json"), p, str(png), "offload plan")
+    err = capsys.readouterr().err
+    assert "offload plan: warning: cannot draw" in err and str(png) in err
+    assert not png.exists()
+
+
+def test_reader_that_goes_away_ends_the_command_quietly(
+    work: Path, peak: int, tmp_path: Path
+) -> None:
+    """``offload plan ... | head``: when the reader of stdout is gone the command stops with
+    status 1 and no traceback, as other command-line tools do."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # gone before the first line is written: every write meets EPIPE
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OFFLOAD_CACHE_DIR=str(work / "cache"))
+    trace, hardware = str(work / "trace.json"), str(work / "hardware.json")
+    args = ["plan", trace, "--hardware", hardware, "--gpu-budget", str(peak // 2), *SMALL]
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "offload", *args, "--out", str(tmp_path / "p.json")],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=240,
+        )
+    finally:
+        os.close(write_end)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
 
 
 def test_help(tmp_path: Path) -> None:

@@ -263,3 +263,47 @@ def test_profile_percentage_budget_needs_cuda(
     code = main(["profile", "--out", str(tmp_path / "o"), "--gpu-budget", "85%", str(script)])
     err = capsys.readouterr().err
     assert code == 2 and "--gpu-budget 85%" in err and "CUDA" in err
+
+
+_TINY = """
+    import os, torch
+    {chdir}
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    for _ in range(3):
+        m(torch.randn(2, 8)).sum().backward()
+"""
+
+
+def test_script_that_changes_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A relative --out means relative to where the command started, whatever directory the
+    script moves to; the command's own directory is back when it returns."""
+    from offload._cli import main
+
+    (tmp_path / "data").mkdir()
+    script = _script(tmp_path, _TINY.format(chdir="os.chdir('data')"))
+    monkeypatch.chdir(tmp_path)
+    code = main(["profile", "--quiet", "--out", "prof", str(script)])
+    assert code == 0, capsys.readouterr().err
+    assert os.getcwd() == str(tmp_path)
+    assert Trace.load(tmp_path / "prof" / "trace.json").steps == 1
+    assert not (tmp_path / "data" / "prof").exists()
+
+
+def test_profile_without_budget_removes_an_earlier_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An earlier run's plan belongs to the trace this run replaces: without --gpu-budget
+    there is no new plan, and the old one must not stay beside the new trace."""
+    from offload._cli import main
+
+    out = tmp_path / "prof"
+    out.mkdir()
+    (out / "plan.json").write_text("{}")
+    (out / "plan.png").write_bytes(b"\x89PNG")
+    script = _script(tmp_path, _TINY.format(chdir=""))
+    code = main(["profile", "--quiet", "--out", str(out), str(script)])
+    assert code == 0, capsys.readouterr().err
+    assert Trace.load(out / "trace.json").steps == 1
+    assert not (out / "plan.json").exists() and not (out / "plan.png").exists()

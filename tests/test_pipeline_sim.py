@@ -86,6 +86,12 @@ def test_bad_arguments() -> None:
         pipeline_trace(_one(), stage=4, stages=4, microbatches=8)
     with pytest.raises(TypeError, match="trace"):
         pipeline_trace("x", stage=0, stages=2, microbatches=2)  # type: ignore[arg-type]
+    # A step the trace does not have, as lifecycle.plan refuses it (not wrapped around).
+    for step in (1, -2):
+        with pytest.raises(ValueError, match=r"step must be in \[-1, 0\] .*got " + str(step)):
+            pipeline_trace(_one(), stage=0, stages=2, microbatches=2, step=step)
+        with pytest.raises(ValueError, match=r"step must be in \[-1, 0\] .*got " + str(step)):
+            predict_1f1b(_one(), IDEAL, stages=2, microbatches=2, step=step)
 
 
 def _budget_below_stage0(fraction: float) -> int:

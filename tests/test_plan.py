@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -287,6 +288,26 @@ def test_slow_link_recomputes_and_ideal_link_offloads(traces: dict[str, Trace], 
     # Even the smallest feasible budget needs no recompute on an ideal link.
     floor = _plan(trace, _floor(trace, IDEAL), IDEAL)
     assert not floor.recompute_calls and floor.predicted_step_s == floor.trace_step_s
+
+
+@pytest.mark.parametrize("name", ["gpt4x4096", "block_stack"])
+def test_blocks_holding_running_statistics_are_never_recomputed(
+    traces: dict[str, Trace], name: str
+) -> None:
+    """A trace names the modules whose forward updated running statistics (BatchNorm in
+    training); recomputing a block holding one would update them twice, so no plan does."""
+    trace = traces[name]
+    checkpoint = _plan(trace, 10**15, GLACIAL).anchors["checkpoint_blocks"]
+    budget = (checkpoint.peak_bytes + simulate(trace, GLACIAL).peak_bytes) // 2
+    free = [m for m, _ in _plan(trace, budget, GLACIAL).recompute_calls]
+    assert len(free) >= 2
+    stateful = f"{free[-1]}.bn"  # a module inside the block the plan recomputed last
+    marked = dataclasses.replace(trace, metadata={**trace.metadata, "stateful_modules": [stateful]})
+    p = _plan(marked, budget, GLACIAL)
+    recomputed = [m for m, _ in p.recompute_calls]
+    assert free[-1] not in recomputed and recomputed  # the others still are
+    assert p.predicted_peak_bytes <= budget
+    assert all(e.recompute_module != free[-1] for e in p.entries)
 
 
 # -- host room and NVMe -------------------------------------------------------------------------
@@ -596,6 +617,82 @@ def test_bad_arguments_name_the_argument(traces: dict[str, Trace]) -> None:
         kwargs = {"trace": trace, "gpu_budget": 10**12, "hardware": H200, **change}
         with pytest.raises(error, match=name):
             plan(**kwargs)
+
+
+def test_offload_plan_names_a_trace_that_is_not_one() -> None:
+    """``offload.plan`` reads the trace's device before anything else: a path is refused by the
+    argument's name, not with an ``AttributeError`` from inside."""
+    with pytest.raises(TypeError, match=r"trace must be a lifecycle\.Trace .*got str"):
+        offload.plan("trace.json", 10**9, H200)
+
+
+def test_size_errors_offer_only_what_the_argument_takes() -> None:
+    """Only a GPU budget given to ``offload`` may be a percentage (of a CUDA device's memory);
+    the messages for every other size say bytes."""
+    trace = transformer_trace(layers=1, hidden=64, tokens=64)
+    with pytest.raises(TypeError, match="cpu_budget must be an int") as info:
+        plan(trace, 10**12, H200, cpu_budget=1.5)
+    assert "%" not in str(info.value)
+    with pytest.raises(ValueError, match="cpu_budget takes bytes, not a percentage"):
+        plan(trace, 10**12, H200, cpu_budget="50%")
+    with pytest.raises(TypeError, match=r"gpu_budget must be .*'85%'"):
+        offload.plan(trace, 1.5, H200)
+
+
+def _small_plan() -> Plan:
+    trace = transformer_trace(layers=4, hidden=64, tokens=64)
+    return plan(trace, trace.peak_memory_bytes // 2, H200, min_offload_bytes=0, margin=0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tiers", "cpu"),
+        ("tiers", ["gpu"]),
+        ("tiers", []),
+        ("tiers", ["cpu", "cpu"]),
+        ("anchors", []),
+    ],
+)
+def test_plan_file_with_a_malformed_field(field: str, value: object) -> None:
+    d = _small_plan().to_dict()
+    assert Plan.from_dict(d).tiers == ("cpu",)
+    d[field] = value
+    with pytest.raises(
+        ValueError, match=f"plan field '{field}' must be .*got {re.escape(repr(value))}"
+    ):
+        Plan.from_dict(d)
+
+
+def test_plan_summary_lists_top_modules_or_none() -> None:
+    p = _small_plan()
+    header = "  module "
+    table = p.summary(top=100).split(header)[1].splitlines()[1:]
+    assert len(table) == len({e.module for e in p.entries}) >= 2
+    assert p.summary(top=1).split(header)[1].splitlines()[1:] == table[:1]
+    assert header not in p.summary(top=0)
+    with pytest.raises(ValueError, match="top must be >= 0"):
+        p.summary(top=-1)
+    with pytest.raises(TypeError, match="top must be an int"):
+        p.summary(top=1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"flops_per_s": 0}, "flops_per_s"),
+        ({"flops_per_s": -1e12}, "flops_per_s"),
+        ({"flops_per_s": math.nan}, "flops_per_s"),
+        ({"memory_bytes_per_s": 0}, "memory_bytes_per_s"),
+        ({"memory_bytes_per_s": "fast"}, "memory_bytes_per_s"),
+        ({"dtype_bytes": 0}, "dtype_bytes"),
+        ({"seq_len": 0}, "seq_len"),
+        ({"base_bytes": -1}, "base_bytes"),
+    ],
+)
+def test_transformer_trace_names_a_bad_argument(change: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=f"^{named} must be"):
+        transformer_trace(layers=1, hidden=8, tokens=4, **change)
 
 
 def test_swiglu_trace_saves_what_a_llama_layer_saves() -> None:

@@ -17,6 +17,7 @@ from lifecycle import (
     EventKind,
     TensorRecord,
     Trace,
+    transformer_trace,
     write_memory_png,
     write_perfetto,
 )
@@ -147,6 +148,46 @@ def test_load_rejects_other_files(tmp_path) -> None:
         Trace.load(tmp_path / "missing.json")
 
 
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "named"),
+    [
+        (("records",), _DELETE, r"missing the field\(s\) 'records'"),
+        (("records", 1, "foo"), 1, r"records\[1\]: .*unexpected keyword argument 'foo'"),
+        (("records", 1, "shape"), None, r"records\[1\]: field 'shape' must be a list; got None"),
+        (("records", 2), 7, r"records\[2\]: expected a JSON object; got int"),
+        (("events", 3, "kind"), _DELETE, r"events\[3\]: missing the field 'kind'"),
+        (("steps",), None, "'steps' must be an int >= 0; got None"),
+        (("metadata",), ["device", "cpu"], "'metadata' must be a JSON object; got list"),
+        # Indices into the timeline and the records must point at something.
+        (("records", 1, "pack_event"), 10**6, r"record 1: pack_event 1000000 is not an event"),
+        (("records", 1, "unpack_events"), [6, 10], r"record 1: unpack_events 10 is not an event"),
+        (("events", 2, "record"), 4, r"event 2: record 4 is not a record's seq in \[0, 4\)"),
+        (("records", 1, "pack_event"), "2", "malformed index field"),
+    ],
+)
+def test_load_names_what_is_wrong_in_the_body(
+    tmp_path, where: tuple, value: object, named: str
+) -> None:
+    """A file with a trace's header but a malformed body fails at load with a ``ValueError`` that
+    names what is wrong (not a ``KeyError``, ``TypeError`` or ``IndexError`` from deep inside)."""
+    d = _synthetic().to_dict()
+    *parents, last = where
+    target = d
+    for k in parents:
+        target = target[k]
+    if value is _DELETE:
+        del target[last]
+    else:
+        target[last] = value
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=named):
+        Trace.load(p)
+
+
 def test_summary_names_the_facts() -> None:
     case = views_model(seed=0)
     s = offload.profile(case.step, case.model, warmup_steps=0).summary()
@@ -158,6 +199,26 @@ def test_summary_names_the_facts() -> None:
         "aliasing",
     ):
         assert needle in s
+
+
+def test_summary_lists_top_modules_or_none() -> None:
+    """``top`` modules by saved bytes, as many as asked for; 0 lists none, as Plan.summary."""
+    trace = transformer_trace(layers=2, hidden=64, tokens=64)
+    header = "  top modules by saved bytes"
+
+    def listed(top: int) -> list[str]:
+        lines = trace.summary(top=top).splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith(header))
+        return [line for line in lines[at + 1 :] if line.startswith("    ")]
+
+    every = listed(100)
+    assert len(every) == len(trace.bytes_by_module()) >= 2
+    assert listed(1) == every[:1]
+    assert header not in trace.summary(top=0)
+    with pytest.raises(ValueError, match="top must be >= 0"):
+        trace.summary(top=-1)
+    with pytest.raises(TypeError, match="top must be an int"):
+        trace.summary(top="3")  # type: ignore[arg-type]
 
 
 def test_perfetto_export(tmp_path) -> None:
