@@ -303,6 +303,7 @@ class ActivationOffloader:
         self._closed = False
         self._lock = threading.RLock()
         self._hooks_cm: Any = None
+        self._hooks_popped = False  # paused() took this step's hook pair off the stack
         self._step_stats: StepStats | None = None
         self._step_added = True
         # [module path, kept, families this call packed itself (offloaded ones, in pack order)]
@@ -322,6 +323,8 @@ class ActivationOffloader:
         self._stage_inputs_held = False  # attached to a pipeline stage: its inputs stay
         self._meter: Any = None  # offload._live.SavedBytes while one counts (tests, benchmarks)
         self._task_ends: dict[int, _StepEnd] = {}  # backward graph task -> its end callback
+        # Pipeline stages attached to (close() gives them their own methods back).
+        self._attachments: weakref.WeakSet[PipelineAttachment] = weakref.WeakSet()
         # Closed on garbage collection and at exit too; the finalizer holds only the resources.
         self._resources: list[Any] = []
         self._finalizer = weakref.finalize(
@@ -388,7 +391,12 @@ class ActivationOffloader:
         See NOTE [ Pipelining ] in ``offload/_pipelining.py``. Tensor parallel and FSDP2 need no
         attach: build the manager on the already parallelised model.
         """
-        return PipelineAttachment(self, target)
+        with self._lock:
+            if self._closed:
+                raise OffloadError("this ActivationOffloader is closed; make a new one")
+            attachment = PipelineAttachment(self, target)
+            self._attachments.add(attachment)
+            return attachment
 
     @property
     def closed(self) -> bool:
@@ -458,7 +466,10 @@ class ActivationOffloader:
                 return
             self._in_step = False
             cm, self._hooks_cm = self._hooks_cm, None
-            cm.__exit__(None, None, None)
+            if self._hooks_popped:
+                self._hooks_popped = False  # paused() took the pair off the stack already
+            else:
+                cm.__exit__(None, None, None)
             assert self._executor is not None
             if exc_type is not None:
                 if isinstance(exc, torch.OutOfMemoryError):
@@ -482,14 +493,17 @@ class ActivationOffloader:
             ours = top is not None and top[0] is self._pack_fn and _push_hooks is not None
             if ours and _pop_hooks is not None:
                 _pop_hooks()
+                self._hooks_popped = True
             self._paused += 1
         try:
             yield
         finally:
             with self._lock:
                 self._paused -= 1
-                if ours and _push_hooks is not None:
+                # Unless the step ended inside the region (its __exit__ saw the pair gone).
+                if ours and self._hooks_popped and _push_hooks is not None:
                     _push_hooks(self._pack_fn, self._unpack_fn)
+                    self._hooks_popped = False
 
     def close(self) -> None:
         """Release every byte this manager holds off the device and its threads. Idempotent.
@@ -502,6 +516,8 @@ class ActivationOffloader:
             if self._in_step:
                 self.__exit__(None, None, None)
             self._closed = True
+            for attachment in list(self._attachments):
+                attachment.detach()  # the stages run as they are from now on
             self._account_last()
             self._finalizer.detach()
             for h in self._module_handles:
@@ -528,10 +544,12 @@ class ActivationOffloader:
         staging = 2 * (inflight or 256 << 20) if "nvme" in cfg.tiers else 0
         # The process-wide pool, with room for this manager's own budget beside the others'
         # (pipeline stages on one rank each have a manager); its free slabs go back to the host
-        # when the last manager closes.
+        # when the last manager closes. Staging room is claimed for at least 256 MiB each way
+        # (the automatic in-flight bound's floor): a record larger than a small explicit bound
+        # still goes out, alone.
         share = storage.claim_shared_host_pool(
             cfg.cpu_budget_bytes,
-            staging_bytes=staging,
+            staging_bytes=max(staging, 2 * (256 << 20)) if staging else 0,
             default=self._cpu_budget_default,
             pin_memory=self.device.type == "cuda",
         )

@@ -630,6 +630,29 @@ def test_pack_while_paused_passes_through() -> None:
         (y.sum() + z.sum()).backward()
 
 
+def test_a_step_that_ends_inside_paused_leaves_the_hook_stack_sound() -> None:
+    """close() (or a step's exit) inside ``paused()`` used to pop a hook pair that paused() had
+    taken off already: torch's internal assert on an empty stack. The stack stays balanced, and
+    the next step offloads as usual."""
+    model = nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    with manager(model) as mgr:
+        mgr.__enter__()
+        paused = mgr.paused()
+        paused.__enter__()
+        mgr.__exit__(None, None, None)  # the step ends inside the paused region
+        paused.__exit__(None, None, None)
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        with mgr:
+            loss = torch.tanh(model(x)).sum()
+        assert mgr.stats.last.records > 0
+        loss.backward()
+        with mgr:
+            with mgr.paused():
+                mgr.close()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
 def test_paused_leaves_a_foreign_hook_alone() -> None:
     model = nn.Linear(64, 64)
     x = torch.randn(32, 64)

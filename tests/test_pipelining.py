@@ -499,6 +499,32 @@ def test_a_failed_chunk_abandons_the_round_and_leaks_nothing() -> None:
     mgr.close()
 
 
+def test_close_gives_an_attached_stage_its_own_methods_back() -> None:
+    """A manager closed while attached would leave its stage raising 'closed' at every chunk
+    (and the peer ranks waiting): close() detaches it; attaching a closed manager raises."""
+    import offload
+
+    model = _stage_module(0)
+    gen = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(ROWS, WIDTH, generator=gen) for _ in range(MICROBATCHES)]
+    grads = [torch.randn(ROWS, WIDTH, generator=gen) for _ in range(MICROBATCHES)]
+    stage = _Stage0(model, inputs, grads)
+    stage.round()
+    want = [p.grad.clone() for p in model.parameters()]
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    mgr.attach(stage)
+    model.zero_grad(set_to_none=True)
+    stage.round()
+    assert mgr.stats.total.bytes_offloaded_cpu > 0
+    mgr.close()
+    assert not {"forward_one_chunk", "backward_one_chunk"} & set(vars(stage))
+    model.zero_grad(set_to_none=True)
+    stage.round()  # runs as it is
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want, strict=True))
+    with pytest.raises(offload.OffloadError, match="closed"):
+        mgr.attach(stage)
+
+
 @pytest.mark.parametrize("value", ["abc%", "150%", "7zz"])
 def test_pipeline_example_rejects_a_bad_budget(value: str) -> None:
     """A bad --gpu-budget is a usage error naming the option, before any process starts."""
