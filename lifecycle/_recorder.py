@@ -6,11 +6,11 @@ on the outputs' ``grad_fn``, backward spans. Time and memory come from an inject
 memory probe, so this module makes no CUDA call.
 
 NOTE [ Alias families ]
-    A family is one live storage at one version of one version counter: it is keyed on the
-    storage's Python object and on the tensor whose counter the saved one uses (its view base,
-    else itself: ``version_root``), both held weakly, plus ``t._version``; never on
-    ``data_ptr()``. Pieces of one storage made by ``unsafe_chunk``, as GRU cells make them, count
-    versions apart: equal versions there are no evidence of equal bytes. Once a saved tensor
+    A family is one live storage at one version: it is keyed on the storage's Python object
+    (held weakly) plus ``t._version``, and, for a tensor that is no view yet spans less than its
+    storage (pieces made by ``unsafe_chunk``, as GRU cells make them, each with a version counter
+    of its own: equal versions there are no evidence of equal bytes), on that tensor too (held
+    weakly); never on ``data_ptr()``. Once a saved tensor
     dies, the allocator hands its address to the next tensor of the step, so an address key would
     merge unrelated tensors. ``t.untyped_storage()`` returns the same Python object for every view
     of a storage for as long as the storage lives, so ``id()`` of a live one is a unique key; the
@@ -43,7 +43,6 @@ from lifecycle._tensors import (
     named_modules_stop_at_compiled,
     parameter_cast,
     tensors_in,
-    version_root,
 )
 from lifecycle._trace import Event, EventKind, TensorRecord, Trace
 
@@ -192,7 +191,7 @@ class Recorder:
         self._norms = NormOutputs()  # norm outputs and their arguments, from module hooks
         # (id(storage), id(version root), version) -> weak storage and root, and -> (family id,
         # storage bytes).
-        self._family_ref: dict[tuple[int, int, int], tuple[weakref.ref, weakref.ref]] = {}
+        self._family_ref: dict[tuple[int, int, int], tuple[weakref.ref, weakref.ref | None]] = {}
         self._family_info: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._next_family = 0
         self._stack: list[_Call] = []
@@ -586,14 +585,22 @@ class Recorder:
         backward = _current_graph_task_id is not None and _current_graph_task_id() != -1
         fn = t.grad_fn
         is_param = parameter or self._params.holds(local, storage)
-        # See NOTE [ Alias families ].
-        root = version_root(local)
-        key = (sid, id(root), version)
+        # See NOTE [ Alias families ]. A tensor that is no view and spans less than its storage
+        # (an ``unsafe_chunk`` piece) has a version counter of its own: it is named in the key,
+        # and held weakly. Only then: a weak reference to every saved tensor made each one's
+        # deallocation dearer (2-4 us per pack in bench_hooks). Views and whole tensors key on
+        # the storage, as before. (Views of pieces, or two whole tensors of one storage with
+        # counters of their own, ``set_``, would share a family here: a planning estimate
+        # only; the executor tells them apart exactly.)
+        nbytes, offset = local.nbytes, local.storage_offset()
+        storage_nbytes = storage.nbytes()
+        piece = (offset != 0 or nbytes != storage_nbytes) and not local._is_view()
+        key = (sid, id(local) if piece else 0, version)
         refs = self._family_ref.get(key)
-        if refs is None or refs[0]() is not storage or refs[1]() is not root:
+        if refs is None or refs[0]() is not storage or (piece and _dead_or_other(refs[1], local)):
             # Two dicts, so that only the weak references stay tracked by the GC.
-            self._family_ref[key] = (weakref.ref(storage), weakref.ref(root))
-            fam = self._family_info[key] = (self._next_family, storage.nbytes())
+            self._family_ref[key] = (weakref.ref(storage), weakref.ref(local) if piece else None)
+            fam = self._family_info[key] = (self._next_family, storage_nbytes)
             self._next_family += 1
         else:
             fam = self._family_info[key]
@@ -614,9 +621,9 @@ class Recorder:
                 module,
                 call_index,
                 ordinal,
-                local.nbytes,
+                nbytes,
                 fam[1],
-                local.storage_offset(),
+                offset,
                 tuple(local.shape),
                 local.stride(),
                 local.dtype,  # named at trace(): a dtype is a singleton, a str costs a lookup
@@ -669,3 +676,7 @@ class _BackwardEnd:
             with rec._lock:
                 rec._event(EventKind.BACKWARD_END, self.module, self.call_index)
         return None
+
+
+def _dead_or_other(ref: weakref.ref | None, t: torch.Tensor) -> bool:
+    return ref is None or ref() is not t
