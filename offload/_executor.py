@@ -94,8 +94,9 @@ class _Member:
 class _StepState:
     """The families of one step, in pack order, and what is in flight."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, host_allocations: int = 0) -> None:
         self.index = index
+        self.host_allocations = host_allocations  # the pool's count of slabs when it began
         self.families: list[Family] = []
         self.by_storage: dict[int, list[Family]] = {}
         self.prefetch_next = -1  # highest family order the look-ahead has not passed yet
@@ -159,8 +160,9 @@ class Executor:
         self._deferred_releases: deque[Family] = deque()  # see release()
         self._inflight_bytes = 0
         self._ahead_bytes = 0  # see _mark_ahead
-        # GPU + NVMe: records whose file write runs from pinned staging, oldest first.
-        self._writing: deque[Family] = deque()
+        # GPU + NVMe: records whose file write runs from pinned staging, oldest first, each with
+        # its write's handle (kept here: freeing the family clears ``fam.handle``).
+        self._writing: deque[tuple[Family, Any]] = deque()
         self._writing_bytes = 0
         self.staging_bytes = staging_bytes
         self._d2h: Any = None
@@ -185,9 +187,17 @@ class Executor:
     def begin_step(self, index: int) -> StepStats:
         with self.lock:
             self._drain_releases()
-            self.step = _StepState(index)
+            self.step = _StepState(index, self.pool.host_allocations)
             self._collect_pending()
             return self.step.stats
+
+    def count_host_allocations(self) -> None:
+        """The current step's ``stats.host_allocations``: slabs the host pool (shared with other
+        managers) allocated since the step began."""
+        with self.lock:
+            step = self.step
+            if step is not None:
+                step.stats.host_allocations = self.pool.host_allocations - step.host_allocations
 
     def fail_step(self) -> None:
         """The step's block raised: drop every family of the step now (their handles may live on
@@ -330,15 +340,23 @@ class Executor:
             while self._writing and self._writing_bytes + n > self.staging_bytes:
                 step.stats.backpressure_waits += 1
                 with contextlib.suppress(storage.StorageError):
-                    self._writing[0].handle.wait()
+                    self._writing[0][1].wait()
                 self._poll_writes()
-            # The D2H copy lands in a pinned region; for NVMe that region is staging.
-            try:
-                region = self.pool.allocate(n)
-            except storage.StorageFullError as e:
-                raise from_storage(
-                    e, "no pinned host memory for a D2H copy (raise cpu_budget)"
-                ) from e
+            # The D2H copy lands in a pinned region; for NVMe that region is staging. A full
+            # pool first gets back the staging of the file writes still running.
+            region = None
+            while region is None:
+                try:
+                    region = self.pool.allocate(n)
+                except storage.StorageFullError as e:
+                    if not self._writing:
+                        raise from_storage(
+                            e, "no pinned host memory for a D2H copy (raise cpu_budget)"
+                        ) from e
+                    step.stats.backpressure_waits += 1
+                    with contextlib.suppress(storage.StorageError):
+                        self._writing[0][1].wait()
+                    self._poll_writes()
             packed = torch.cuda.Event()
             packed.record(torch.cuda.current_stream(self.device))  # P: t is fully computed
             with torch.cuda.stream(self._d2h):
@@ -432,8 +450,12 @@ class Executor:
         return fam.handle.done()
 
     def _wait_copy_out(self, fam: Family) -> None:
-        if fam.source_event is not None:
-            fam.source_event.synchronize()
+        if self.cuda:
+            # Rule 2: the oldest D. An NVMe record's file write goes on from pinned staging
+            # (bounded by staging_bytes): device memory is freed at PCIe speed, not disk speed.
+            if fam.source_event is not None:
+                fam.source_event.synchronize()
+            return
         with contextlib.suppress(storage.StorageError):
             fam.handle.wait()  # a failure is handled by poll(): next tier, or keep the source
 
@@ -451,15 +473,15 @@ class Executor:
     def _poll_writes(self) -> None:
         """GPU + NVMe: release the pinned copy of records whose file write completed; adopt it
         into the host tier (or keep it) when the write failed, so no byte is lost."""
-        while self._writing and self._writing[0].handle.done():
-            fam = self._writing.popleft()
+        while self._writing and self._writing[0][1].done():
+            fam, handle = self._writing.popleft()
             self._writing_bytes -= fam.nbytes
             region, fam.spill = fam.spill, None
             if fam.life is Life.FREED or region is None:
                 if region is not None:
                     self._release_after(region, fam.reload_event)
                 continue
-            error = fam.handle.written.exception(timeout=0)
+            error = handle.written.exception(timeout=0)
             if error is None:
                 # Rule 4: D and the I/O threads are done with it; a reload from it may not be.
                 self._release_after(region, fam.reload_event)
@@ -492,7 +514,7 @@ class Executor:
             fam.source_event = None
             fam.to(Life.OFF_DEVICE)
             if fam.spill is not None:
-                self._writing.append(fam)
+                self._writing.append((fam, fam.handle))
                 self._writing_bytes += fam.nbytes
             return
         error = fam.handle.written.exception(timeout=0)
@@ -588,7 +610,8 @@ class Executor:
                 elif fam.life is Life.OFF_DEVICE and fam.members > 0:
                     if self._ahead_bytes + fam.nbytes > self.prefetch_bytes:
                         break
-                    self._begin_reload(fam)
+                    if not self._begin_reload(fam):
+                        break  # memory is short: the window waits for unpacks to make room
                 step.prefetch_next -= 1
 
     def prefetch_step(self, step: _StepState, *, restart: bool = False) -> None:
@@ -600,9 +623,15 @@ class Executor:
                 step.prefetch_next = len(step.families) - 1
         self.prefetch((), step)
 
-    def _begin_reload(self, fam: Family) -> None:
+    def _begin_reload(self, fam: Family) -> bool:
+        """Prefetch ``fam``; False when memory for it is short now (a prefetch is only ahead of
+        time: its unpack reloads it then, and raises there if memory is still short)."""
         if fam.life is Life.OFF_DEVICE and fam.members > 0 and not self._reuse(fam):
-            self._start_reload(fam)
+            try:
+                self._start_reload(fam)
+            except (torch.OutOfMemoryError, storage.StorageFullError):
+                return False
+        return True
 
     def _mark_ahead(self, fam: Family, ahead: bool) -> None:
         # Bytes reloaded (or reused) and not yet unpacked: what the look-ahead window bounds.
@@ -623,11 +652,16 @@ class Executor:
         return True
 
     def _start_reload(self, fam: Family) -> None:
+        # Memory first: an allocation that fails (a device OOM, a full pool) leaves the family
+        # off the device as it was, for the unpack to try again.
+        raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
+        staging = None
+        if self.cuda and fam.spill is None and fam.tier.name != "host":
+            staging = self.pool.allocate(fam.nbytes)  # NVMe -> pinned staging -> device
         fam.to(Life.COPYING_IN)
         fam.unpacked = 0
         self._mark_ahead(fam, True)
         fam.reload_started_s = time.perf_counter()
-        raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
         fam.resident, fam.resident_ref = raw, weakref.ref(raw)
         if self.meter is not None:
             self.meter.watch(raw.untyped_storage(), fam.nbytes)
@@ -636,18 +670,26 @@ class Executor:
             # Counted in the current step (``stats.last``), like everything backward does; the
             # step that packed the family may already be folded into the totals.
             self.step.stats.reloads += 1
-        if not self.cuda:
-            fam.reload = fam.tier.read(fam.handle, dst)
-            return
-        if fam.spill is not None:
-            # NVMe write still running (or failed): the pinned copy is right here.
-            self._h2d_copy(fam, dst, fam.spill.tensor)
-        elif fam.tier.name == "host":
-            self._h2d_copy(fam, dst, fam.handle.region.tensor)
-        else:
-            # NVMe -> pinned staging (I/O threads) now; staging -> device at unpack.
-            fam.staging = self.pool.allocate(fam.nbytes)
-            fam.reload = fam.tier.read(fam.handle, fam.staging)
+        try:
+            if not self.cuda:
+                fam.reload = fam.tier.read(fam.handle, dst)
+            elif fam.spill is not None:
+                # NVMe write still running (or failed): the pinned copy is right here.
+                self._h2d_copy(fam, dst, fam.spill.tensor)
+            elif fam.tier.name == "host":
+                self._h2d_copy(fam, dst, fam.handle.region.tensor)
+            else:
+                # NVMe -> pinned staging (I/O threads) now; staging -> device at unpack.
+                fam.staging = staging
+                fam.reload = fam.tier.read(fam.handle, staging)
+        except BaseException:
+            # Nothing was started (a read that fails to start raises before queueing I/O).
+            if staging is not None:
+                staging.release()
+            fam.staging = fam.resident = fam.reload = None
+            self._mark_ahead(fam, False)
+            fam.to(Life.OFF_DEVICE)
+            raise
 
     def _h2d_copy(self, fam: Family, dst: torch.Tensor, host: torch.Tensor) -> None:
         allocated = torch.cuda.Event()
@@ -817,7 +859,7 @@ class Executor:
             fam.tier.free(fam.handle)
         if fam.staging is not None:
             fam.staging.release()
-        if fam.spill is not None and fam not in self._writing:
+        if fam.spill is not None and all(f is not fam for f, _ in self._writing):
             fam.spill.release()  # a spill still being written is released by _poll_writes
             fam.spill = None
         fam.handle = fam.staging = fam.source = fam.resident = fam.guard = None
@@ -878,13 +920,13 @@ class Executor:
             self._abandon(list(self._live), "the offload manager was closed")
             self._drain_releases()
             for fam in self._pending_free:
+                self._wait_transfers(fam)  # rule 4: an NVMe read may still fill its staging
                 self._drop(fam)
             for region, _ in self._pending_regions:
                 region.release()
-            for fam in self._writing:
-                if fam.handle is not None:
-                    with contextlib.suppress(storage.StorageError):
-                        fam.handle.wait()  # rule 4: the I/O threads read the spill until then
+            for fam, handle in self._writing:
+                with contextlib.suppress(storage.StorageError):
+                    handle.wait()  # rule 4: the I/O threads read the spill until then
                 if fam.spill is not None:
                     fam.spill.release()
                     fam.spill = None

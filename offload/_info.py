@@ -292,14 +292,17 @@ def _measure_pcie(nbytes: int) -> dict[str, Any]:
 def _measure_pcie_unchecked(device_index: int, nbytes: int) -> dict[str, Any]:
     dev = torch.device("cuda", device_index)
     with torch.cuda.device(dev):
+        # Device buffers first: they create the CUDA context, whose start-up would otherwise be
+        # timed as the pinned allocation's.
+        dev_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        dev_src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+        torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         pin_s = time.perf_counter() - t0
         host_src.fill_(1)  # touch the pages so no first-use cost lands in a timed copy
         host_dst.fill_(0)
-        dev_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        dev_src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
         compute = torch.cuda.current_stream(dev)
         h2d = torch.cuda.Stream(dev)
         d2h = torch.cuda.Stream(dev)

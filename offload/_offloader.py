@@ -108,8 +108,17 @@ class OffloadConfig:
             )
 
 
-def _bytes_arg(name: str, value: Any, default: int) -> int:
-    return default if value is None else parse_bytes(value, name=name)
+def _inflight_arg(value: Any) -> int:
+    """``max_inflight_bytes`` as the config holds it: 0 for automatic (``None``)."""
+    if value is None:
+        return 0
+    n = parse_bytes(value, name="max_inflight_bytes")
+    if n == 0:
+        raise ValueError(
+            "max_inflight_bytes must be at least 1 byte (one record then goes out at a time); "
+            "None is automatic: twice the largest record, at least 256 MiB"
+        )
+    return n
 
 
 def _keep_arg(keep: Any) -> tuple[frozenset[str], tuple[type, ...]]:
@@ -238,7 +247,7 @@ class ActivationOffloader:
             min_offload_bytes=parse_bytes(min_offload_bytes, name="min_offload_bytes"),
             keep_names=keep_names,
             keep_types=keep_types,
-            max_inflight_bytes=_bytes_arg("max_inflight_bytes", max_inflight_bytes, 0),
+            max_inflight_bytes=_inflight_arg(max_inflight_bytes),
             on_infeasible=on_infeasible,
         )
         unknown = keep_names - {n for n, _ in model.named_modules()}
@@ -610,6 +619,9 @@ class ActivationOffloader:
         s = self._step_stats
         if s is None:
             return StepStats()
+        ex = self._executor
+        if ex is not None and ex.step is not None and ex.step.stats is s and not self._step_added:
+            ex.count_host_allocations()
         if self.device.type == "cuda" and self._step_index and not self._step_added:
             s.peak_allocated_bytes = max(
                 s.peak_allocated_bytes, torch.cuda.max_memory_allocated(self.device)

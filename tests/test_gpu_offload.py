@@ -21,6 +21,19 @@ import offload
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _deterministic_kernels():
+    """Bitwise tests compare against a run without offloading: the kernels themselves must be
+    deterministic (cuDNN may otherwise pick a nondeterministic weight-gradient algorithm for the
+    conv net; ``benchmarks/gpu_check.sh`` also sets ``CUBLAS_WORKSPACE_CONFIG``)."""
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
 def _grads(case) -> dict[str, torch.Tensor]:
     return case.grads()
 

@@ -744,6 +744,89 @@ def test_each_manager_gets_its_own_cpu_budget_from_the_shared_pool(monkeypatch) 
     assert pool.reserved_bytes == 0
 
 
+@pytest.mark.parametrize("tiers", [("cpu",), ("nvme",)])
+def test_a_prefetch_without_memory_leaves_the_family_for_its_unpack(
+    tiers, tmp_path, monkeypatch
+) -> None:
+    """A look-ahead reload whose buffer cannot be allocated (a device OOM) used to leave its
+    family half-started (a later unpack could return an unfilled buffer); now the prefetch
+    gives up, and the unpack reloads it (a stall), bitwise."""
+    import sys
+
+    import offload._executor as executor_module
+
+    want = reference_grads("gpt_block")
+    case = gpt_block(seed=0)
+    real = executor_module.aligned_buffer
+    refused = []
+
+    def short_for_prefetches(*args: Any, **kw: Any) -> Any:
+        if sys._getframe(2).f_code.co_name == "_begin_reload":  # fault injection: prefetch only
+            refused.append(args[0])
+            raise torch.OutOfMemoryError("injected: no memory for a prefetch")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(executor_module, "aligned_buffer", short_for_prefetches)
+    with manager(case.model, tiers=tiers, nvme_dir=tmp_path) as mgr:
+        got = offloaded_step(case, mgr)
+        last = mgr.stats.last
+        assert refused and last.stalls == last.reloads > 0
+        assert mgr._executor._ahead_bytes == 0
+        assert_bitwise(got, want)
+        assert_nothing_live(mgr)
+
+
+def test_a_family_freed_while_its_nvme_write_is_queued_keeps_the_queue_sound(tmp_path) -> None:
+    """The GPU + NVMe queue of file writes (pinned copies awaiting their write), driven by hand
+    on CPU, where it is not used otherwise: a family freed while queued (its members died, or
+    its step failed) no longer breaks every later poll, and its pinned copy goes back once its
+    write is done."""
+    from offload._executor import Executor
+    from offload._family import Family
+
+    pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
+    nvme = storage.NvmeTier(tmp_path, capacity_bytes=1 << 22, pool=pool)
+    ex = Executor(
+        device=torch.device("cpu"),
+        tiers=[nvme],
+        cpu_budget_bytes=0,
+        max_inflight_bytes=0,
+        prefetch_bytes=0,
+        pool=pool,
+        staging_bytes=1 << 20,
+    )
+    try:
+        data = torch.zeros(4096, dtype=torch.uint8)
+        fam = Family(
+            fid=0,
+            storage=data.untyped_storage(),
+            root=data,
+            version=0,
+            span_start=0,
+            nbytes=4096,
+            storage_ptr=data.data_ptr(),
+            device=torch.device("cpu"),
+            module="m",
+            order=0,
+        )
+        region = pool.allocate(4096)
+        fam.tier, fam.handle, fam.spill = nvme, nvme.write(region, 4096), region
+        fam.to(Life.COPYING_OUT)
+        fam.to(Life.OFF_DEVICE)
+        ex._writing.append((fam, fam.handle))  # as _retire queues it on CUDA
+        ex._writing_bytes += 4096
+        ex._free(fam)  # before the queue was polled
+        assert fam.handle is None and fam.life is Life.FREED
+        ex._writing[0][1].wait()
+        ex._poll_writes()
+        assert not ex._writing and ex._writing_bytes == 0
+        assert pool.used_bytes == 0 and nvme.used_bytes == 0
+    finally:
+        ex.close()
+        nvme.close()
+        pool.close()
+
+
 def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monkeypatch) -> None:
     """An I/O error after pack returned: the record goes to the next tier from the held source;
     the host-tier accounting must come back to zero once the graph is gone."""

@@ -361,6 +361,23 @@ def test_stats_fields_and_as_dict() -> None:
         mgr.close()
 
 
+def test_host_allocations_count_the_slabs_a_step_made(monkeypatch) -> None:
+    """The first step of a new pool allocates its slab; later steps reuse it (the GPU test
+    asserts 0 in steady state on pinned memory, so the count must be real)."""
+    monkeypatch.setattr(storage._pool, "_shared_pools", {})
+    monkeypatch.setattr(storage._pool, "_shared_claims", {})
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0)
+    try:
+        step(case, mgr)
+        first = mgr.stats.last.host_allocations
+        step(case, mgr, 1)
+        assert first >= 1 and mgr.stats.last.host_allocations == 0
+        assert mgr.stats.total.host_allocations == first == mgr._executor.pool.host_allocations
+    finally:
+        mgr.close()
+
+
 def test_prefetch_runs_ahead_of_unpack() -> None:
     """A deep stack: most reloads start from backward pre-hooks before their unpack."""
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(8)])
@@ -484,6 +501,7 @@ def test_steps_do_not_nest() -> None:
         ({"tiers": ("nvme",), "nvme_dir": 5}, TypeError, "nvme_dir"),
         ({"tiers": ("nvme",), "nvme_dir": __file__}, ValueError, r"nvme_dir.*not a directory"),
         ({"cpu_budget": 0}, ValueError, "cpu_budget 0"),
+        ({"max_inflight_bytes": 0}, ValueError, "max_inflight_bytes must be at least 1"),
     ],
 )
 def test_bad_arguments(kwargs, exc, match) -> None:
