@@ -39,12 +39,33 @@ def perfetto_events(trace: Trace) -> list[dict[str, Any]]:
             "args": {"name": "backward"},
         },
     ]
-    for s in trace.module_spans():
+    spans = trace.module_spans()
+    # A track shows only spans that nest (Perfetto draws partly overlapping slices wrongly, and
+    # backward spans do overlap: a module's backward starts with its outputs' gradient and ends
+    # with its input's, and the root's may start after its last child's). Spans that would
+    # overlap partly go to another track of their phase.
+    tids: dict[int, int] = {}
+    for phase, base in _TIDS.items():
+        ours = [i for i, sp in enumerate(spans) if sp.phase == phase]
+        lanes = _nesting_lanes([(spans[i].start_s, spans[i].end_s) for i in ours])
+        for i, lane in zip(ours, lanes, strict=True):
+            tids[i] = base if lane == 0 else 10 * lane + base
+        for lane in range(1, max(lanes, default=0) + 1):
+            out.append(
+                {
+                    "ph": "M",
+                    "pid": _PID,
+                    "tid": 10 * lane + base,
+                    "name": "thread_name",
+                    "args": {"name": f"{phase} ({lane + 1})"},
+                }
+            )
+    for i, s in enumerate(spans):
         out.append(
             {
                 "ph": "X",
                 "pid": _PID,
-                "tid": _TIDS[s.phase],
+                "tid": tids[i],
                 "name": s.module or "<root>",
                 "cat": s.phase,
                 "ts": s.start_s * 1e6,
@@ -74,6 +95,28 @@ def perfetto_events(trace: Trace) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _nesting_lanes(spans: list[tuple[float, float]]) -> list[int]:
+    """A lane for each ``(start, end)``: within a lane every two spans are disjoint or one holds
+    the other. Greedy, in start order (longer first): the first lane the span nests in."""
+    order = sorted(range(len(spans)), key=lambda i: (spans[i][0], -spans[i][1]))
+    open_ends: list[list[float]] = []  # per lane, the ends of the spans still open, innermost last
+    lane_of = [0] * len(spans)
+    for i in order:
+        start, end = spans[i]
+        chosen = len(open_ends)
+        for k, ends in enumerate(open_ends):
+            while ends and ends[-1] <= start:
+                ends.pop()
+            if not ends or end <= ends[-1]:
+                chosen = k
+                break
+        if chosen == len(open_ends):
+            open_ends.append([])
+        open_ends[chosen].append(end)
+        lane_of[i] = chosen
+    return lane_of
 
 
 def write_perfetto(trace: Trace, path: str | os.PathLike[str]) -> None:

@@ -37,7 +37,8 @@ def summarize(trace: Trace, top: int = 10) -> str:
         f"offload trace: {trace.steps} step(s), {len(trace.records)} saved tensors "
         f"({len(acts)} activations, {len(params)} parameter/buffer views), {len(trace.events)} events",
         f"  activation bytes saved per step : {format_bytes(trace.saved_bytes / steps)}"
-        f"  ({len(fams)} storages; {format_bytes(sum(r.nbytes for r in acts) / steps)} before alias dedupe)",
+        f"  ({len(fams) / steps:g} storages; {format_bytes(sum(r.nbytes for r in acts) / steps)} "
+        "before alias dedupe)",
         f"  peak live saved bytes           : {format_bytes(trace.peak_saved_bytes)}",
     ]
     if trace.metadata.get("memory_probe") not in (None, "live_saved_bytes"):

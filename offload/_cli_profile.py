@@ -196,6 +196,12 @@ def run(args: argparse.Namespace) -> int:
             "record (does the script call loss.backward()? lower --warmup?)",
             1,
         )
+    if trace.steps < args.steps and failure is None:
+        print(
+            f"offload profile: warning: the script ended after {trace.steps} of the "
+            f"{args.steps} step(s) asked for (--steps); the trace holds those",
+            file=sys.stderr,
+        )
     paths = _write_outputs(trace, out)
     plan_path, png_path = os.path.join(out, "plan.json"), os.path.join(out, "plan.png")
     # A plan left by an earlier run belongs to the trace just replaced: never leave it beside

@@ -487,6 +487,8 @@ def _cache_path(device_key: str, directory: Path | None, nbytes: int | None) -> 
         "torch": torch.__version__,
         "nvme_dir": None if directory is None else os.path.realpath(directory),
         "nbytes": nbytes,  # a small probe's noisy figures must not stand in for a default one's
+        # CPU copies are timed with torch's thread count: one thread's figures are not four's.
+        "threads": torch.get_num_threads() if device_key == "cpu" else None,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     device_slug = "cpu" if device_key == "cpu" else device_key.rsplit(" ", 1)[0]

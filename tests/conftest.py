@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _one_thread() -> None:
     # 2-core CI: intra-op threads fighting the test process's own threads only add noise.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_hardware_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Hardware probes of the suite (one thread, small buffers) go to a cache of its own, never
+    the user's ``~/.cache/offload`` (subprocesses inherit it), unless one is named already."""
+    if os.environ.get("OFFLOAD_CACHE_DIR"):
+        yield
+        return
+    os.environ["OFFLOAD_CACHE_DIR"] = str(tmp_path_factory.mktemp("offload-cache"))
+    try:
+        yield
+    finally:
+        del os.environ["OFFLOAD_CACHE_DIR"]
 
 
 @pytest.fixture

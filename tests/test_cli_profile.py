@@ -141,6 +141,8 @@ def test_script_sys_exit_zero_is_success(tmp_path: Path) -> None:
     r = offload_cli("profile", "--steps", "5", "--out", str(tmp_path / "o"), str(script))
     assert r.returncode == 0, r.stderr
     assert Trace.load(tmp_path / "o" / "trace.json").steps == 2  # 3 backward passes, 1 warm-up
+    # Fewer steps than --steps asked for: said, not silent.
+    assert "ended after 2 of the 5 step(s)" in r.stderr
 
 
 @pytest.mark.parametrize(

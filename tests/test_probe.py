@@ -164,6 +164,15 @@ def test_cache_key_separates_disks_and_probe_sizes(cache_dir: Path, tmp_path: Pa
     probe_hardware(device="cpu", nvme_dir=b, nbytes=SMALL)
     probe_hardware(device="cpu", nvme_dir=b, nbytes=2 * SMALL)
     assert len(list(cache_dir.iterdir())) == 3
+    # CPU copies are timed with torch's threads: another thread count is another probe (the
+    # suite's one-thread figures once stood in for a two-thread process's).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        probe_hardware(device="cpu", nvme_dir=b, nbytes=2 * SMALL)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(list(cache_dir.iterdir())) == 4
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"format": "something else"}', ""])

@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from models import gpt_block, views_model
+from torch import nn
 
 import offload
 from lifecycle import (
@@ -236,6 +238,34 @@ def test_perfetto_export(tmp_path) -> None:
         max(e["args"]["bytes"] for e in counters if e["name"] == "live saved bytes")
         == trace.peak_saved_bytes
     )
+
+
+def test_perfetto_tracks_hold_only_nesting_spans(tmp_path) -> None:
+    """Perfetto draws a track's slices only if they nest. Backward spans overlap partly (the
+    root's starts after its last child's; a pass-through module's runs on): they are spread
+    over as many tracks per phase as needed, each one nesting."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.0), nn.Linear(64, 32))
+    x = torch.randn(8, 32)
+    trace = offload.profile(lambda: model(x).sum().backward(), model, warmup_steps=0)
+    p = tmp_path / "t.perfetto.json"
+    write_perfetto(trace, p)
+    evs = json.loads(p.read_text())["traceEvents"]
+    spans = [e for e in evs if e["ph"] == "X"]
+    assert len(spans) == len(trace.module_spans())
+    named = {e["tid"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
+    by_tid: dict[int, list[tuple[float, float]]] = {}
+    for e in spans:
+        by_tid.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    assert set(by_tid) <= named
+    for tid, intervals in by_tid.items():
+        for a0, a1 in intervals:
+            for b0, b1 in intervals:
+                disjoint = a1 <= b0 or b1 <= a0
+                nested = (a0 <= b0 and b1 <= a1) or (b0 <= a0 and a1 <= b1)
+                assert disjoint or nested, (tid, (a0, a1), (b0, b1))
+    # This model's backward spans do overlap partly: more than one backward track.
+    assert len({e["tid"] for e in spans if e["cat"] == "backward"}) > 1
 
 
 def test_png_export(tmp_path) -> None:
