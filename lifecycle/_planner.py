@@ -467,8 +467,17 @@ class _Step:
         rest = np.maximum(0.0, mem - self.base - live)
         # A block holding a module whose forward updates running statistics (BatchNorm in
         # training) is never recomputed: running its forward again would update them twice.
+        # Nor is one overlapping a module the manager keeps (keep=), whose saved tensors never
+        # move: they are no candidates either.
         stateful = trace.metadata.get("stateful_modules") or ()
-        self.blocks = _blocks(codes, self.t, events).without(stateful)
+        kept = tuple(trace.metadata.get("kept_modules") or ())
+        if kept:
+            inside = np.fromiter((_within(k[0], kept) for k in self.keys), bool, len(self.keys))
+            held = np.zeros(len(self.fid), bool)
+            np.logical_or.at(held, self.record_pos, inside)
+            self.movable &= ~held
+            self.candidate &= ~held
+        self.blocks = _blocks(codes, self.t, events).without([*stateful, *kept])
         # See NOTE [ Planner ]: memory is tracked over frames of consecutive events.
         nf = min(n, _MAX_FRAMES)
         self.n_frames = nf
@@ -626,12 +635,12 @@ class _Blocks:
         return len(self.module)
 
     def without(self, modules: Iterable[str]) -> _Blocks:
-        """These blocks less those that are, or hold, one of ``modules`` (module paths)."""
+        """These blocks less those that are, hold, or lie inside one of ``modules``."""
         modules = list(modules)
         if not modules:
             return self
         keep = [
-            not any(p == "" or m == p or m.startswith(p + ".") for m in modules)
+            not any(p == "" or _within(m, (p,)) or _within(p, (m,)) for m in modules)
             for p in self.module
         ]
         mask = np.asarray(keep, bool)
@@ -653,6 +662,11 @@ class _Blocks:
             np.asarray([b[3] for b in spans], np.int64),
             [b[4] for b in spans],
         )
+
+
+def _within(path: str, modules: Sequence[str]) -> bool:
+    """Whether module ``path`` is one of ``modules`` or inside one ("" is the root)."""
+    return any(m == "" or path == m or path.startswith(m + ".") for m in modules)
 
 
 def _blocks(codes: np.ndarray, t: np.ndarray, events: Sequence[Event]) -> _Blocks:

@@ -430,7 +430,14 @@ class ActivationOffloader:
                 # root's pre-hook begins a profiled step that the recorder's then sees).
                 model = self._model_ref()
                 if model is not None:
-                    self._profiler = Profiler(model, self.device, self._executor.device_saved_bytes)
+                    kept = [
+                        name
+                        for name, mod in named_modules_stop_at_compiled(model)
+                        if name in self.config.keep_names or isinstance(mod, self.config.keep_types)
+                    ]
+                    self._profiler = Profiler(
+                        model, self.device, self._executor.device_saved_bytes, kept
+                    )
             self._account_last()
             self._step_index += 1
             self._step_stats = self._executor.begin_step(self._step_index)
@@ -679,7 +686,13 @@ class ActivationOffloader:
         assert ex is not None and stats is not None
         plan = self._plans.get(sig)
         user = self._user_plan
-        if plan is None and user is not None and not self._plans and user.signature in ("", sig):
+        # The given plan: for its own signature whenever it comes, or, when it names none, for
+        # the first signature met.
+        if (
+            plan is None
+            and user is not None
+            and (user.signature == sig or (user.signature == "" and not self._plans))
+        ):
             plan = self._plans[sig] = user.with_signature(sig)
         if plan is None and sig not in self._profiled and len(self._profiled) >= MAX_SIGNATURES:
             plan = self._merged_plan()
@@ -687,8 +700,13 @@ class ActivationOffloader:
                 self._plans[sig] = plan
         if plan is not None:
             active = self._active_plans.get(sig)
-            if active is None:
-                active = self._active_plans[sig] = ActivePlan(plan)
+            if active is None or active.plan is not plan:
+                # One lookup table per plan: past MAX_SIGNATURES every new signature shares the
+                # merged plan's.
+                active = next(
+                    (a for a in self._active_plans.values() if a.plan is plan), None
+                ) or ActivePlan(plan)
+                self._active_plans[sig] = active
             self._active = active
             if ex.step is not None:
                 ex.step.windowed = False  # see _StepState.windowed
@@ -972,7 +990,7 @@ class ActivationOffloader:
 
     def _keep(self, t: torch.Tensor, stats: StepStats) -> torch.Tensor:
         stats.records_kept += 1
-        d = t.detach()
+        d = _kept(t)
         meter = self._meter
         if meter is not None:
             local = local_tensor(t)
@@ -993,7 +1011,7 @@ class ActivationOffloader:
         ex = self._executor
         stats = self._step_stats
         if ex is None or stats is None or self._paused:
-            return t.detach()
+            return _kept(t)
         key = self._next_key()
         stats.records += 1
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
@@ -1200,6 +1218,7 @@ class ActivationOffloader:
                 if fam is not None and fam.step_ref is not None:
                     end.step = fam.step_ref()
         if isinstance(packed, torch.Tensor):
+            _check_kept(packed)
             if self._kept_seq and self._profiler is not None:
                 self._profiler.recorder.record_unpack(self._kept_seq.get(id(packed), -1))
             return packed
@@ -1295,6 +1314,31 @@ def _extent(t: torch.Tensor) -> int:
     its elements)."""
     start, end = span_of(t)
     return end - start
+
+
+# NOTE [ Kept tensors keep autograd's check ]: under saved-tensor hooks autograd no longer
+# compares a saved tensor's version at unpack; for one the manager leaves in place (parameters,
+# small or kept tensors, KEEP entries of a plan) it would then read whatever an in-place change
+# (an optimizer step before backward) left there: a wrong gradient where PyTorch raises. The
+# detached tensor handed to autograd carries the version it was saved at, checked at unpack.
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    d = t.detach()
+    d._offload_saved_version = t._version  # type: ignore[attr-defined]
+    return d
+
+
+def _check_kept(d: torch.Tensor) -> None:
+    saved = getattr(d, "_offload_saved_version", None)
+    if saved is not None and d._version != saved:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a saved tensor ({list(d.shape)}, {d.dtype}) is at version "
+            f"{d._version}; expected version {saved} instead (offload keeps autograd's check: "
+            "the in-place change came after the tensor was saved, e.g. an optimizer step "
+            "before backward)"
+        )
 
 
 def _has_storage(t: torch.Tensor) -> bool:

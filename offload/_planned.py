@@ -169,7 +169,16 @@ class Profiler:
     saved-tensor hooks; idle between profiling steps.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, device_bytes: Callable[[], int]):
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        device_bytes: Callable[[], int],
+        kept_modules: Sequence[str] = (),
+    ):
+        # Modules whose saved tensors the manager never moves (keep=): the trace names them, so
+        # that no plan places or recomputes them.
+        self.kept_modules = sorted(kept_modules)
         clock, probe, self.label = clock_and_probe(device)
         self.cuda = probe is not None
         # CPU: time offload's own copies out of the trace (see ComputeClock). CUDA: copies run on
@@ -207,7 +216,10 @@ class Profiler:
 
     def trace(self) -> Trace:
         """Every profiled step so far (call it between steps)."""
-        trace = self.recorder.trace({"device": self.label, "source": "offload.ActivationOffloader"})
+        meta: dict[str, Any] = {"device": self.label, "source": "offload.ActivationOffloader"}
+        if self.kept_modules:
+            meta["kept_modules"] = self.kept_modules
+        trace = self.recorder.trace(meta)
         if self.cuda:
             live = dict(trace.live_saved_bytes())
             trace = dataclasses.replace(

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+LEAD_WINDOW = 10_000  # prefetch lead times a total keeps for its median
+
 
 @dataclass(kw_only=True)
 class StepStats:
@@ -30,7 +32,9 @@ class StepStats:
         reloads: family reloads started (prefetched or not).
         stalls: unpacks that found no reload started and had to load synchronously.
         stall_s: seconds unpack spent waiting for bytes (stalls and late prefetches).
-        prefetch_lead_s_p50: median seconds between a prefetch starting and its unpack.
+        prefetch_lead_s_p50: median seconds between a prefetch starting and its unpack (in
+            ``total``: over the last ``LEAD_WINDOW`` prefetches, so that a long run's stats
+            neither grow nor slow down).
         backpressure_waits: packs that waited for older copies (``max_inflight_bytes``).
         fallbacks: records that went to a later tier because an earlier one was full or failed.
         host_allocations: new host pool slabs allocated during the step.
@@ -82,6 +86,7 @@ class StepStats:
             name = f.name
             if name == "_leads":
                 self._leads.extend(other._leads)
+                del self._leads[:-LEAD_WINDOW]
             elif name == "prefetch_lead_s_p50":
                 continue
             elif name in self._PEAKS:

@@ -131,6 +131,7 @@ class NvmeTier(Tier):
         self._engine = copy_engine if copy_engine is not None else CopyEngine()
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        self._stopped = False  # _stop() ran: no new I/O threads
 
     # -- properties ---------------------------------------------------------------------------------
 
@@ -452,6 +453,8 @@ class NvmeTier(Tier):
     def _io(self) -> ThreadPoolExecutor:
         with self._executor_lock:
             if self._executor is None:
+                if self._stopped:
+                    raise StorageError("the nvme tier is closed")
                 self._executor = ThreadPoolExecutor(
                     self._io_threads, thread_name_prefix="storage-io"
                 )
@@ -460,6 +463,7 @@ class NvmeTier(Tier):
     def _stop(self) -> None:
         with self._executor_lock:
             executor, self._executor = self._executor, None
+            self._stopped = True
         if executor is not None:
             executor.shutdown(wait=True)
         if self._own_engine:

@@ -139,6 +139,11 @@ class Tier(ABC):
         self._lock = threading.Lock()
         self._live: set[StoredHandle] = set()
         self._inflight: set[Future[Any]] = set()
+        # Transfers past the open check whose future is not in _inflight yet: close() waits for
+        # them to be counted (a write started on another thread as close() ran was missed, and
+        # went on to a closed, or reused, file descriptor).
+        self._starting = 0
+        self._started = threading.Condition(self._lock)
         self._used = 0
         self._closed = False
 
@@ -212,6 +217,7 @@ class Tier(ABC):
             if self._closed:
                 return
             self._closed = True
+            self._started.wait_for(lambda: self._starting == 0)
             inflight = list(self._inflight)
         concurrent.futures.wait(inflight)
         self._stop()
@@ -266,6 +272,7 @@ class Tier(ABC):
             if handle._freed:
                 raise StorageError(f"{handle!r} was freed (or its write failed); it has no bytes")
             handle._pending += 1
+            self._starting += 1
 
         def finish(error: BaseException | None) -> BaseException | None:
             if cleanup is not None:
@@ -281,9 +288,14 @@ class Tier(ABC):
                 self._release(handle)
             return error
 
-        future = chain(prerequisite, start, finish)
-        with self._lock:
-            self._inflight.add(future)
+        try:
+            future = chain(prerequisite, start, finish)
+            with self._lock:
+                self._inflight.add(future)
+        finally:
+            with self._lock:
+                self._starting -= 1
+                self._started.notify_all()
         future.add_done_callback(self._forget_inflight)
         return Transfer(future, label)
 

@@ -497,6 +497,87 @@ def test_a_given_plan_runs_from_the_first_step(tmp_path) -> None:
         assert s.bytes_offloaded_cpu == plan.bytes_by_placement()["cpu"]
 
 
+def test_keep_under_a_budget_is_fixed_memory_to_the_plan() -> None:
+    """keep= modules' saved tensors never move: the profile names them, the plan neither
+    places nor recomputes them, so the bytes they hold count against the budget (the plan used
+    to move them on paper while the manager kept them, overshooting the budget)."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+    model = nn.Sequential(*[block() for _ in range(4)], nn.Linear(32, 1))
+    x = torch.randn(64, 32)
+    peak = offload.profile(
+        lambda: model(x).pow(2).mean().backward(), model, warmup_steps=0
+    ).peak_saved_bytes
+    model.zero_grad(set_to_none=True)
+    for hw in (FAST, SLOW):
+        with pytest.raises(offload.BudgetInfeasibleError) as info:
+            mgr = offload.ActivationOffloader(
+                model, gpu_budget=1, hardware=hw, min_offload_bytes=0, keep=("0", "1")
+            )
+            for _ in range(2):
+                with mgr:
+                    loss = model(x).pow(2).mean()
+                loss.backward()
+        mgr.close()
+        model.zero_grad(set_to_none=True)
+        budget = info.value.min_feasible_bytes + (peak - info.value.min_feasible_bytes) // 4
+        mgr = offload.ActivationOffloader(
+            model, gpu_budget=budget, hardware=hw, min_offload_bytes=0, keep=("0", "1")
+        )
+        try:
+            for _ in range(3):
+                with SavedBytes.on(mgr) as saved:
+                    with mgr:
+                        loss = model(x).pow(2).mean()
+                    loss.backward()
+                model.zero_grad(set_to_none=True)
+            plan = mgr.plan
+            assert plan is not None and plan.predicted_peak_bytes <= budget
+            assert not [e for e in plan.entries if e.module.split(".")[0] in ("0", "1")]
+            assert not [m for m, _ in plan.recompute_calls if m in ("0", "1")]
+            assert saved.peak <= budget and mgr.stats.last.unplanned_records == 0
+        finally:
+            mgr.close()
+
+
+def test_a_given_plan_runs_for_its_signature_whenever_it_comes(tmp_path) -> None:
+    """plan= names a signature: its steps run it from the first one, even when another
+    signature came first (that one is profiled and planned as usual)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Tanh())
+    small, large = torch.randn(32, 64), torch.randn(48, 64)
+
+    def step(mgr: Any, x: torch.Tensor) -> None:
+        model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = model(x).pow(2).sum()
+        loss.backward()
+
+    first = offload.ActivationOffloader(
+        model, gpu_budget="96KiB", hardware=FAST, min_offload_bytes=0
+    )
+    for _ in range(3):
+        step(first, large)
+    given = first.plan
+    first.close()
+    assert given is not None and given.signature == "float32[48,64]"
+    mgr = offload.ActivationOffloader(model, plan=given, hardware=FAST, min_offload_bytes=0)
+    try:
+        step(mgr, small)  # another signature first: profiled
+        assert mgr.stats.last.predicted_peak_bytes == 0
+        step(mgr, large)  # the given plan's own: run from its first step
+        assert mgr.stats.last.predicted_peak_bytes == given.predicted_peak_bytes
+        assert "float32[48,64]" not in mgr._profiled
+        assert mgr.plans["float32[48,64]"].entries == given.entries
+    finally:
+        mgr.close()
+
+
 def test_no_hardware_probes_this_machine_once(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
     case = ALL_MODELS["mlp"](seed=0)
@@ -659,7 +740,13 @@ def test_signatures_past_the_cap_share_a_plan_of_per_key_maxima(caplog) -> None:
     assert_bitwise([step(mgr, 96)], [step(None, 96)])
     assert mgr.stats.last.unplanned_records > 0
     assert mgr.plans["float32[96,16]"] is merged
+    # Later signatures share the merged plan's lookup tables, not a copy each.
+    assert mgr._active_plans["float32[96,16]"] is mgr._active_plans[merged_sig(mgr, 44)]
     mgr.close()
+
+
+def merged_sig(mgr: Any, rows: int) -> str:
+    return next(s for s in mgr.plans if s.startswith(f"float32[{rows},"))
 
 
 def test_planned_steps_do_not_rebuild_the_profile() -> None:

@@ -378,6 +378,20 @@ def test_host_allocations_count_the_slabs_a_step_made(monkeypatch) -> None:
         mgr.close()
 
 
+def test_total_stats_keep_a_bounded_window_of_lead_times() -> None:
+    """A long run's totals must not grow with it (DESIGN: no leaks): the lead-time median of
+    the total is over the last LEAD_WINDOW prefetches."""
+    from offload._stats import LEAD_WINDOW, StepStats
+
+    total = StepStats()
+    for i in range(5):
+        step_stats = StepStats(steps=1, _leads=[float(i)] * (LEAD_WINDOW // 2))
+        total.add(step_stats)
+    assert len(total._leads) == LEAD_WINDOW and total.steps == 5
+    # The last two steps (3.0 s and 4.0 s) only; over all five it would be 2.0 s.
+    assert total.prefetch_lead_s_p50 == 3.5
+
+
 def test_prefetch_runs_ahead_of_unpack() -> None:
     """A deep stack: most reloads start from backward pre-hooks before their unpack."""
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(8)])

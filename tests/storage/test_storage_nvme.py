@@ -164,6 +164,45 @@ def test_close_removes_the_directory_and_closes_every_fd(tmp_path, pool):
         tier.write(random_bytes(10))
 
 
+def test_close_waits_for_a_write_another_thread_is_starting(tmp_path, pool, monkeypatch):
+    """A write past the tier's open check whose transfer was not yet counted escaped close():
+    it then wrote to a closed file descriptor, or to whatever file reused its number. The gap
+    is widened here by delaying the transfer's start (fault injection); close() must wait."""
+    import time
+
+    import storage._tier
+
+    tier = NvmeTier(tmp_path, capacity_bytes=32 * MiB, pool=pool, io_threads=2, direct_io=False)
+    real_chain = storage._tier.chain
+    entered = threading.Event()
+
+    def slow_chain(*args, **kwargs):
+        entered.set()
+        time.sleep(0.3)
+        return real_chain(*args, **kwargs)
+
+    monkeypatch.setattr(storage._tier, "chain", slow_chain)
+    data = random_bytes(8192)
+    result: dict[str, object] = {}
+
+    def writer() -> None:
+        try:
+            handle = tier.write(data)
+            handle.wait()
+            result["write"] = "ok"
+        except StorageError as e:
+            result["write"] = e
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert entered.wait(5)
+    tier.close()  # the write is between its open check and its count
+    thread.join(5)
+    assert result["write"] == "ok"
+    assert not [t for t in threading.enumerate() if t.name.startswith("storage-io")]
+    assert tier.used_bytes == 0 and os.listdir(tmp_path) == []
+
+
 def test_corrupted_record_raises_checksum_error_naming_the_range(tier, pool):
     x = random_bytes(9 * MiB)  # three checksum chunks; corrupt the middle one
     h = tier.write(x)
