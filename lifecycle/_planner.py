@@ -349,6 +349,9 @@ def _plan(
             "offloaded_families": chosen.k,
             "reload_lead": chosen.lead,
             "model_peak_bytes": math.ceil(chosen.peak),
+            # The modules planned as fixed (the manager's keep=): a plan given to a manager with
+            # other ones did not count their tensors where they stay.
+            "kept_modules": sorted(trace.metadata.get("kept_modules") or ()),
             **simulated,
         },
     )

@@ -682,14 +682,20 @@ class Executor:
                 # NVMe -> pinned staging (I/O threads) now; staging -> device at unpack.
                 fam.staging = staging
                 fam.reload = fam.tier.read(fam.handle, staging)
-        except BaseException:
+        except BaseException as e:
             # Nothing was started (a read that fails to start raises before queueing I/O).
             if staging is not None:
                 staging.release()
-            fam.staging = fam.resident = fam.reload = None
+            # resident_ref too: the traceback holds ``raw``, and a later _reuse must not take
+            # this unfilled buffer for a finished reload.
+            fam.staging = fam.resident = fam.reload = fam.resident_ref = None
             self._mark_ahead(fam, False)
             fam.to(Life.OFF_DEVICE)
-            raise
+            # No local may hold the error: its traceback holds this frame (a reference cycle
+            # that kept the step's families until a GC pass).
+            if isinstance(e, OffloadError) or not isinstance(e, storage.StorageError):
+                raise
+            raise from_storage(e, f"reloading a saved tensor of {fam.module or '<root>'}") from e
 
     def _h2d_copy(self, fam: Family, dst: torch.Tensor, host: torch.Tensor) -> None:
         allocated = torch.cuda.Event()
@@ -769,7 +775,7 @@ class Executor:
             if fam.reload is not None:
                 fam.reload.wait()  # CPU copy, or NVMe -> staging on GPU
         except storage.StorageError as e:
-            fam.resident = None
+            fam.resident = fam.resident_ref = None  # unfilled: never to be reused
             fam.reload = None
             if fam.staging is not None:
                 # The failed read has completed, so nothing touches the staging region now; a
@@ -778,6 +784,10 @@ class Executor:
                 staging.release()
             self._mark_ahead(fam, False)
             fam.to(Life.OFF_DEVICE)
+            # No local may hold the error: its traceback holds this frame (a reference cycle
+            # that kept the step's families until a GC pass).
+            if isinstance(e, OffloadError) or not isinstance(e, storage.StorageError):
+                raise
             raise from_storage(e, f"reloading a saved tensor of {fam.module or '<root>'}") from e
         fam.reload = None
         if self.cuda and fam.staging is not None:

@@ -65,6 +65,9 @@ log = logging.getLogger("offload")
 _TIERS = ("cpu", "nvme")
 # Profiles of one signature cut short by overlapping steps before it runs in min-memory mode.
 _UNFINISHED_PROFILES = 2
+# Steps of one signature not profiled because older steps' tensors lived on, before it runs in
+# min-memory mode.
+_OVERLAP_SKIPS = 8
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _autograd = torch._C._autograd
 _top_hooks = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
@@ -262,6 +265,22 @@ class ActivationOffloader:
             gpu_budget = user_plan.gpu_budget_bytes
         self._budget_bytes = None if gpu_budget is None else resolve_budget(gpu_budget, self.device)
         self._user_plan = user_plan
+        if user_plan is not None and (keep_names or keep_types):
+            kept = {
+                name
+                for name, mod in named_modules_stop_at_compiled(model)
+                if name in keep_names or isinstance(mod, keep_types)
+            }
+            unplanned = kept - set(user_plan.metadata.get("kept_modules") or ())
+            if unplanned:
+                warnings.warn(
+                    f"offload: keep= names modules {sorted(unplanned)} that the given plan= was "
+                    "not made with: their saved tensors stay on the device while the plan counts "
+                    "them moved or recomputed, so the budget may not hold. Let the manager "
+                    "profile and plan (no plan=) to have keep= counted.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self._hardware_arg = hardware
         # A path is read now: a bad file should fail here, not at the first plan.
         self._hardware: HardwareModel | None = (
@@ -286,6 +305,7 @@ class ActivationOffloader:
         # (see _drop_unfinished_profile), and whether this step began so.
         self._unfinished: dict[str, int] = {}
         self._overlapping = False
+        self._overlap_skips: dict[str, int] = {}  # steps not profiled for it, per signature
         self._last_signature: str | None = None
         self._active: ActivePlan | None = None
         # Module name -> (module, its RecomputeForward), both weakly.
@@ -732,8 +752,20 @@ class ActivationOffloader:
             return  # past the profiled signatures, no merged plan could be made (said once)
         if self._profiler is None:
             return  # the model is gone
-        if self._overlapping or not torch.is_grad_enabled():
-            return  # see _drop_unfinished_profile; without grad, nothing is saved to plan
+        if not torch.is_grad_enabled():
+            return  # nothing is saved to plan
+        if self._overlapping:  # see _drop_unfinished_profile
+            n = self._overlap_skips[sig] = self._overlap_skips.get(sig, 0) + 1
+            if n >= _OVERLAP_SKIPS:
+                self._infeasible.add(sig)
+                self._warn_once(
+                    "overlap",
+                    f"signature {sig} was not profiled in {n} steps: an older step's saved "
+                    "tensors were still alive at each start (a graph kept without its backward, "
+                    "or retain_graph=True); it runs in min-memory mode. Free old graphs before "
+                    "the next step, or plan offline and pass plan=",
+                )
+            return
         self._profiler.begin()
         self._profiling = sig
 

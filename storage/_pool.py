@@ -486,12 +486,13 @@ class PoolShare:
             claims = _shared_claims.get(self.pool, [])
             if self in claims:
                 claims.remove(self)
-            if claims:
-                self.pool.set_capacity_bytes(_cap_of(claims))
-            else:
+            last = not claims
+            if last:
                 _shared_claims.pop(self.pool, None)
-        if not self.pool.closed:
-            self.pool.trim()
+            else:
+                self.pool.set_capacity_bytes(_cap_of(claims))
+        if last and not self.pool.closed:
+            self.pool.trim()  # only the last: the others keep their slabs
 
 
 _shared_claims: dict[HostPool, list[PoolShare]] = {}

@@ -217,6 +217,27 @@ def test_forwards_before_their_backwards_never_leave_the_profiler_recording(
         mgr.close()
 
 
+def test_a_graph_kept_alive_after_a_cut_profile_ends_in_min_memory_mode_said_once() -> None:
+    """A profile cut short, then an old graph kept alive (its loss held, no backward): no step
+    could be profiled again. After 8 such steps the signature runs in min-memory mode with a
+    warning, instead of ignoring gpu_budget silently."""
+    model, batches = _mlp_and_batches(2)
+    mgr = offload.ActivationOffloader(model, gpu_budget="96KiB", hardware=FAST, min_offload_bytes=0)
+    try:
+        with mgr:
+            held = model(batches[0]).pow(2).sum()  # never run backward: its graph lives on
+        with pytest.warns(RuntimeWarning, match="not profiled in 8 steps") as caught:
+            for _ in range(10):
+                with mgr:
+                    loss = model(batches[1]).pow(2).sum()
+                loss.backward()
+        assert len([w for w in caught if "not profiled" in str(w.message)]) == 1
+        assert mgr.plans == {} and not mgr._profiler.recorder.recording
+        del held
+    finally:
+        mgr.close()
+
+
 def test_a_forward_without_grad_at_a_new_signature_is_not_profiled() -> None:
     """A validation forward (no_grad) saves nothing to plan: the signature's first training
     step is the one profiled, and the one after it runs the plan."""
@@ -541,8 +562,16 @@ def test_keep_under_a_budget_is_fixed_memory_to_the_plan() -> None:
             assert not [e for e in plan.entries if e.module.split(".")[0] in ("0", "1")]
             assert not [m for m, _ in plan.recompute_calls if m in ("0", "1")]
             assert saved.peak <= budget and mgr.stats.last.unplanned_records == 0
+            assert plan.metadata["kept_modules"] == ["0", "1"]
         finally:
             mgr.close()
+    # A plan knows the modules it was made to keep: given to a manager that keeps others,
+    # the manager says the budget may not hold.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload.ActivationOffloader(model, plan=plan, keep=("0", "1")).close()
+    with pytest.warns(RuntimeWarning, match=r"keep= names modules \['2'\]"):
+        offload.ActivationOffloader(model, plan=plan, keep=("0", "1", "2")).close()
 
 
 def test_a_given_plan_runs_for_its_signature_whenever_it_comes(tmp_path) -> None:

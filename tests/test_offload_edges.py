@@ -776,6 +776,37 @@ def test_a_prefetch_without_memory_leaves_the_family_for_its_unpack(
         assert_nothing_live(mgr)
 
 
+def test_a_reload_that_failed_to_start_is_not_reused_on_retry(monkeypatch) -> None:
+    """A reload whose read failed to start left its family pointing at the new, unfilled
+    buffer (kept alive by the kept error's traceback): a retried backward reused it as a
+    finished reload, a wrong gradient (off by 131). The retry reads the bytes again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+    x = torch.randn(512, 64)
+    model(x).square().sum().backward()
+    want = local_grads(model)
+    model.zero_grad(set_to_none=True)
+    real = storage.HostTier.read
+    calls = [0]
+
+    def fails_once(self, handle, into):  # fault injection: the first read fails to start
+        calls[0] += 1
+        if calls[0] == 1:
+            raise storage.StorageError("injected: the read failed to start")
+        return real(self, handle, into)
+
+    monkeypatch.setattr(storage.HostTier, "read", fails_once)
+    with manager(model) as mgr:
+        with mgr:
+            loss = model(x).square().sum()
+        with pytest.raises(offload.StorageError) as kept:  # the error is kept, as loggers do
+            loss.backward(retain_graph=True)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        assert_bitwise(local_grads(model), want)
+        del kept, loss
+
+
 def test_a_family_freed_while_its_nvme_write_is_queued_keeps_the_queue_sound(tmp_path) -> None:
     """The GPU + NVMe queue of file writes (pinned copies awaiting their write), driven by hand
     on CPU, where it is not used otherwise: a family freed while queued (its members died, or

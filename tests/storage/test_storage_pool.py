@@ -264,11 +264,15 @@ def test_claims_on_the_shared_pool_add_up_and_the_last_one_returns_the_slabs(mon
     c = claim_shared_host_pool(4 * MiB, default=True, pin_memory=False)
     d = claim_shared_host_pool(5 * MiB, default=True, pin_memory=False)
     assert pool.capacity_bytes == 5 * MiB + 3 * MiB + 256 * KiB
+    kept = pool.allocate(512 * KiB)
+    kept.release()
+    slabs = pool.reserved_bytes
     d.close()
     c.close()
     a.close()
     a.close()  # idempotent
     assert pool.capacity_bytes == 2 * MiB
+    assert pool.reserved_bytes == slabs > 0  # b still claims: its free slab stays
     held = pool.allocate(512 * KiB)
     b.close()  # the last claim: the slab holding ``held`` stays
     assert pool.reserved_bytes > 0 and not pool.closed
