@@ -666,10 +666,6 @@ class Executor:
         if self.meter is not None:
             self.meter.watch(raw.untyped_storage(), fam.nbytes)
         dst = raw[off : off + fam.nbytes]
-        if self.step is not None:
-            # Counted in the current step (``stats.last``), like everything backward does; the
-            # step that packed the family may already be folded into the totals.
-            self.step.stats.reloads += 1
         try:
             if not self.cuda:
                 fam.reload = fam.tier.read(fam.handle, dst)
@@ -682,6 +678,10 @@ class Executor:
                 # NVMe -> pinned staging (I/O threads) now; staging -> device at unpack.
                 fam.staging = staging
                 fam.reload = fam.tier.read(fam.handle, staging)
+            if self.step is not None:
+                # Counted in the current step (``stats.last``), like everything backward does;
+                # the step that packed the family may already be folded into the totals.
+                self.step.stats.reloads += 1
         except BaseException as e:
             # Nothing was started (a read that fails to start raises before queueing I/O).
             if staging is not None:

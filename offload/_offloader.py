@@ -754,13 +754,15 @@ class ActivationOffloader:
             return  # the model is gone
         if not torch.is_grad_enabled():
             return  # nothing is saved to plan
-        if self._overlapping:  # see _drop_unfinished_profile
+        if not self._overlapping:
+            self._overlap_skips.pop(sig, None)  # only steps in a row count
+        else:  # see _drop_unfinished_profile
             n = self._overlap_skips[sig] = self._overlap_skips.get(sig, 0) + 1
             if n >= _OVERLAP_SKIPS:
                 self._infeasible.add(sig)
                 self._warn_once(
                     "overlap",
-                    f"signature {sig} was not profiled in {n} steps: an older step's saved "
+                    f"signature {sig} was not profiled in {n} steps in a row: an older step's saved "
                     "tensors were still alive at each start (a graph kept without its backward, "
                     "or retain_graph=True); it runs in min-memory mode. Free old graphs before "
                     "the next step, or plan offline and pass plan=",

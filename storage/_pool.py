@@ -362,11 +362,15 @@ class HostPool:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    def trim(self) -> int:
-        """Give back every slab no live region uses; returns the bytes given back."""
+    def trim(self, keep_bytes: int = 0) -> int:
+        """Give back slabs no live region uses, until at most ``keep_bytes`` stay reserved (or
+        no free slab is left); returns the bytes given back."""
+        _check_bytes("keep_bytes", keep_bytes)
         with self._lock:
             freed = 0
             for slab in list(self._slabs):
+                if self._reserved <= keep_bytes:
+                    break
                 usable = (slab.memory.numel() - slab.base) // ALIGNMENT_BYTES * ALIGNMENT_BYTES
                 if slab.allocator.largest_free() == usable:
                     freed += slab.memory.numel()
@@ -487,12 +491,14 @@ class PoolShare:
             if self in claims:
                 claims.remove(self)
             last = not claims
+            cap = 0 if last else _cap_of(claims)
             if last:
                 _shared_claims.pop(self.pool, None)
             else:
-                self.pool.set_capacity_bytes(_cap_of(claims))
-        if last and not self.pool.closed:
-            self.pool.trim()  # only the last: the others keep their slabs
+                self.pool.set_capacity_bytes(cap)
+        if not self.pool.closed:
+            # Free slabs beyond what the claims left may hold; all of them with the last.
+            self.pool.trim(keep_bytes=cap)
 
 
 _shared_claims: dict[HostPool, list[PoolShare]] = {}

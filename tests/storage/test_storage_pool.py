@@ -264,18 +264,18 @@ def test_claims_on_the_shared_pool_add_up_and_the_last_one_returns_the_slabs(mon
     c = claim_shared_host_pool(4 * MiB, default=True, pin_memory=False)
     d = claim_shared_host_pool(5 * MiB, default=True, pin_memory=False)
     assert pool.capacity_bytes == 5 * MiB + 3 * MiB + 256 * KiB
-    kept = pool.allocate(512 * KiB)
-    kept.release()
-    slabs = pool.reserved_bytes
+    pool.allocate(4 * MiB).release()  # a free 4 MiB slab, beyond what a and b claim
     d.close()
-    c.close()
+    c.close()  # the pool keeps no more than the claims left: that slab goes back
+    assert pool.capacity_bytes == 3 * MiB + 256 * KiB and pool.reserved_bytes == 0
+    pool.allocate(512 * KiB).release()  # a 2 MiB slab (the largest power of two under the cap)
     a.close()
     a.close()  # idempotent
     assert pool.capacity_bytes == 2 * MiB
-    assert pool.reserved_bytes == slabs > 0  # b still claims: its free slab stays
+    assert pool.reserved_bytes == 2 * MiB  # within b's claim: b keeps its free slab
     held = pool.allocate(512 * KiB)
-    b.close()  # the last claim: the slab holding ``held`` stays
-    assert pool.reserved_bytes > 0 and not pool.closed
+    b.close()  # the last claim: free slabs go back, the one holding ``held`` stays
+    assert pool.reserved_bytes == 2 * MiB and not pool.closed
     held.release()
     e = claim_shared_host_pool(1 * MiB, pin_memory=False)
     assert e.pool is pool
