@@ -338,13 +338,9 @@ class Executor:
             # Pinned staging of NVMe writes is bounded too: disk slower than PCIe must not
             # exhaust the pool.
             while self._writing and self._writing_bytes + n > self.staging_bytes:
-                step.stats.backpressure_waits += 1
-                with contextlib.suppress(storage.StorageError):
-                    self._writing[0][1].wait()
-                self._poll_writes()
+                self._wait_oldest_write(step)
             # The D2H copy lands in a pinned region; for NVMe that region is staging. A full
             # pool first gets back the staging of the file writes still running.
-            region = None
             while region is None:
                 try:
                     region = self.pool.allocate(n)
@@ -353,10 +349,7 @@ class Executor:
                         raise from_storage(
                             e, "no pinned host memory for a D2H copy (raise cpu_budget)"
                         ) from e
-                    step.stats.backpressure_waits += 1
-                    with contextlib.suppress(storage.StorageError):
-                        self._writing[0][1].wait()
-                    self._poll_writes()
+                    self._wait_oldest_write(step)
             packed = torch.cuda.Event()
             packed.record(torch.cuda.current_stream(self.device))  # P: t is fully computed
             with torch.cuda.stream(self._d2h):
@@ -420,6 +413,14 @@ class Executor:
             step.stats.records_offloaded_nvme += 1
         self._inflight.append(fam)
         self._inflight_bytes += n
+
+    def _wait_oldest_write(self, step: _StepState) -> None:
+        """GPU + NVMe: wait for the oldest file write still holding pinned staging (a failure
+        is handled by _poll_writes), then give back what finished."""
+        step.stats.backpressure_waits += 1
+        with contextlib.suppress(storage.StorageError):
+            self._writing[0][1].wait()
+        self._poll_writes()
 
     @staticmethod
     def _check_version(fam: Family) -> None:

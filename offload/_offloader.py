@@ -266,12 +266,9 @@ class ActivationOffloader:
         self._budget_bytes = None if gpu_budget is None else resolve_budget(gpu_budget, self.device)
         self._user_plan = user_plan
         if user_plan is not None and (keep_names or keep_types):
-            kept = {
-                name
-                for name, mod in named_modules_stop_at_compiled(model)
-                if name in keep_names or isinstance(mod, keep_types)
-            }
-            unplanned = kept - set(user_plan.metadata.get("kept_modules") or ())
+            unplanned = set(self._kept_modules(model)) - set(
+                user_plan.metadata.get("kept_modules") or ()
+            )
             if unplanned:
                 warnings.warn(
                     f"offload: keep= names modules {sorted(unplanned)} that the given plan= was "
@@ -450,13 +447,11 @@ class ActivationOffloader:
                 # root's pre-hook begins a profiled step that the recorder's then sees).
                 model = self._model_ref()
                 if model is not None:
-                    kept = [
-                        name
-                        for name, mod in named_modules_stop_at_compiled(model)
-                        if name in self.config.keep_names or isinstance(mod, self.config.keep_types)
-                    ]
                     self._profiler = Profiler(
-                        model, self.device, self._executor.device_saved_bytes, kept
+                        model,
+                        self.device,
+                        self._executor.device_saved_bytes,
+                        self._kept_modules(model),
                     )
             self._account_last()
             self._step_index += 1
@@ -611,11 +606,19 @@ class ActivationOffloader:
         self._resources[:] = [ex, *tiers, share]
         return ex
 
+    def _keeps(self, name: str, mod: nn.Module) -> bool:
+        """Whether ``keep=`` names module ``name`` (by name or type)."""
+        return name in self.config.keep_names or isinstance(mod, self.config.keep_types)
+
+    def _kept_modules(self, model: nn.Module) -> list[str]:
+        return [
+            name for name, mod in named_modules_stop_at_compiled(model) if self._keeps(name, mod)
+        ]
+
     def _install_module_hooks(self, model: nn.Module) -> list[Any]:
         handles = []
         for name, mod in named_modules_stop_at_compiled(model):
-            kept = name in self.config.keep_names or isinstance(mod, self.config.keep_types)
-            pre = _ForwardPre(self, name, kept)
+            pre = _ForwardPre(self, name, self._keeps(name, mod))
             handles.append(mod.register_forward_pre_hook(pre, with_kwargs=name == ""))
             handles.append(mod.register_forward_hook(_ForwardPost(self)))
         return handles
@@ -757,16 +760,16 @@ class ActivationOffloader:
         if not self._overlapping:
             self._overlap_skips.pop(sig, None)  # only steps in a row count
         else:  # see _drop_unfinished_profile
-            n = self._overlap_skips[sig] = self._overlap_skips.get(sig, 0) + 1
-            if n >= _OVERLAP_SKIPS:
-                self._infeasible.add(sig)
-                self._warn_once(
-                    "overlap",
-                    f"signature {sig} was not profiled in {n} steps in a row: an older step's saved "
-                    "tensors were still alive at each start (a graph kept without its backward, "
-                    "or retain_graph=True); it runs in min-memory mode. Free old graphs before "
-                    "the next step, or plan offline and pass plan=",
-                )
+            self._count_toward_min_memory(
+                self._overlap_skips,
+                sig,
+                _OVERLAP_SKIPS,
+                "overlap",
+                f"signature {sig} was not profiled in {_OVERLAP_SKIPS} steps in a row: an older "
+                "step's saved tensors were still alive at each start (a graph kept without its "
+                "backward, or retain_graph=True); it runs in min-memory mode. Free old graphs "
+                "before the next step, or plan offline and pass plan=",
+            )
             return
         self._profiler.begin()
         self._profiling = sig
@@ -788,17 +791,27 @@ class ActivationOffloader:
         self._overlapping = True
         if sig in self._plans:
             return  # a timing step (NOTE [ Refinement ]): the plan stands as it is
-        n = self._unfinished[sig] = self._unfinished.get(sig, 0) + 1
-        if n >= _UNFINISHED_PROFILES:
+        self._count_toward_min_memory(
+            self._unfinished,
+            sig,
+            _UNFINISHED_PROFILES,
+            "unfinished",
+            f"a step of signature {sig} began before the backward of the step being profiled "
+            "ended (forwards run before their backwards, or a forward never run backward), "
+            f"{_UNFINISHED_PROFILES} times; gpu_budget profiles one step with its backward, so "
+            "this signature runs in min-memory mode. Run each backward before the next forward, "
+            "or plan offline (offload.profile, offload.plan) and pass plan=",
+        )
+
+    def _count_toward_min_memory(
+        self, counts: dict[str, int], sig: str, limit: int, key: str, why: str
+    ) -> None:
+        """One more strike for ``sig`` in ``counts``; at ``limit`` it runs in min-memory mode
+        from now on, and ``why`` is said (once per ``key``)."""
+        counts[sig] = counts.get(sig, 0) + 1
+        if counts[sig] >= limit:
             self._infeasible.add(sig)
-            self._warn_once(
-                "unfinished",
-                f"a step of signature {sig} began before the backward of the step being "
-                "profiled ended (forwards run before their backwards, or a forward never run "
-                f"backward), {n} times; gpu_budget profiles one step with its backward, so this "
-                "signature runs in min-memory mode. Run each backward before the next forward, "
-                "or plan offline (offload.profile, offload.plan) and pass plan=",
-            )
+            self._warn_once(key, why)
 
     def _profile_ended(self, sig: str) -> None:
         """The profiling (or timing) step's backward ended (autograd's final callback)."""

@@ -481,8 +481,8 @@ class PoolShare:
         self._released = False
 
     def close(self) -> None:
-        """Give the claim back (idempotent): the pool's cap follows the claims left, and with
-        none left the pool returns its free slabs to the host."""
+        """Give the claim back (idempotent): the pool's cap follows the claims left, and free
+        slabs beyond it go back to the host (every free slab, once no claim is left)."""
         with _shared_lock:
             if self._released:
                 return
