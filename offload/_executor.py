@@ -159,6 +159,12 @@ class Executor:
         self._inflight: deque[Family] = deque()
         self._deferred_releases: deque[Family] = deque()  # see release()
         self._inflight_bytes = 0
+        # CPU device: writes whose family was freed first (backward ran ahead of a slow tier),
+        # each with its bytes. They still read their sources and count toward the in-flight
+        # bound until they end: uncounted, they piled up with their sources, without bound, when
+        # the tier was slower than the steps.
+        self._orphans: deque[tuple[storage.Transfer, int]] = deque()
+        self._orphan_bytes = 0
         self._ahead_bytes = 0  # see _mark_ahead
         # GPU + NVMe: records whose file write runs from pinned staging, oldest first, each with
         # its write's handle (kept here: freeing the family clears ``fam.handle``).
@@ -220,7 +226,7 @@ class Executor:
         """Saved bytes this executor holds on the device now, roughly: sources of copies out
         in flight and reloads not yet unpacked (the profiling step's memory probe subtracts
         them, see ``ActivationOffloader``)."""
-        return self._inflight_bytes + self._ahead_bytes
+        return self._inflight_bytes + self._orphan_bytes + self._ahead_bytes
 
     def live_families(self) -> int:
         with self.lock:
@@ -437,10 +443,15 @@ class Executor:
 
     def _backpressure(self, step: _StepState, incoming: int) -> None:
         # Rule 2: wait on the oldest copies until the new one fits the in-flight bound.
-        while self._inflight and self._inflight_bytes + incoming > self.max_inflight_bytes:
-            oldest = self._inflight[0]
+        while (self._inflight or self._orphans) and (
+            self._inflight_bytes + self._orphan_bytes + incoming > self.max_inflight_bytes
+        ):
             step.stats.backpressure_waits += 1
-            self._wait_copy_out(oldest)
+            if self._orphans:
+                with contextlib.suppress(storage.StorageError):
+                    self._orphans[0][0].wait()  # its family is gone: an error changes nothing
+            else:
+                self._wait_copy_out(self._inflight[0])
             self.poll()
 
     def _copy_out_done(self, fam: Family) -> bool:
@@ -468,6 +479,8 @@ class Executor:
                 fam = self._inflight.popleft()
                 self._inflight_bytes -= fam.nbytes
                 self._retire(fam)
+            while self._orphans and self._orphans[0][0].done():
+                self._orphan_bytes -= self._orphans.popleft()[1]
             self._poll_writes()
             self._collect_pending()
 
@@ -850,6 +863,9 @@ class Executor:
         if fam.life is Life.COPYING_OUT and fam in self._inflight:
             self._inflight.remove(fam)
             self._inflight_bytes -= fam.nbytes
+            if not self.cuda and fam.handle is not None and not fam.handle.done():
+                self._orphans.append((fam.handle.written, fam.nbytes))
+                self._orphan_bytes += fam.nbytes
         self._free(fam)
 
     def _free(self, fam: Family) -> None:
@@ -946,6 +962,8 @@ class Executor:
             # Copies out still in flight belong to families released above.
             self._inflight.clear()
             self._inflight_bytes = 0
+            self._orphans.clear()  # the tiers wait for their own transfers when they close
+            self._orphan_bytes = 0
             self._pending_free, self._pending_regions = [], []
             self.step = None
 

@@ -9,6 +9,8 @@ import concurrent.futures
 import contextlib
 import gc
 import os
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -592,6 +594,8 @@ def test_exception_in_backward_leaves_nothing_live(engine: str, backward_inside:
     case = gpt_block(seed=0)
     with manager(case.model, engine) as mgr:
         offloaded_step(case, mgr)  # warm: the pool has its slab
+        drain(mgr)  # the warm step's late transfers end first (else `used` raced them)
+        mgr._executor.poll()
         pool = mgr._executor.pool
         used = pool.used_bytes
         with pytest.raises(RuntimeError, match="boom in backward") as info:
@@ -858,6 +862,65 @@ def test_a_family_freed_while_its_nvme_write_is_queued_keeps_the_queue_sound(tmp
         pool.close()
 
 
+def test_writes_of_freed_families_count_toward_the_in_flight_bound() -> None:
+    """Backward ran ahead of a slow tier: its families were freed while their writes still ran
+    (reading their sources). Those writes count toward ``max_inflight_bytes`` until they end, so
+    the next step waits for them; uncounted, they piled up without bound (a 1000-step soak with
+    slow I/O grew by 150 MiB)."""
+    case = mlp(seed=0)
+    want = [reference_grads("mlp", s) for s in range(2)]
+    with manager(case.model) as probe:
+        with probe:
+            case.loss(case.batch(0)).backward()
+        step_bytes = probe.stats.last.bytes_offloaded_cpu
+    assert step_bytes > 0
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.0005, seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model, min_offload_bytes=0, _copy_engine=engine, max_inflight_bytes=step_bytes
+    )
+    paused, waited, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_the_writes() -> None:
+        # Every copy waits until step 2 waits on step 1's writes; with no such wait (the bug),
+        # until step 2 has finished (30 s at most, so that nothing can hang the suite).
+        with engine.paused():
+            paused.set()
+            deadline = time.monotonic() + 30
+            while not finished.is_set() and time.monotonic() < deadline:
+                ex = mgr._executor  # made by the first step
+                step = ex.step if ex is not None else None
+                if step is not None and step.index == 2 and step.stats.backpressure_waits > 0:
+                    waited.set()
+                    break
+                time.sleep(0.001)
+
+    holder = threading.Thread(target=hold_the_writes)
+    holder.start()
+    try:
+        paused.wait()
+        case.model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = case.loss(case.batch(0))
+        loss.backward()  # from the sources: no write has run
+        assert_bitwise(case.grads(), want[0])
+        ex = mgr._executor
+        assert ex.live_families() == 0 and ex._orphan_bytes == step_bytes
+        case.model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = case.loss(case.batch(1))
+        finished.set()
+        holder.join()
+        loss.backward()
+        assert_bitwise(case.grads(), want[1])
+        assert waited.is_set() and mgr.stats.last.backpressure_waits > 0
+        assert ex._inflight_bytes + ex._orphan_bytes <= step_bytes
+    finally:
+        finished.set()
+        holder.join()
+        mgr.close()
+        engine.close()
+
+
 def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monkeypatch) -> None:
     """An I/O error after pack returned: the record goes to the next tier from the held source;
     the host-tier accounting must come back to zero once the graph is gone."""
@@ -872,6 +935,13 @@ def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monke
 
             monkeypatch.setattr(spill, "write", broken)
             loss = case.loss(case.batch())
+        # The failures surface when the I/O thread runs the writes: wait for them (an unsettled
+        # check raced that thread, and failed under load).
+        for fam in mgr._executor.step.families:
+            if fam.handle is not None:
+                with contextlib.suppress(storage.StorageError):
+                    fam.handle.wait()
+        mgr._executor.poll()
         assert mgr.stats.last.fallbacks > 0
         assert mgr._executor.host_bytes > 0
         case.model.zero_grad(set_to_none=True)

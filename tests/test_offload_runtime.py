@@ -148,10 +148,14 @@ def test_corrupted_nvme_record_raises_checksum_error(tmp_path) -> None:
     try:
         with mgr:
             loss = case.loss(case.batch())
+        families = mgr._executor.step.families
+        for f in families:
+            f.handle.wait()
+        # Retired once written (copies retire in order): backward reads the file, not the
+        # source still held (polling before the writes finished raced the I/O threads).
         mgr._executor.poll()
-        fam = max(mgr._executor.step.families, key=lambda f: f.nbytes)
+        fam = max(families, key=lambda f: f.nbytes)
         handle = fam.handle
-        handle.wait()
         fd = mgr._tiers[0]._file.fd
         os.pwrite(fd, b"\x5a" * 64, handle._offset + 8)
         with pytest.raises(offload.ChecksumError) as info:
@@ -570,6 +574,10 @@ def test_soak_1000_steps_no_growth(tmp_path) -> None:
         nvme_dir=tmp_path,
         cpu_budget=48 << 10,
         _copy_engine=engine,
+        # Writes still running when backward frees their families hold their sources until they
+        # end, up to this bound; the default (256 MiB) exceeds the RSS check below when the I/O
+        # lags behind the steps on a loaded machine.
+        max_inflight_bytes=1 << 20,
     )
     proc = psutil.Process()
     try:
