@@ -182,8 +182,9 @@ class ActivationOffloader:
             disk).
         keep: module names (as in ``named_modules()``) or ``nn.Module`` types whose saved
             tensors never move.
-        max_inflight_bytes: bound on copies out in flight and on the reload look-ahead; ``None``
-            = 2 x the largest record seen, at least 256 MiB.
+        max_inflight_bytes: bound on copies out in flight (also those whose tensor backward
+            has released already) and on the reload look-ahead; ``None`` = 2 x the largest
+            record seen, at least 256 MiB.
         on_infeasible: for a signature met after the first whose budget cannot be met:
             ``"raise"`` :class:`BudgetInfeasibleError`, or ``"min_memory"`` (run its steps with
             everything offloaded, warn once, count them in ``stats``). The first signature
@@ -1565,10 +1566,17 @@ def _close_resources(handles: list[Any], resources: list[Any], recompute: dict[s
     for h in handles:
         with contextlib.suppress(Exception):
             h.remove()
+    _uninstall_forwards(recompute)
+    # A GC pass on one of storage's threads may run this: closing waits for the transfers in
+    # flight, that thread's own among them (a deadlock), so it goes to a thread of its own.
+    if not storage.finish_elsewhere(lambda: _close_all(resources)):
+        _close_all(resources)
+
+
+def _close_all(resources: list[Any]) -> None:
     for r in resources:  # the executor first, then the tiers
         with contextlib.suppress(Exception):
             r.close()
-    _uninstall_forwards(recompute)
 
 
 def _uninstall_forwards(installed: dict[str, tuple[weakref.ref[Any], weakref.ref[Any]]]) -> None:

@@ -28,7 +28,7 @@ from storage._pool import (
     shared_host_pool,
 )
 from storage._tier import StoredHandle, Tier
-from storage._transfer import CopyEngine, Transfer, byte_view
+from storage._transfer import CopyEngine, Transfer, byte_view, finish_elsewhere
 from storage._units import ALIGNMENT_BYTES, CHECKSUM_CHUNK_BYTES, IO_THREADS
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "CopyEngine",
     "Transfer",
     "byte_view",
+    "finish_elsewhere",
     # budgets and measurements
     "CgroupMemory",
     "cgroup_memory",

@@ -19,7 +19,15 @@ from storage._file import SpillFile, buffer_of, storage_error
 from storage._kvikio import KvikioFile
 from storage._pool import HostPool, HostRegion, shared_host_pool
 from storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
-from storage._transfer import CopyEngine, Transfer, chain, check_waitable, gather, wait_for
+from storage._transfer import (
+    CopyEngine,
+    Transfer,
+    chain,
+    check_waitable,
+    gather,
+    mark_worker_thread,
+    wait_for,
+)
 from storage._units import (
     ALIGNMENT_BYTES,
     CHECKSUM_CHUNK_BYTES,
@@ -456,7 +464,9 @@ class NvmeTier(Tier):
                 if self._stopped:
                     raise StorageError("the nvme tier is closed")
                 self._executor = ThreadPoolExecutor(
-                    self._io_threads, thread_name_prefix="storage-io"
+                    self._io_threads,
+                    thread_name_prefix="storage-io",
+                    initializer=mark_worker_thread,
                 )
             return self._executor
 

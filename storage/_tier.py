@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from storage._errors import StorageError
-from storage._transfer import Transfer, byte_view, chain
+from storage._transfer import Transfer, byte_view, chain, finish_elsewhere
 
 if TYPE_CHECKING:
     from storage._pool import HostRegion
@@ -212,11 +212,21 @@ class Tier(ABC):
             self._release(handle)
 
     def close(self) -> None:
-        """Wait for transfers in flight, release every record, stop threads. Idempotent."""
+        """Wait for transfers in flight, release every record, stop threads. Idempotent.
+
+        Called on one of storage's threads (a done callback, or a GC pass there that finalized
+        the tier's owner), it returns once later calls are refused, and the rest runs on a thread
+        of its own: waiting there for the transfers in flight would wait on that thread itself.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        if not finish_elsewhere(self._finish_close):
+            self._finish_close()
+
+    def _finish_close(self) -> None:
+        with self._lock:
             self._started.wait_for(lambda: self._starting == 0)
             inflight = list(self._inflight)
         concurrent.futures.wait(inflight)

@@ -156,7 +156,9 @@ class CopyEngine:
             return run_now(fn)
         with self._worker_lock:
             if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="storage-copy")
+                self._worker = ThreadPoolExecutor(
+                    1, thread_name_prefix="storage-copy", initializer=mark_worker_thread
+                )
             worker = self._worker
 
         def late() -> object:
@@ -195,12 +197,40 @@ class CopyEngine:
             self._gate.set()
 
     def close(self) -> None:
-        """Finish queued copies and stop the worker thread. Idempotent."""
+        """Finish queued copies and stop the worker thread. Idempotent.
+
+        Called on a storage thread (see :func:`on_worker_thread`), it returns at once and the
+        worker is stopped from a thread of its own: waiting there would wait on itself.
+        """
         self._gate.set()
         with self._worker_lock:
             worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.shutdown(wait=True)
+        if worker is not None and not finish_elsewhere(worker.shutdown):
+            worker.shutdown()
+
+
+_worker_state = threading.local()
+
+
+def mark_worker_thread() -> None:
+    """The ``initializer`` of storage's thread pools (see :func:`on_worker_thread`)."""
+    _worker_state.active = True
+
+
+def on_worker_thread() -> bool:
+    """Whether this thread is one of storage's own: a copy engine's or an NVMe tier's I/O
+    thread, where done callbacks run, and where a GC pass may finalize an owner of a tier."""
+    return getattr(_worker_state, "active", False)
+
+
+def finish_elsewhere(finish: Callable[[], object]) -> bool:
+    """On a storage thread, run ``finish`` (the waiting part of a close) on a new thread and
+    return True: it waits for transfers in flight, the one running on this thread among them.
+    Elsewhere return False. The thread is no daemon: the interpreter waits for it at exit."""
+    if not on_worker_thread():
+        return False
+    threading.Thread(target=finish, name="storage-close").start()
+    return True
 
 
 def wait_for(after: object) -> None:

@@ -921,6 +921,45 @@ def test_writes_of_freed_families_count_toward_the_in_flight_bound() -> None:
         engine.close()
 
 
+def test_a_manager_finalized_on_an_io_thread_closes_from_a_thread_of_its_own(tmp_path) -> None:
+    """A GC pass on an NVMe I/O thread, in the middle of a write, may finalize a dropped
+    manager: closing waited for that very write (a deadlock). Now the finalizer hands the
+    closing to a thread of its own, and everything is released."""
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model, min_offload_bytes=0, tiers=("nvme",), nvme_dir=tmp_path
+    )
+    go, finalized, errors, calls = threading.Event(), threading.Event(), [], []
+    with mgr:
+        nvme = mgr._tiers[0]
+        private, real = nvme.private_directory, nvme._file.write
+
+        def write_then_finalize(*args: Any, **kw: Any) -> None:
+            go.wait(10)  # once the step has ended (no pack runs after a real finalizer)
+            real(*args, **kw)
+            if not calls:
+                calls.append(threading.current_thread().name)
+                try:
+                    mgr._finalizer()  # what a GC pass here runs for a dropped manager
+                except BaseException as e:
+                    errors.append(e)
+                finalized.set()
+
+        nvme._file.write = write_then_finalize
+        loss = case.loss(case.batch())
+    go.set()
+    assert finalized.wait(10) and calls[0].startswith("storage-io")
+    for t in threading.enumerate():
+        if t.name == "storage-close":
+            t.join(10)
+    assert errors == []
+    assert not os.path.exists(private)
+    assert mgr._executor.live_families() == 0 and mgr._executor.host_bytes == 0
+    with pytest.raises(offload.OffloadError, match="closed"):
+        loss.backward()
+    mgr.close()
+
+
 def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monkeypatch) -> None:
     """An I/O error after pack returned: the record goes to the next tier from the held source;
     the host-tier accounting must come back to zero once the graph is gone."""

@@ -27,6 +27,16 @@ def step(case, mgr, s: int = 0) -> torch.Tensor:
     return loss.detach()
 
 
+def settle(mgr) -> None:
+    """Wait for the last step's copies out and retire them (copies retire in order), so that
+    backward reads the tier, not the sources held while writing: polling before the writes had
+    finished raced the I/O threads."""
+    for fam in mgr._executor.step.families:
+        if fam.handle is not None:
+            fam.handle.wait()
+    mgr._executor.poll()
+
+
 def open_files() -> list[str]:
     out = []
     for fd in os.listdir("/proc/self/fd"):
@@ -148,13 +158,8 @@ def test_corrupted_nvme_record_raises_checksum_error(tmp_path) -> None:
     try:
         with mgr:
             loss = case.loss(case.batch())
-        families = mgr._executor.step.families
-        for f in families:
-            f.handle.wait()
-        # Retired once written (copies retire in order): backward reads the file, not the
-        # source still held (polling before the writes finished raced the I/O threads).
-        mgr._executor.poll()
-        fam = max(families, key=lambda f: f.nbytes)
+        settle(mgr)
+        fam = max(mgr._executor.step.families, key=lambda f: f.nbytes)
         handle = fam.handle
         fd = mgr._tiers[0]._file.fd
         os.pwrite(fd, b"\x5a" * 64, handle._offset + 8)
@@ -283,6 +288,7 @@ def test_an_io_error_reading_raises_and_frees_at_once(tmp_path, monkeypatch) -> 
         with gc_off():
             with mgr:
                 loss = case.loss(case.batch())
+            settle(mgr)  # backward reads the file (not the sources still held while writing)
             monkeypatch.setattr(storage._file.SpillFile, "read_into", _failing(errno.EIO))
             with pytest.raises(offload.StorageError) as info:
                 loss.backward()

@@ -14,6 +14,7 @@ import torch
 
 from storage import (
     ChecksumError,
+    CopyEngine,
     HostPool,
     NvmeTier,
     StorageError,
@@ -162,6 +163,76 @@ def test_close_removes_the_directory_and_closes_every_fd(tmp_path, pool):
     assert pool.used_bytes == 0
     with pytest.raises(StorageError, match="closed"):
         tier.write(random_bytes(10))
+
+
+def join_closers() -> None:
+    for t in threading.enumerate():
+        if t.name == "storage-close":
+            t.join(10)
+
+
+@linux_only
+@pytest.mark.parametrize("where", ["in the transfer", "in a done callback"])
+def test_close_on_an_io_thread_finishes_on_a_thread_of_its_own(tmp_path, pool, monkeypatch, where):
+    """A GC pass on an I/O thread may finalize the tier's owner, closing the tier there. In the
+    middle of that thread's transfer, close() waited for it, so for itself: a deadlock. In a done
+    callback, stopping the threads raised 'cannot join current thread' and left the file open.
+    Now the call returns, later calls are refused, and the rest runs on a thread of its own."""
+    before = fd_count()
+    tier = NvmeTier(tmp_path, capacity_bytes=32 * MiB, pool=pool, io_threads=1)
+    private = tier.private_directory
+    closed = threading.Event()
+    errors: list[BaseException] = []
+
+    def close_here() -> None:
+        assert threading.current_thread().name.startswith("storage-io")
+        try:
+            tier.close()  # as the owner's finalizer would
+        except BaseException as e:
+            errors.append(e)
+        closed.set()
+
+    real, registered = tier._file.write, threading.Event()
+
+    def write_then_close(*args, **kwargs):
+        registered.wait(10)  # the callback is in place before the write ends
+        real(*args, **kwargs)
+        if where == "in the transfer":
+            close_here()
+
+    monkeypatch.setattr(tier._file, "write", write_then_close)
+    handle = tier.write(random_bytes(8192))
+    if where == "in a done callback":
+        handle.written.add_done_callback(lambda _: close_here())
+    registered.set()
+    assert closed.wait(10)
+    assert errors == []
+    handle.wait(10)  # the write that was running finished
+    with pytest.raises(StorageError, match="closed"):
+        tier.write(random_bytes(10))
+    join_closers()
+    assert not os.path.exists(private)
+    assert fd_count() == before and pool.used_bytes == 0
+
+
+def test_a_copy_engine_closed_on_its_worker_stops_it_from_elsewhere():
+    engine = CopyEngine(deferred=True, max_delay_s=0.0)
+    src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def close_here(_):
+        try:
+            engine.close()
+        except BaseException as e:
+            errors.append(e)
+        done.set()
+
+    engine.copy(dst, src).add_done_callback(close_here)
+    assert done.wait(10) and errors == []
+    join_closers()
+    assert not any(t.name.startswith("storage-copy") for t in threading.enumerate())
+    assert dst.tolist() == list(range(8))
 
 
 def test_close_waits_for_a_write_another_thread_is_starting(tmp_path, pool, monkeypatch):
