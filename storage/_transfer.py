@@ -226,7 +226,18 @@ def on_worker_thread() -> bool:
 def finish_elsewhere(finish: Callable[[], object]) -> bool:
     """On a storage thread, run ``finish`` (the waiting part of a close) on a new thread and
     return True: it waits for transfers in flight, the one running on this thread among them.
-    Elsewhere return False. The thread is no daemon: the interpreter waits for it at exit."""
+    Elsewhere return False. The thread is no daemon: the interpreter waits for it at exit.
+
+    For owners of tiers whose close may run anywhere (a finalizer, a done callback).
+
+    Example:
+        >>> closed = []
+        >>> def close() -> None:
+        ...     if not finish_elsewhere(close):
+        ...         closed.append(True)  # wait for transfers, release, ...
+        >>> close(); closed  # not on a storage thread: it runs here
+        [True]
+    """
     if not on_worker_thread():
         return False
     threading.Thread(target=finish, name="storage-close").start()

@@ -34,6 +34,7 @@ def test_public_api_snapshot():
         "CopyEngine",
         "Transfer",
         "byte_view",
+        "finish_elsewhere",
         "CgroupMemory",
         "cgroup_memory",
         "default_cpu_budget_bytes",
