@@ -863,9 +863,17 @@ class Executor:
         if fam.life is Life.COPYING_OUT and fam in self._inflight:
             self._inflight.remove(fam)
             self._inflight_bytes -= fam.nbytes
-            if not self.cuda and fam.handle is not None and not fam.handle.done():
-                self._orphans.append((fam.handle.written, fam.nbytes))
-                self._orphan_bytes += fam.nbytes
+            if fam.handle is not None and not fam.handle.done():
+                # Its write still runs (backward ran ahead of the tier): it stays counted.
+                if fam.spill is not None:
+                    # GPU + NVMe: the I/O threads read the pinned copy until the write ends; it
+                    # joins the queue of such writes (the staging bound; _poll_writes releases
+                    # it). Held unqueued, with its device source, nothing bounded it.
+                    self._writing.append((fam, fam.handle))
+                    self._writing_bytes += fam.nbytes
+                elif not self.cuda:
+                    self._orphans.append((fam.handle.written, fam.nbytes))
+                    self._orphan_bytes += fam.nbytes
         self._free(fam)
 
     def _free(self, fam: Family) -> None:
@@ -897,8 +905,13 @@ class Executor:
         # finish before _drop hands that region back to the pool.
         if fam.reload is not None and not fam.reload.done():
             return False
-        if fam.spill is not None and fam.handle is not None and not fam.handle.done():
-            return False  # I/O threads still read the pinned copy
+        if (
+            fam.spill is not None
+            and fam.handle is not None
+            and not fam.handle.done()
+            and all(f is not fam for f, _ in self._writing)
+        ):
+            return False  # I/O threads still read the pinned copy (unless _poll_writes frees it)
         return all(e is None or e.query() for e in (fam.source_event, fam.reload_event))
 
     def _collect_pending(self) -> None:

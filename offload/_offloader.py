@@ -182,9 +182,9 @@ class ActivationOffloader:
             disk).
         keep: module names (as in ``named_modules()``) or ``nn.Module`` types whose saved
             tensors never move.
-        max_inflight_bytes: bound on copies out in flight (also those whose tensor backward
-            has released already) and on the reload look-ahead; ``None`` = 2 x the largest
-            record seen, at least 256 MiB.
+        max_inflight_bytes: bound on copies out in flight (on a CPU device also those whose
+            tensor backward has released already) and on the reload look-ahead; ``None`` = 2 x
+            the largest record seen, at least 256 MiB.
         on_infeasible: for a signature met after the first whose budget cannot be met:
             ``"raise"`` :class:`BudgetInfeasibleError`, or ``"min_memory"`` (run its steps with
             everything offloaded, warn once, count them in ``stats``). The first signature

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from storage._errors import StorageError
-from storage._transfer import Transfer, byte_view, chain, finish_elsewhere
+from storage._transfer import Transfer, byte_view, chain, finish_elsewhere, on_worker_thread
 
 if TYPE_CHECKING:
     from storage._pool import HostRegion
@@ -146,6 +146,7 @@ class Tier(ABC):
         self._started = threading.Condition(self._lock)
         self._used = 0
         self._closed = False
+        self._close_done = threading.Event()  # close()'s work has finished (see close)
 
     @abstractmethod
     def write(
@@ -217,24 +218,29 @@ class Tier(ABC):
         Called on one of storage's threads (a done callback, or a GC pass there that finalized
         the tier's owner), it returns once later calls are refused, and the rest runs on a thread
         of its own: waiting there for the transfers in flight would wait on that thread itself.
+        A close elsewhere meanwhile waits for that thread's work.
         """
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if not finish_elsewhere(self._finish_close):
-            self._finish_close()
+            first, self._closed = not self._closed, True
+        if first:
+            if not finish_elsewhere(self._finish_close):
+                self._finish_close()
+        elif not on_worker_thread():
+            self._close_done.wait()
 
     def _finish_close(self) -> None:
-        with self._lock:
-            self._started.wait_for(lambda: self._starting == 0)
-            inflight = list(self._inflight)
-        concurrent.futures.wait(inflight)
-        self._stop()
-        with self._lock:
-            handles = [h for h in list(self._live) if self._take_for_release(h, force=True)]
-        for handle in handles:
-            self._release(handle)
+        try:
+            with self._lock:
+                self._started.wait_for(lambda: self._starting == 0)
+                inflight = list(self._inflight)
+            concurrent.futures.wait(inflight)
+            self._stop()
+            with self._lock:
+                handles = [h for h in list(self._live) if self._take_for_release(h, force=True)]
+            for handle in handles:
+                self._release(handle)
+        finally:
+            self._close_done.set()
 
     @abstractmethod
     def _release(self, handle: StoredHandle) -> None:

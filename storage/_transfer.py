@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -11,6 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("storage")
 
 # NOTE [ Transfer ordering ]
 # storage knows nothing about CUDA streams. Ordering crosses its boundary in two ways only:
@@ -136,6 +139,7 @@ class CopyEngine:
         self._gate.set()
         self._worker: ThreadPoolExecutor | None = None
         self._worker_lock = threading.Lock()
+        self._stopped: threading.Event | None = None  # set once the last close's worker stopped
 
     @property
     def deferred(self) -> bool:
@@ -200,13 +204,28 @@ class CopyEngine:
         """Finish queued copies and stop the worker thread. Idempotent.
 
         Called on a storage thread (see :func:`on_worker_thread`), it returns at once and the
-        worker is stopped from a thread of its own: waiting there would wait on itself.
+        worker is stopped from a thread of its own: waiting there would wait on itself. A close
+        elsewhere meanwhile waits for that.
         """
         self._gate.set()
         with self._worker_lock:
             worker, self._worker = self._worker, None
-        if worker is not None and not finish_elsewhere(worker.shutdown):
-            worker.shutdown()
+            if worker is not None:
+                self._stopped = threading.Event()
+            stopped = self._stopped
+        if worker is None:
+            if stopped is not None and not on_worker_thread():
+                stopped.wait()  # a close handed to another thread: done when it is
+            return
+
+        def stop() -> None:
+            try:
+                worker.shutdown()
+            finally:
+                stopped.set()
+
+        if not finish_elsewhere(stop):
+            stop()
 
 
 _worker_state = threading.local()
@@ -240,7 +259,11 @@ def finish_elsewhere(finish: Callable[[], object]) -> bool:
     """
     if not on_worker_thread():
         return False
-    threading.Thread(target=finish, name="storage-close").start()
+    try:
+        threading.Thread(target=finish, name="storage-close").start()
+    except RuntimeError as e:  # no thread to be had: at interpreter shutdown (3.12+), or none left
+        logger.warning("storage: closing on one of its own threads, as no other starts (%s)", e)
+        return False
     return True
 
 

@@ -772,7 +772,13 @@ def test_a_prefetch_without_memory_leaves_the_family_for_its_unpack(
 
     monkeypatch.setattr(executor_module, "aligned_buffer", short_for_prefetches)
     with manager(case.model, tiers=tiers, nvme_dir=tmp_path) as mgr:
-        got = offloaded_step(case, mgr)
+        case.model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = case.loss(case.batch(0))
+        settle(mgr)  # backward reloads (a family still being written is served its source)
+        loss.backward()
+        del loss
+        got = case.grads()
         last = mgr.stats.last
         assert refused and last.stalls == last.reloads > 0
         assert mgr._executor._ahead_bytes == 0
@@ -859,6 +865,63 @@ def test_a_family_freed_while_its_nvme_write_is_queued_keeps_the_queue_sound(tmp
     finally:
         ex.close()
         nvme.close()
+        pool.close()
+
+
+def test_a_family_released_while_its_nvme_write_runs_joins_the_write_queue(tmp_path) -> None:
+    """GPU + NVMe, driven by hand on CPU: a family whose members died before its copy out was
+    retired (backward ran ahead of the disk) waited unqueued for its file write, holding its
+    device source and pinned copy, counted by neither the in-flight nor the staging bound. It
+    now joins the queue of file writes: the staging bound counts it, its device source can go
+    once D completed, and its pinned copy goes back when the write ends."""
+    from offload._executor import Executor
+    from offload._family import Family
+
+    pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.0)
+    nvme = storage.NvmeTier(tmp_path, capacity_bytes=1 << 22, pool=pool, copy_engine=engine)
+    ex = Executor(
+        device=torch.device("cpu"),
+        tiers=[nvme],
+        cpu_budget_bytes=0,
+        max_inflight_bytes=0,
+        prefetch_bytes=0,
+        pool=pool,
+        staging_bytes=1 << 20,
+    )
+    try:
+        data = torch.zeros(4096, dtype=torch.uint8)
+        fam = Family(
+            fid=0,
+            storage=data.untyped_storage(),
+            root=data,
+            version=0,
+            span_start=0,
+            nbytes=4096,
+            storage_ptr=data.data_ptr(),
+            device=torch.device("cpu"),
+            module="m",
+            order=0,
+        )
+        with engine.paused():  # the disk is behind
+            region = pool.allocate(4096)
+            fam.tier, fam.handle, fam.spill = nvme, nvme.write(region, 4096), region
+            fam.source, fam.members = data, 1
+            fam.to(Life.COPYING_OUT)
+            ex._inflight.append(fam)  # as _store leaves it
+            ex._inflight_bytes += 4096
+            ex.release(fam)  # its last member died before a poll retired the copy out
+            assert fam.life is Life.FREED and fam.source is None
+            assert [f for f, _ in ex._writing] == [fam] and ex._writing_bytes == 4096
+            assert ex._inflight_bytes == 0 and pool.used_bytes == 4096  # the write reads it
+        ex._writing[0][1].wait()
+        ex.poll()
+        assert not ex._writing and ex._writing_bytes == 0
+        assert pool.used_bytes == 0 and nvme.used_bytes == 0
+    finally:
+        ex.close()
+        nvme.close()
+        engine.close()
         pool.close()
 
 
@@ -1185,6 +1248,8 @@ def test_activation_outputs_are_rebuilt_from_their_inputs(how: str, tmp_path) ->
         assert mgr._executor is not None and mgr._executor.live_families() == 0
     finally:
         mgr.close()
+        if "_copy_engine" in kw:
+            kw["_copy_engine"].close()
 
 
 class _CastNorm(nn.LayerNorm):

@@ -8,6 +8,7 @@ import gc
 import os
 import stat
 import threading
+import time
 
 import psutil
 import pytest
@@ -308,6 +309,7 @@ def test_steady_state_no_growth(tmp_path) -> None:
         tiers=("cpu", "nvme"),
         nvme_dir=tmp_path,
         cpu_budget=48 << 10,
+        max_inflight_bytes=1 << 20,  # see the soak test below
     )
     proc = psutil.Process()
     try:
@@ -476,7 +478,20 @@ def test_close_with_copies_in_flight_then_backward_raises_offload_error(tmp_path
         cpu_budget="300KiB",
         _copy_engine=engine,
     )
+    paused = threading.Event()
+
+    def hold_copies_until_close() -> None:
+        # The copies wait until close() has begun (a slow test thread let them finish first).
+        with engine.paused():
+            paused.set()
+            deadline = time.monotonic() + 30
+            while not mgr.closed and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    holder = threading.Thread(target=hold_copies_until_close)
+    holder.start()
     try:
+        paused.wait()
         with mgr:
             loss = model(torch.randn(256, 256)).sum()
         assert mgr._executor._inflight  # what this test is about
@@ -487,6 +502,7 @@ def test_close_with_copies_in_flight_then_backward_raises_offload_error(tmp_path
         assert pool.used_bytes == 0 and [t.used_bytes for t in mgr._tiers] == [0, 0]
     finally:
         mgr.close()
+        holder.join()
         engine.close()
 
 

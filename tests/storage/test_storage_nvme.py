@@ -219,19 +219,24 @@ def test_a_copy_engine_closed_on_its_worker_stops_it_from_elsewhere():
     engine = CopyEngine(deferred=True, max_delay_s=0.0)
     src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
     errors: list[BaseException] = []
+    worker: list[threading.Thread] = []
     done = threading.Event()
 
     def close_here(_):
+        worker.append(threading.current_thread())
         try:
             engine.close()
         except BaseException as e:
             errors.append(e)
         done.set()
 
-    engine.copy(dst, src).add_done_callback(close_here)
+    with engine.paused():  # the callback is in place before the copy ends
+        engine.copy(dst, src).add_done_callback(close_here)
     assert done.wait(10) and errors == []
+    assert worker[0].name.startswith("storage-copy")
+    engine.close()  # a close elsewhere waits for the one handed off
+    assert not worker[0].is_alive()
     join_closers()
-    assert not any(t.name.startswith("storage-copy") for t in threading.enumerate())
     assert dst.tolist() == list(range(8))
 
 
@@ -338,6 +343,7 @@ def test_an_io_error_on_the_io_thread_releases_everything(tier, pool):
         random_bytes(6 * MiB)
     )  # grow the file now, so the failing write needs no growth
     room.wait()
+    ok.wait()  # written before the descriptors change (else it fails too, and is released)
     tier.free(room)
     readonly = os.open(os.devnull, os.O_RDONLY)
     try:
