@@ -217,12 +217,14 @@ class CopyEngine:
             if stopped is not None and not on_worker_thread():
                 stopped.wait()  # a close handed to another thread: done when it is
             return
+        assert stopped is not None
+        done = stopped
 
         def stop() -> None:
             try:
                 worker.shutdown()
             finally:
-                stopped.set()
+                done.set()
 
         if not finish_elsewhere(stop):
             stop()
