@@ -817,17 +817,11 @@ def test_a_reload_that_failed_to_start_is_not_reused_on_retry(monkeypatch) -> No
         del kept, loss
 
 
-def test_a_family_freed_while_its_nvme_write_is_queued_keeps_the_queue_sound(tmp_path) -> None:
-    """The GPU + NVMe queue of file writes (pinned copies awaiting their write), driven by hand
-    on CPU, where it is not used otherwise: a family freed while queued (its members died, or
-    its step failed) no longer breaks every later poll, and its pinned copy goes back once its
-    write is done."""
+def hand_executor(nvme: storage.NvmeTier, pool: storage.HostPool) -> Any:
+    """An executor on CPU over one NVMe tier, for driving its GPU + NVMe queue by hand."""
     from offload._executor import Executor
-    from offload._family import Family
 
-    pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
-    nvme = storage.NvmeTier(tmp_path, capacity_bytes=1 << 22, pool=pool)
-    ex = Executor(
+    return Executor(
         device=torch.device("cpu"),
         tiers=[nvme],
         cpu_budget_bytes=0,
@@ -836,20 +830,45 @@ def test_a_family_freed_while_its_nvme_write_is_queued_keeps_the_queue_sound(tmp
         pool=pool,
         staging_bytes=1 << 20,
     )
+
+
+def assert_write_queue_drains(ex: Any, pool: storage.HostPool, nvme: storage.NvmeTier) -> None:
+    """Once its one queued write ended, a poll empties the queue and gives every byte back."""
+    ex._writing[0][1].wait()
+    ex.poll()
+    assert not ex._writing and ex._writing_bytes == 0
+    assert pool.used_bytes == 0 and nvme.used_bytes == 0
+
+
+def hand_family(data: torch.Tensor) -> Any:
+    """A family of the whole of ``data``, made by hand."""
+    from offload._family import Family
+
+    return Family(
+        fid=0,
+        storage=data.untyped_storage(),
+        root=data,
+        version=0,
+        span_start=0,
+        nbytes=data.nbytes,
+        storage_ptr=data.data_ptr(),
+        device=torch.device("cpu"),
+        module="m",
+        order=0,
+    )
+
+
+def test_a_family_freed_while_its_nvme_write_is_queued_keeps_the_queue_sound(tmp_path) -> None:
+    """The GPU + NVMe queue of file writes (pinned copies awaiting their write), driven by hand
+    on CPU, where it is not used otherwise: a family freed while queued (its members died, or
+    its step failed) no longer breaks every later poll, and its pinned copy goes back once its
+    write is done."""
+    pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
+    nvme = storage.NvmeTier(tmp_path, capacity_bytes=1 << 22, pool=pool)
+    ex = hand_executor(nvme, pool)
     try:
         data = torch.zeros(4096, dtype=torch.uint8)
-        fam = Family(
-            fid=0,
-            storage=data.untyped_storage(),
-            root=data,
-            version=0,
-            span_start=0,
-            nbytes=4096,
-            storage_ptr=data.data_ptr(),
-            device=torch.device("cpu"),
-            module="m",
-            order=0,
-        )
+        fam = hand_family(data)
         region = pool.allocate(4096)
         fam.tier, fam.handle, fam.spill = nvme, nvme.write(region, 4096), region
         fam.to(Life.COPYING_OUT)
@@ -858,10 +877,7 @@ def test_a_family_freed_while_its_nvme_write_is_queued_keeps_the_queue_sound(tmp
         ex._writing_bytes += 4096
         ex._free(fam)  # before the queue was polled
         assert fam.handle is None and fam.life is Life.FREED
-        ex._writing[0][1].wait()
-        ex._poll_writes()
-        assert not ex._writing and ex._writing_bytes == 0
-        assert pool.used_bytes == 0 and nvme.used_bytes == 0
+        assert_write_queue_drains(ex, pool, nvme)
     finally:
         ex.close()
         nvme.close()
@@ -874,35 +890,13 @@ def test_a_family_released_while_its_nvme_write_runs_joins_the_write_queue(tmp_p
     device source and pinned copy, counted by neither the in-flight nor the staging bound. It
     now joins the queue of file writes: the staging bound counts it, its device source can go
     once D completed, and its pinned copy goes back when the write ends."""
-    from offload._executor import Executor
-    from offload._family import Family
-
     pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
     engine = storage.CopyEngine(deferred=True, max_delay_s=0.0)
     nvme = storage.NvmeTier(tmp_path, capacity_bytes=1 << 22, pool=pool, copy_engine=engine)
-    ex = Executor(
-        device=torch.device("cpu"),
-        tiers=[nvme],
-        cpu_budget_bytes=0,
-        max_inflight_bytes=0,
-        prefetch_bytes=0,
-        pool=pool,
-        staging_bytes=1 << 20,
-    )
+    ex = hand_executor(nvme, pool)
     try:
         data = torch.zeros(4096, dtype=torch.uint8)
-        fam = Family(
-            fid=0,
-            storage=data.untyped_storage(),
-            root=data,
-            version=0,
-            span_start=0,
-            nbytes=4096,
-            storage_ptr=data.data_ptr(),
-            device=torch.device("cpu"),
-            module="m",
-            order=0,
-        )
+        fam = hand_family(data)
         with engine.paused():  # the disk is behind
             region = pool.allocate(4096)
             fam.tier, fam.handle, fam.spill = nvme, nvme.write(region, 4096), region
@@ -914,10 +908,7 @@ def test_a_family_released_while_its_nvme_write_runs_joins_the_write_queue(tmp_p
             assert fam.life is Life.FREED and fam.source is None
             assert [f for f, _ in ex._writing] == [fam] and ex._writing_bytes == 4096
             assert ex._inflight_bytes == 0 and pool.used_bytes == 4096  # the write reads it
-        ex._writing[0][1].wait()
-        ex.poll()
-        assert not ex._writing and ex._writing_bytes == 0
-        assert pool.used_bytes == 0 and nvme.used_bytes == 0
+        assert_write_queue_drains(ex, pool, nvme)
     finally:
         ex.close()
         nvme.close()
