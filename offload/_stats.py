@@ -39,6 +39,9 @@ class StepStats:
         fallbacks: records that went to a later tier because an earlier one was full or failed.
         host_allocations: new host pool slabs allocated during the step.
         peak_allocated_bytes / peak_reserved_bytes: CUDA allocator peaks over the step (0 on CPU).
+            Under a pipeline attachment, whose microbatch steps overlap, the manager does not
+            reset the counters: the peak since the caller last reset them
+            (``torch.cuda.reset_peak_memory_stats``).
         predicted_peak_bytes / predicted_step_s: the plan's predictions (0 without a plan).
         step_s: wall seconds from the step's start to the end of its backward.
         unplanned_records: records no plan entry matched (0 without a plan).
