@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import torch
+
 import lifecycle
 import storage
 
@@ -45,6 +47,17 @@ def from_storage(e: BaseException, context: str) -> BaseException:
     if isinstance(e, storage.ChecksumError):
         return ChecksumError(msg, path=e.path, file_offset=e.file_offset, nbytes=e.nbytes)
     return StorageError(msg, errno=e.errno)
+
+
+def modified_after_save(what: str, t: torch.Tensor, expected_version: int) -> RuntimeError:
+    """Autograd's error for ``t``, a saved tensor changed in place after it was saved, which
+    ``what`` names: saved-tensor hooks switch autograd's own check off, and offload keeps it."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: {what} ({list(t.shape)}, {t.dtype}) is at version {t._version}; expected "
+        f"version {expected_version} instead (offload keeps autograd's check: the in-place "
+        "change came after the tensor was saved, e.g. an optimizer step before backward)"
+    )
 
 
 class BudgetInfeasibleError(OffloadError, lifecycle.BudgetInfeasibleError):

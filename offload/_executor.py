@@ -38,7 +38,7 @@ import torch
 
 import storage
 from lifecycle._tensors import version_root
-from offload._errors import OffloadError, from_storage
+from offload._errors import OffloadError, from_storage, modified_after_save
 from offload._family import (
     Family,
     Life,
@@ -433,12 +433,8 @@ class Executor:
         # Saved-tensor hooks switch off autograd's in-place check, and a copy racing an in-place
         # change could store either version: fail like autograd does instead of guessing.
         if fam.guard is not None and fam.guard._version != fam.version and fam.error is None:
-            fam.error = RuntimeError(
-                f"one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a tensor saved by {fam.module or '<root>'} "
-                f"({list(fam.guard.shape)}, {fam.guard.dtype}) is at version "
-                f"{fam.guard._version}; expected version {fam.version} instead (offload keeps "
-                "autograd's check: the in-place change came after the tensor was saved)"
+            fam.error = modified_after_save(
+                f"a tensor saved by {fam.module or '<root>'}", fam.guard, fam.version
             )
 
     def _backpressure(self, step: _StepState, incoming: int) -> None:
@@ -669,9 +665,8 @@ class Executor:
         # Memory first: an allocation that fails (a device OOM, a full pool) leaves the family
         # off the device as it was, for the unpack to try again.
         raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
-        staging = None
         if self.cuda and fam.spill is None and fam.tier.name != "host":
-            staging = self.pool.allocate(fam.nbytes)  # NVMe -> pinned staging -> device
+            fam.staging = self.pool.allocate(fam.nbytes)  # NVMe -> pinned staging -> device
         fam.to(Life.COPYING_IN)
         fam.unpacked = 0
         self._mark_ahead(fam, True)
@@ -690,26 +685,31 @@ class Executor:
                 self._h2d_copy(fam, dst, fam.handle.region.tensor)
             else:
                 # NVMe -> pinned staging (I/O threads) now; staging -> device at unpack.
-                fam.staging = staging
-                fam.reload = fam.tier.read(fam.handle, staging)
+                fam.reload = fam.tier.read(fam.handle, fam.staging)
             if self.step is not None:
                 # Counted in the current step (``stats.last``), like everything backward does;
                 # the step that packed the family may already be folded into the totals.
                 self.step.stats.reloads += 1
         except BaseException as e:
             # Nothing was started (a read that fails to start raises before queueing I/O).
-            if staging is not None:
-                staging.release()
-            # resident_ref too: the traceback holds ``raw``, and a later _reuse must not take
-            # this unfilled buffer for a finished reload.
-            fam.staging = fam.resident = fam.reload = fam.resident_ref = None
-            self._mark_ahead(fam, False)
-            fam.to(Life.OFF_DEVICE)
+            self._undo_reload(fam)
             # No local may hold the error: its traceback holds this frame (a reference cycle
             # that kept the step's families until a GC pass).
             if isinstance(e, OffloadError) or not isinstance(e, storage.StorageError):
                 raise
             raise from_storage(e, f"reloading a saved tensor of {fam.module or '<root>'}") from e
+
+    def _undo_reload(self, fam: Family) -> None:
+        """A reload that failed, or never started: the family is off the device as before. Its
+        staging goes back (a retry allocates new; keeping it leaked it until close), and its
+        unfilled buffer is dropped, ``resident_ref`` too: an error's traceback may keep the
+        buffer alive, and a later _reuse must not take it for a finished reload."""
+        if fam.staging is not None:
+            staging, fam.staging = fam.staging, None
+            staging.release()
+        fam.resident = fam.resident_ref = fam.reload = None
+        self._mark_ahead(fam, False)
+        fam.to(Life.OFF_DEVICE)
 
     def _h2d_copy(self, fam: Family, dst: torch.Tensor, host: torch.Tensor) -> None:
         allocated = torch.cuda.Event()
@@ -789,15 +789,8 @@ class Executor:
             if fam.reload is not None:
                 fam.reload.wait()  # CPU copy, or NVMe -> staging on GPU
         except storage.StorageError as e:
-            fam.resident = fam.resident_ref = None  # unfilled: never to be reused
-            fam.reload = None
-            if fam.staging is not None:
-                # The failed read has completed, so nothing touches the staging region now; a
-                # retry allocates a new one (keeping this one leaked it until close).
-                staging, fam.staging = fam.staging, None
-                staging.release()
-            self._mark_ahead(fam, False)
-            fam.to(Life.OFF_DEVICE)
+            # The failed read has completed: nothing touches the staging region now.
+            self._undo_reload(fam)
             # No local may hold the error: its traceback holds this frame (a reference cycle
             # that kept the step's families until a GC pass).
             if isinstance(e, OffloadError) or not isinstance(e, storage.StorageError):
@@ -894,7 +887,7 @@ class Executor:
             fam.tier.free(fam.handle)
         if fam.staging is not None:
             fam.staging.release()
-        if fam.spill is not None and all(f is not fam for f, _ in self._writing):
+        if fam.spill is not None and not self._queued_write(fam):
             fam.spill.release()  # a spill still being written is released by _poll_writes
             fam.spill = None
         fam.handle = fam.staging = fam.source = fam.resident = fam.guard = None
@@ -909,10 +902,14 @@ class Executor:
             fam.spill is not None
             and fam.handle is not None
             and not fam.handle.done()
-            and all(f is not fam for f, _ in self._writing)
+            and not self._queued_write(fam)
         ):
             return False  # I/O threads still read the pinned copy (unless _poll_writes frees it)
         return all(e is None or e.query() for e in (fam.source_event, fam.reload_event))
+
+    def _queued_write(self, fam: Family) -> bool:
+        """Whether ``fam``'s file write is in the queue whose pinned copies _poll_writes frees."""
+        return any(f is fam for f, _ in self._writing)
 
     def _collect_pending(self) -> None:
         # Swap the lists out first: a member's __del__ (gc inside _drop, same thread, re-entering

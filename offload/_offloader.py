@@ -37,7 +37,7 @@ from lifecycle._tensors import (
 )
 from lifecycle._units import parse_bytes
 from offload._device import compute_device
-from offload._errors import OffloadError, from_infeasible
+from offload._errors import OffloadError, from_infeasible, modified_after_save
 from offload._executor import Executor, _Member
 from offload._family import span_of
 from offload._info import check_nvme_dir
@@ -1380,13 +1380,7 @@ def _kept(t: torch.Tensor) -> torch.Tensor:
 def _check_kept(d: torch.Tensor) -> None:
     saved = getattr(d, "_offload_saved_version", None)
     if saved is not None and d._version != saved:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: a saved tensor ({list(d.shape)}, {d.dtype}) is at version "
-            f"{d._version}; expected version {saved} instead (offload keeps autograd's check: "
-            "the in-place change came after the tensor was saved, e.g. an optimizer step "
-            "before backward)"
-        )
+        raise modified_after_save("a saved tensor", d, saved)
 
 
 def _has_storage(t: torch.Tensor) -> bool:
