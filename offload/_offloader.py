@@ -347,7 +347,6 @@ class ActivationOffloader:
         # A budgeted pipeline stage's schedule round (see NOTE [ Pipelining ]): its forward chunks
         # are steps of the executor but one step of the profile and the plan.
         self._round: PipelineRound | None = None
-        self._stage_inputs_held = False  # attached to a pipeline stage: its inputs stay
         self._meter: Any = None  # offload._live.SavedBytes while one counts (tests, benchmarks)
         self._task_ends: dict[int, _StepEnd] = {}  # backward graph task -> its end callback
         # Pipeline stages attached to (close() gives them their own methods back).
@@ -404,7 +403,9 @@ class ActivationOffloader:
 
         Args:
             target: a ``PipelineStage``, or a schedule (all of its stages on this rank; one stage
-                with ``gpu_budget``).
+                with ``gpu_budget``). Without a budget the manager may be made on a container
+                of the stages' modules; each stage's inputs are left to the stage, which holds
+                them until their backward.
 
         Returns:
             A handle whose ``detach()`` (or ``with`` exit) restores the stages.
@@ -699,6 +700,17 @@ class ActivationOffloader:
                 self._profiler.discard()
             self._profiling = None
             self._round = None
+
+    def _hold_stage_inputs(self, args: Any, kwargs: Any) -> None:
+        """From a pipeline attachment, before a stage's module runs a forward chunk: the stage
+        holds each microbatch's inputs until its backward (its forward cache), so copying them
+        out would free nothing. They are kept, and are no activations to plan."""
+        if not self._in_step or self._paused:
+            return
+        held = list(tensors_in((args, kwargs)))
+        self._params.add_tensors(held)
+        if self._profiling is not None and self._profiler is not None:
+            self._profiler.recorder.add_held(held)
 
     def _begin_signature(self, args: Any, kwargs: Any = None) -> None:
         """At the root's first forward of a step: choose how this step runs."""
@@ -1427,13 +1439,6 @@ class _ForwardPre:
             and mgr._executor is not None
         ):
             mgr._begin_signature(args, kwargs)
-        if not mgr._stack and self.name == "" and mgr._stage_inputs_held:
-            # A pipeline stage holds each microbatch's inputs until its backward (its forward
-            # cache): copying them out would free nothing. Kept, and not activations to plan.
-            held = list(tensors_in((args, kwargs)))
-            mgr._params.add_tensors(held)
-            if mgr._profiling is not None and mgr._profiler is not None:
-                mgr._profiler.recorder.add_held(held)
         # [module path, kept, families this call packed itself, call index, packs so far]
         mgr._stack.append([self.name, self.kept or outer_kept, [], call, 0])
         if mgr._executor is not None:

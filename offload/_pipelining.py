@@ -41,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
+
 from offload._errors import OffloadError
 
 _METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
@@ -84,12 +86,18 @@ class PipelineAttachment:
         # Microbatch steps overlap: resetting the CUDA peak counters at each forward chunk would
         # wipe the peak a caller measures over the schedule.
         mgr._reset_peaks = False
-        # The stage keeps each microbatch's inputs until its backward (its forward cache):
-        # copying them out would free nothing.
-        mgr._stage_inputs_held = True
         self._steps: dict[tuple[int, int], Any] = {}  # (stage, microbatch) -> executor step
         self._wrapped: list[tuple[Any, str, Callable[..., Any]]] = []
+        # The stage keeps each microbatch's inputs until its backward (its forward cache):
+        # copying them out would free nothing. A hook on the stage's own module finds them,
+        # whichever module the manager was made on (the stage's, or a container of several).
+        self._input_hooks: list[Any] = []
         for stage in self._stages:
+            submod = getattr(stage, "submod", None)
+            if isinstance(submod, nn.Module):
+                self._input_hooks.append(
+                    submod.register_forward_pre_hook(_HoldInputs(mgr), with_kwargs=True)
+                )
             self._wrap(stage, "forward_one_chunk", self._forward)
             self._wrap(stage, "backward_one_chunk", self._backward)
             self._wrap(stage, "backward_weight_one_chunk", self._backward_weight)
@@ -127,9 +135,11 @@ class PipelineAttachment:
         for stage, name, wrapper in self._wrapped:
             if stage.__dict__.get(name) is wrapper:
                 del stage.__dict__[name]
+        for hook in self._input_hooks:
+            hook.remove()
+        self._input_hooks.clear()
         if self._wrapped:
             self._mgr._reset_peaks = True
-            self._mgr._stage_inputs_held = False
             self._abandon_round()  # a round cut short leaves no partial profile behind
         self._wrapped.clear()
 
@@ -253,3 +263,18 @@ class _Wrapper:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
+
+
+class _HoldInputs:
+    """A forward pre-hook on a stage's module: its inputs are the stage's to hold (its manager
+    is held weakly, as the manager's own module hooks hold it)."""
+
+    __slots__ = ("mgr",)
+
+    def __init__(self, mgr: Any) -> None:
+        self.mgr = weakref.ref(mgr)
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        mgr = self.mgr()
+        if mgr is not None:
+            mgr._hold_stage_inputs(args, kwargs)
