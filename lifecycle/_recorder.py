@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import gc
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
     activation_output,
+    is_parameter,
     local_tensor,
     named_modules_stop_at_compiled,
     parameter_cast,
@@ -77,7 +79,7 @@ class _Call:
     packs: int = 0
 
 
-_RECORD_FIELDS = (
+_RECORD_FIELDS = (  # the columns of a record row (Recorder._records)
     "seq",
     "step",
     "family",
@@ -87,8 +89,8 @@ _RECORD_FIELDS = (
     "nbytes",
     "storage_nbytes",
     "storage_offset",
-    "shape",
-    "stride",
+    "dims",  # where the record's shape and then its stride start in Recorder._dims
+    "ndim",
     "dtype",
     "device",
     "is_parameter",
@@ -98,13 +100,22 @@ _RECORD_FIELDS = (
 )
 
 
+_NF = len(_RECORD_FIELDS)
+_R_STEP, _R_NBYTES, _R_STORAGE_NBYTES, _R_OFFSET, _R_DIMS, _R_NDIM, _R_DTYPE = 1, 6, 7, 8, 9, 10, 11
+
+
 # NOTE [ Recorder allocations ]
-#     Every object a pack leaves alive that Python's cyclic GC tracks makes the next full
-#     collection longer; with torch imported (~170k objects) one full collection took 0.2 s on the
-#     project's 2-core CI machine, which added several microseconds per pack when each pack kept
-#     an enum or a small object alive. Rows are therefore tuples of ints, strings and tuples of
-#     ints (the GC untracks those), event kinds are small ints, and the only per-pack survivors
-#     that stay tracked are the handle and its detached tensor.
+#     Every object a pack leaves alive that Python's cyclic GC tracks makes the next collection
+#     longer; with torch imported (~170k objects) one full collection took 0.2 s on the project's
+#     2-core CI machine, which added several microseconds per pack when each pack kept an enum or
+#     a small object alive. Even a tuple of ints is tracked until the first collection that sees
+#     it: the one that ran after each recorded step (the GC is paused during it) took 3-7 ms for
+#     the ~9 such objects each of bench_hooks' 2000 packs left. So records and events are rows of
+#     flat lists (each added by one ``extend`` of a tuple that dies at once), of ints, floats,
+#     strings, dtypes and devices, which the GC never tracks; shapes and strides go, as ints, into
+#     a third flat list; a family's key is an int (a tuple only for the rare ``unsafe_chunk``
+#     piece). What stays tracked per pack: the handle and its detached tensor (until backward
+#     frees them), and per alias family, a weak reference and a pair of ints.
 _KINDS = tuple(EventKind)
 _CODE = {k: i for i, k in enumerate(_KINDS)}
 
@@ -171,28 +182,34 @@ class Recorder:
         self._gc_paused = False
         self._clock = clock or MonotonicClock()
         self._by_backward = self._boundary is StepBoundary.BACKWARD
-        self._stamp = self._clock.stamp
+        # A plain MonotonicClock stamps perf_counter(): called directly, one frame less per event.
+        self._stamp = (
+            time.perf_counter if type(self._clock) is MonotonicClock else self._clock.stamp
+        )
         self._probe = memory_probe
         self._max_steps = max_steps
         self._lock = threading.RLock()
         # Timeline.
-        # See NOTE [ Recorder allocations ]. Events are (what, stamp, memory bytes), appended in
-        # one call (atomic under the GIL, so pack, unpack and module hooks need no lock even when
-        # backward runs on the autograd device thread); ``what`` is the record's seq for a pack
-        # (an int >= 0), ~seq for an unpack, else (kind code, module, call_index). Records: rows
-        # in _RECORD_FIELDS order, appended by the forward thread only.
-        self._events: list[tuple[int | tuple[int, str, int], object, int]] = []
-        self._records: list[tuple[Any, ...]] = []
+        # See NOTE [ Recorder allocations ]. Events: rows of 3 in one flat list, (what, stamp,
+        # memory bytes), each added by one ``extend`` (atomic under the GIL, so pack, unpack and
+        # module hooks need no lock even when backward runs on the autograd device thread);
+        # ``what`` is the record's seq for a pack (an int >= 0), ~seq for an unpack, else (kind
+        # code, module, call_index). Records: rows of _NF in _RECORD_FIELDS order, added by the
+        # forward thread only; each one's shape and stride are ints in _dims.
+        self._events: list[Any] = []
+        self._records: list[Any] = []
+        self._dims: list[int] = []
+        self._n_records = 0
         self._steps_done = 0
         self._recording = False
         # Per step.
         # id(detached tensor handed to autograd) -> record seq; see NOTE [ Recorder allocations ].
         self._seq_of: dict[int, int] = {}
         self._norms = NormOutputs()  # norm outputs and their arguments, from module hooks
-        # (id(storage), id(version root), version) -> weak storage and root, and -> (family id,
+        # A family's key (see _record) -> its weak storage (and piece), and -> (family id,
         # storage bytes).
-        self._family_ref: dict[tuple[int, int, int], tuple[weakref.ref, weakref.ref | None]] = {}
-        self._family_info: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self._family_ref: dict[Any, Any] = {}
+        self._family_info: dict[Any, tuple[int, int]] = {}
         self._next_family = 0
         self._stack: list[_Call] = []
         self._call_counts: dict[str, int] = {}
@@ -200,10 +217,11 @@ class Recorder:
         self._graph_task: int | None = None
         # Parameters and buffers, by storage (see NOTE [ Alias families ] for why Python objects).
         self._params = ParameterStorages()
+        self._param_refs = self._params.by_id  # read on the hot path without a call
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._roots: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
         self._on_step_end: list[Callable[[int, bool], None]] = []
-        self._step_first = (0, 0)
+        self._step_first = (0, 0, 0)
         # Modules whose forward updated running statistics in a recorded step (BatchNorm in
         # training): the trace names them, so that no plan recomputes them.
         self._stateful: set[str] = set()
@@ -240,7 +258,7 @@ class Recorder:
             self._family_ref.clear()
             self._family_info.clear()
             self._graph_task = None
-            self._step_first = (len(self._events), len(self._records))
+            self._step_first = (len(self._events), self._n_records, len(self._dims))
             if self._pause_gc and gc.isenabled():
                 # A full collection with torch loaded took 0.2 s on the CI machine: inside a
                 # recorded step it lands in some module's span and corrupts the durations the
@@ -269,7 +287,7 @@ class Recorder:
             else:
                 self._event(EventKind.STEP_END)
                 self._steps_done += 1
-                self._step_first = (len(self._events), len(self._records))
+                self._step_first = (len(self._events), self._n_records, len(self._dims))
                 warmup = False
             callbacks = list(self._on_step_end)
             self._resume_gc()
@@ -293,8 +311,9 @@ class Recorder:
             gc.enable()
 
     def _discard_current(self) -> None:
-        n_events, n_records = self._step_first
-        del self._events[n_events:], self._records[n_records:]
+        n_events, n_records, n_dims = self._step_first
+        del self._events[n_events:], self._records[n_records * _NF :], self._dims[n_dims:]
+        self._n_records = n_records
         # Handles of thrown-away records must not log unpacks into later steps.
         self._seq_of.clear()
 
@@ -362,12 +381,13 @@ class Recorder:
         else:
             self.end_step()
         with self._lock:
-            seconds = self._clock.seconds([e[1] for e in self._events])
-            rows = self._records
+            flat = self._events
+            seconds = self._clock.seconds(flat[1::3])
+            rows = self._rows()
             events = []
             step = 0
             pack_event: dict[int, int] = {}
-            for i, ((ev, _, mem), t) in enumerate(zip(self._events, seconds, strict=True)):
+            for i, (ev, mem, t) in enumerate(zip(flat[0::3], flat[2::3], seconds, strict=True)):
                 if isinstance(ev, int):
                     seq = ev if ev >= 0 else ~ev
                     kind = EventKind.PACK if ev >= 0 else EventKind.UNPACK
@@ -396,8 +416,11 @@ class Recorder:
                 if e.kind is EventKind.UNPACK:
                     unpacks.setdefault(e.record, []).append(e.index)
             records = []
-            for row in self._records:
+            for row in rows:
                 f = dict(zip(_RECORD_FIELDS, row, strict=True))
+                at, ndim = f.pop("dims"), f.pop("ndim")
+                f["shape"] = tuple(self._dims[at : at + ndim])
+                f["stride"] = tuple(self._dims[at + ndim : at + 2 * ndim])
                 f["dtype"], f["device"] = str(f["dtype"]), str(f["device"])
                 f["pack_event"] = pack_event[f["seq"]]
                 used = unpacks.get(f["seq"], ())
@@ -436,9 +459,14 @@ class Recorder:
 
     # -- events ------------------------------------------------------------------------------
 
+    def _rows(self) -> list[tuple[Any, ...]]:
+        """Every record row as a tuple in _RECORD_FIELDS order (caller holds the lock)."""
+        flat = self._records
+        return [tuple(flat[i : i + _NF]) for i in range(0, len(flat), _NF)]
+
     def _event(self, kind: EventKind, module: str = "", call_index: int = -1) -> None:
-        # Caller holds the lock. Plain tuples: this runs for every pack and unpack.
-        self._events.append(
+        # Caller holds the lock. Module events only: packs and unpacks add their own rows.
+        self._events.extend(
             ((_CODE[kind], module, call_index), self._stamp(), self._probe() if self._probe else 0)
         )
 
@@ -533,7 +561,7 @@ class Recorder:
     def record_unpack(self, seq: int) -> None:
         """Record the unpack of the pack :meth:`record_pack` numbered ``seq`` (-1: ignored)."""
         if seq >= 0 and self._recording:
-            self._events.append((~seq, self._stamp(), self._probe() if self._probe else 0))
+            self._events.extend((~seq, self._stamp(), self._probe() if self._probe else 0))
             if self._by_backward:
                 self._backward_signal()
 
@@ -547,14 +575,16 @@ class Recorder:
             return d
         parent = -1
         cast = False
-        out = t._base if t._base is not None else t  # Linear on 3-D input saves a 2-D view
-        fn = out.grad_fn
-        if fn is not None and type(fn).__name__ in _LINKABLE:  # a cheap first filter
+        base = t._base
+        fn = t.grad_fn
+        # Linear on 3-D input saves a 2-D view of an output: the output's node tells.
+        out_fn = fn if base is None else base.grad_fn
+        if out_fn is not None and type(out_fn).__name__ in _LINKABLE:  # a cheap first filter
             # An autocast weight cast is made again from its parameter, never stored: as offload
             # records it (NOTE [ Weight casts ] there), so offline plans see the same step.
             cast = parameter_cast(t, self._params) is not None
             parent = -1 if cast else self._parent_of(t)
-        self._seq_of[id(d)] = self._record(t, parameter=cast, rebuild_from=parent)
+        self._seq_of[id(d)] = self._record(t, cast, parent, fn, base)
         return d
 
     def _parent_of(self, t: torch.Tensor) -> int:
@@ -566,25 +596,48 @@ class Recorder:
             return -1
         packed, out = found.packed, found.out
         seq = self._seq_of.get(id(packed), -1)
-        if seq < 0 or seq >= len(self._records) or self._records[seq][1] != self._steps_done:
+        rows, at = self._records, seq * _NF
+        if seq < 0 or seq >= self._n_records or rows[at + _R_STEP] != self._steps_done:
             return -1
-        row = self._records[seq]
         # The recipe runs the function on the input as it is: a dense tensor of the same shape
         # and dtype (see offload's ActivationRecipe).
-        if row[9] != tuple(out.shape) or row[11] != out.dtype or row[8] != 0:
+        if rows[at + _R_DTYPE] != out.dtype or rows[at + _R_OFFSET] != 0:
             return -1
-        if row[6] != row[7] or row[10] != out.stride():
+        if rows[at + _R_NBYTES] != rows[at + _R_STORAGE_NBYTES]:
+            return -1
+        d, ndim = rows[at + _R_DIMS], rows[at + _R_NDIM]
+        if self._dims[d : d + 2 * ndim] != [*out.shape, *out.stride()]:
             return -1
         return seq
 
-    def _record(self, t: torch.Tensor, parameter: bool = False, rebuild_from: int = -1) -> int:
-        local = t if type(t) is torch.Tensor else local_tensor(t)
+    def _record(
+        self,
+        t: torch.Tensor,
+        parameter: bool = False,
+        rebuild_from: int = -1,
+        fn: Any = None,
+        base: torch.Tensor | None = None,
+    ) -> int:
+        # ``fn`` and ``base``: ``t.grad_fn`` and ``t._base`` when the caller read them already
+        # (``_pack``), else read here. Every attribute read of a tensor counts on this path.
+        if type(t) is torch.Tensor:
+            local, subclass_param = t, False
+            if fn is None:
+                fn, base = t.grad_fn, t._base
+        else:  # a DTensor (its local shard), a Parameter, another subclass
+            local = local_tensor(t)
+            fn, base, subclass_param = t.grad_fn, local._base, is_parameter(local)
         storage = local.untyped_storage()
         sid = id(storage)
         version = local._version
         backward = _current_graph_task_id is not None and _current_graph_task_id() != -1
-        fn = t.grad_fn
-        is_param = parameter or self._params.holds(local, storage)
+        ref = self._param_refs.get(sid)
+        is_param = (
+            parameter
+            or (ref is not None and ref() is storage)
+            or subclass_param
+            or (base is not None and is_parameter(base))
+        )
         # See NOTE [ Alias families ]. A tensor that is no view and spans less than its storage
         # (an ``unsafe_chunk`` piece) has a version counter of its own: it is named in the key,
         # and held weakly. Only then: a weak reference to every saved tensor made each one's
@@ -594,16 +647,26 @@ class Recorder:
         # only; the executor tells them apart exactly.)
         nbytes, offset = local.nbytes, local.storage_offset()
         storage_nbytes = storage.nbytes()
-        piece = (offset != 0 or nbytes != storage_nbytes) and not local._is_view()
-        key = (sid, id(local) if piece else 0, version)
-        refs = self._family_ref.get(key)
-        if refs is None or refs[0]() is not storage or (piece and _dead_or_other(refs[1], local)):
+        piece = (offset != 0 or nbytes != storage_nbytes) and base is None
+        key: Any
+        if piece:
+            key = (sid, id(local), version)
+            refs = self._family_ref.get(key)
+            known = refs is not None and refs[0]() is storage and refs[1]() is local
+        else:
+            # A version counter is 32 bits: the int is the pair (storage, version).
+            key = (sid << 32) | version
+            ref = self._family_ref.get(key)
+            known = ref is not None and ref() is storage
+        if known:
+            fam = self._family_info[key]
+        else:
             # Two dicts, so that only the weak references stay tracked by the GC.
-            self._family_ref[key] = (weakref.ref(storage), weakref.ref(local) if piece else None)
+            self._family_ref[key] = (
+                (weakref.ref(storage), weakref.ref(local)) if piece else weakref.ref(storage)
+            )
             fam = self._family_info[key] = (self._next_family, storage_nbytes)
             self._next_family += 1
-        else:
-            fam = self._family_info[key]
         if self._stack:
             call = self._stack[-1]
             module, call_index, ordinal = call.module, call.call_index, call.packs
@@ -611,9 +674,14 @@ class Recorder:
         else:
             module, call_index, ordinal = OUTSIDE, 0, self._outside_packs
             self._outside_packs = ordinal + 1
-        seq = len(self._records)
-        self._events.append((seq, self._stamp(), self._probe() if self._probe else 0))
-        self._records.append(
+        seq = self._n_records
+        self._n_records = seq + 1
+        self._events.extend((seq, self._stamp(), self._probe() if self._probe else 0))
+        dims = self._dims
+        at = len(dims)
+        dims += local.shape
+        dims += local.stride()
+        self._records.extend(
             (
                 seq,
                 self._steps_done,
@@ -624,8 +692,8 @@ class Recorder:
                 nbytes,
                 fam[1],
                 offset,
-                tuple(local.shape),
-                local.stride(),
+                at,
+                (len(dims) - at) >> 1,  # ndim
                 local.dtype,  # named at trace(): a dtype is a singleton, a str costs a lookup
                 local.device,
                 is_param,
@@ -641,7 +709,7 @@ class Recorder:
         if self._recording:
             seq = self._seq_of.get(id(d))
             if seq is not None:
-                self._events.append((~seq, self._stamp(), self._probe() if self._probe else 0))
+                self._events.extend((~seq, self._stamp(), self._probe() if self._probe else 0))
                 if self._by_backward:
                     self._backward_signal()
         return d
@@ -676,7 +744,3 @@ class _BackwardEnd:
             with rec._lock:
                 rec._event(EventKind.BACKWARD_END, self.module, self.call_index)
         return None
-
-
-def _dead_or_other(ref: weakref.ref | None, t: torch.Tensor) -> bool:
-    return ref is None or ref() is not t

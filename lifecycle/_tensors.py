@@ -90,6 +90,12 @@ class ParameterStorages:
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref] = {}
 
+    @property
+    def by_id(self) -> dict[int, weakref.ref]:
+        """``id(storage) -> weak reference to it``, for every registered storage (the same dict
+        for this object's life, for hot paths that look a storage up without a call)."""
+        return self._refs
+
     def clear(self) -> None:
         self._refs.clear()
 
