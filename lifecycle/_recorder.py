@@ -77,6 +77,10 @@ class _Call:
     module: str
     call_index: int
     packs: int = 0
+    # id -> grad_fn of each input at the call (see _forward_hook), and the handle of the hook
+    # that marks the end of the call's backward.
+    inputs: dict[int, Any] | None = None
+    end_hook: Any = None
 
 
 _RECORD_FIELDS = (  # the columns of a record row (Recorder._records)
@@ -496,14 +500,16 @@ class Recorder:
         with self._lock:
             idx = self._call_counts.get(name, 0)
             self._call_counts[name] = idx + 1
-            self._stack.append(_Call(name, idx))
+            call = _Call(name, idx)
+            self._stack.append(call)
             self._event(EventKind.FORWARD_START, name, idx)
             if in_backward() or not torch.is_grad_enabled():
                 return
+        call.inputs = {id(t): t.grad_fn for t in tensors_in(args)}
         # The gradient of the first differentiable input marks the end of the module's backward.
         for t in tensors_in(args):
             if t.requires_grad and t.grad_fn is not None:
-                t.register_hook(_BackwardEnd(self, name, idx))
+                call.end_hook = t.register_hook(_BackwardEnd(self, name, idx))
                 break
 
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -517,12 +523,25 @@ class Recorder:
             if in_backward() or not torch.is_grad_enabled():
                 return
         self._norms.note(module, output)
+        outputs = list(tensors_in(output))
+        # A module that hands back its inputs untouched (Dropout(0.0) or Dropout in eval mode,
+        # Identity) has no backward of its own: its outputs' node is the one that made its
+        # input, whose pre-hook fires after the gradient of that input is known, so the end hook
+        # would fire before the start. Its backward is an empty span at that start instead (the
+        # one offload's executor triggers at for the call). An in-place module (ReLU(inplace=True))
+        # hands back its input too, with a node of its own: it keeps both hooks.
+        inputs = call.inputs or {}
+        through = bool(outputs) and all(
+            id(t) in inputs and inputs[id(t)] is t.grad_fn for t in outputs
+        )
+        if through and call.end_hook is not None:
+            call.end_hook.remove()
         # A pre-hook on the outputs' grad_fn fires right before the module's backward starts and,
         # unlike register_full_backward_pre_hook, leaves the graph alone (an in-place op after the
         # module keeps working).
         seen: set[int] = set()
-        hook = _BackwardStart(self, call.module, call.call_index)
-        for t in tensors_in(output):
+        hook = _BackwardStart(self, call.module, call.call_index, ends=through)
+        for t in outputs:
             fn = t.grad_fn
             if fn is not None and id(fn) not in seen:
                 seen.add(id(fn))
@@ -716,10 +735,11 @@ class Recorder:
 
 
 class _BackwardStart:
-    __slots__ = ("call_index", "fired", "module", "rec")
+    __slots__ = ("call_index", "ends", "fired", "module", "rec")
 
-    def __init__(self, rec: Recorder, module: str, call_index: int):
+    def __init__(self, rec: Recorder, module: str, call_index: int, ends: bool = False):
         self.rec, self.module, self.call_index, self.fired = rec, module, call_index, False
+        self.ends = ends  # a pass-through module's: its backward ends where it starts
 
     def __call__(self, grad_outputs: Any) -> None:
         rec = self.rec
@@ -728,6 +748,8 @@ class _BackwardStart:
         self.fired = True
         with rec._lock:
             rec._event(EventKind.BACKWARD_START, self.module, self.call_index)
+            if self.ends:
+                rec._event(EventKind.BACKWARD_END, self.module, self.call_index)
         rec._backward_signal()
         return None
 

@@ -272,6 +272,33 @@ def test_module_spans_forward_and_backward() -> None:
         assert s.start_event < s.end_event
 
 
+@pytest.mark.parametrize("through", ["dropout0", "identity", "dropout_eval"])
+def test_a_module_handing_back_its_input_has_an_empty_backward_span(through: str) -> None:
+    """Dropout(0.0), Identity or Dropout in eval mode return their input: its node is the one
+    before them, whose pre-hook fires after that input's gradient is known. Their backward is an
+    empty span where that node's backward starts (where offload's executor triggers for them),
+    not an end before the start left open to the end of the step. An in-place ReLU returns its
+    input too, with a node of its own: its span holds its own unpack."""
+    torch.manual_seed(0)
+    mid = {"dropout0": nn.Dropout(0.0), "identity": nn.Identity(), "dropout_eval": nn.Dropout(0.5)}
+    model = nn.Sequential(
+        nn.Linear(8, 8), mid[through], nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)
+    )
+    model.train()
+    model[1].train(through != "dropout_eval")
+    x = torch.randn(4, 8)
+    trace = offload.profile(lambda: model(x).sum().backward(), model, warmup_steps=0)
+    ends = [e for e in trace.events if e.kind is EventKind.BACKWARD_END and e.module == "1"]
+    assert len(ends) == 1
+    span = {s.module: s for s in trace.module_spans() if s.phase == "backward"}
+    assert span["1"].end_event == span["1"].start_event + 1 == ends[0].index
+    # It sits where Linear 0's backward starts, and its step goes on after it.
+    assert span["1"].start_event == span["0"].start_event + 1
+    assert span["1"].end_event < trace.events[-1].index
+    (relu,) = [r for r in trace.records if r.module == "3"]
+    assert span["3"].start_event < relu.unpack_events[0] < span["3"].end_event
+
+
 def test_lstm_records_and_unpacks() -> None:
     trace = record_case(lstm(seed=0))
     assert trace.activation_records

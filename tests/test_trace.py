@@ -242,7 +242,7 @@ def test_perfetto_export(tmp_path) -> None:
 
 def test_perfetto_tracks_hold_only_nesting_spans(tmp_path) -> None:
     """Perfetto draws a track's slices only if they nest. Backward spans overlap partly (the
-    root's starts after its last child's; a pass-through module's runs on): they are spread
+    root's starts after its last child's and runs to the end of the step): they are spread
     over as many tracks per phase as needed, each one nesting."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.0), nn.Linear(64, 32))
