@@ -646,46 +646,63 @@ class Recorder:
         else:  # a DTensor (its local shard), a Parameter, another subclass
             local = local_tensor(t)
             fn, base, subclass_param = t.grad_fn, local._base, is_parameter(local)
-        storage = local.untyped_storage()
-        sid = id(storage)
-        version = local._version
         backward = _current_graph_task_id is not None and _current_graph_task_id() != -1
-        ref = self._param_refs.get(sid)
-        is_param = (
-            parameter
-            or (ref is not None and ref() is storage)
-            or subclass_param
-            or (base is not None and is_parameter(base))
-        )
-        # See NOTE [ Alias families ]. A tensor that is no view and spans less than its storage
-        # (an ``unsafe_chunk`` piece) has a version counter of its own: it is named in the key,
-        # and held weakly. Only then: a weak reference to every saved tensor made each one's
-        # deallocation dearer (2-4 us per pack in bench_hooks). Views and whole tensors key on
-        # the storage, as before. (Views of pieces, or two whole tensors of one storage with
-        # counters of their own, ``set_``, would share a family here: a planning estimate
-        # only; the executor tells them apart exactly.)
-        nbytes, offset = local.nbytes, local.storage_offset()
-        storage_nbytes = storage.nbytes()
-        piece = (offset != 0 or nbytes != storage_nbytes) and base is None
-        key: Any
-        if piece:
-            key = (sid, id(local), version)
-            refs = self._family_ref.get(key)
-            known = refs is not None and refs[0]() is storage and refs[1]() is local
-        else:
-            # A version counter is 32 bits: the int is the pair (storage, version).
-            key = (sid << 32) | version
-            ref = self._family_ref.get(key)
-            known = ref is not None and ref() is storage
-        if known:
-            fam = self._family_info[key]
-        else:
-            # Two dicts, so that only the weak references stay tracked by the GC.
-            self._family_ref[key] = (
-                (weakref.ref(storage), weakref.ref(local)) if piece else weakref.ref(storage)
-            )
-            fam = self._family_info[key] = (self._next_family, storage_nbytes)
+        shape: Iterable[Any]
+        stride: Iterable[Any]
+        nbytes: Any
+        offset: Any
+        try:
+            storage = local.untyped_storage()
+            shape, stride = local.shape, local.stride()
+        except (NotImplementedError, RuntimeError):
+            # Sparse and strided-nested tensors: no plain storage to key a family on, nor bytes
+            # a plan could move (offload keeps them). A family of its own, of 0 bytes.
+            storage = None
+        if storage is None:
+            fam = (self._next_family, 0)
             self._next_family += 1
+            nbytes = offset = 0
+            shape, stride = (), ()
+            is_param = parameter or subclass_param
+        else:
+            sid = id(storage)
+            version = local._version
+            ref = self._param_refs.get(sid)
+            is_param = (
+                parameter
+                or (ref is not None and ref() is storage)
+                or subclass_param
+                or (base is not None and is_parameter(base))
+            )
+            # See NOTE [ Alias families ]. A tensor that is no view and spans less than its
+            # storage (an ``unsafe_chunk`` piece) has a version counter of its own: it is named
+            # in the key, and held weakly. Only then: a weak reference to every saved tensor made
+            # each one's deallocation dearer (2-4 us per pack in bench_hooks). Views and whole
+            # tensors key on the storage, as before. (Views of pieces, or two whole tensors of
+            # one storage with counters of their own, ``set_``, would share a family here: a
+            # planning estimate only; the executor tells them apart exactly.)
+            nbytes, offset = local.nbytes, local.storage_offset()
+            storage_nbytes = storage.nbytes()
+            piece = (offset != 0 or nbytes != storage_nbytes) and base is None
+            key: Any
+            if piece:
+                key = (sid, id(local), version)
+                refs = self._family_ref.get(key)
+                known = refs is not None and refs[0]() is storage and refs[1]() is local
+            else:
+                # A version counter is 32 bits: the int is the pair (storage, version).
+                key = (sid << 32) | version
+                ref = self._family_ref.get(key)
+                known = ref is not None and ref() is storage
+            if known:
+                fam = self._family_info[key]
+            else:
+                # Two dicts, so that only the weak references stay tracked by the GC.
+                self._family_ref[key] = (
+                    (weakref.ref(storage), weakref.ref(local)) if piece else weakref.ref(storage)
+                )
+                fam = self._family_info[key] = (self._next_family, storage_nbytes)
+                self._next_family += 1
         if self._stack:
             call = self._stack[-1]
             module, call_index, ordinal = call.module, call.call_index, call.packs
@@ -698,8 +715,8 @@ class Recorder:
         self._events.extend((seq, self._stamp(), self._probe() if self._probe else 0))
         dims = self._dims
         at = len(dims)
-        dims += local.shape
-        dims += local.stride()
+        dims += shape
+        dims += stride
         self._records.extend(
             (
                 seq,

@@ -264,6 +264,12 @@ def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Acti
     kind = ACTIVATION_NODES.get(name)
     if kind is None or not _dense(out) or not _dense(saved):
         return None
+    if kind in ("gelu", "silu") and out._version != 0:
+        # Changed in place since the op made it (under no_grad, which leaves its node as it
+        # was; or made in place, ``silu(x, inplace=True)``): the function of its input is no
+        # longer what it holds. (Norm outputs: NormOutputs checks. A change through ``.data``
+        # bumps no version: like autograd, offload cannot see it; README, Limits.)
+        return None
     args: Any = ""
     if kind == "gelu":
         args = str(getattr(fn, "_saved_approximate", "none"))

@@ -56,6 +56,9 @@ _WHOLE_STORAGE_FACTOR = 4
 _MIN_AUTO_WINDOW_BYTES = 256 << 20  # DESIGN: max_inflight_bytes=None means 2 x largest, >= 256 MiB
 
 
+_CONJ, _NEG = 1, 2  # _Member.bits
+
+
 class _Member:
     """What pack returns for an offloaded tensor: its family and how to rebuild the view.
 
@@ -64,6 +67,7 @@ class _Member:
     """
 
     __slots__ = (
+        "bits",
         "dtensor",
         "dtype",
         "executor",
@@ -84,6 +88,9 @@ class _Member:
         self.size = tuple(t.shape)
         self.stride = tuple(t.stride())
         self.offset_bytes = int(t.storage_offset()) * t.element_size()
+        # A lazy conjugate or negative view (``h.conj()``, its ``.imag``) is its bytes plus a
+        # flag; copied bytes carry no flag, so the view gets its flags back at unpack.
+        self.bits = (_CONJ if t.is_conj() else 0) | (_NEG if t.is_neg() else 0)
         self.dtensor = dtensor  # (mesh, placements, shape, stride) of a DTensor, else None
 
     def __del__(self) -> None:
@@ -816,6 +823,11 @@ class Executor:
 
     @staticmethod
     def _wrap(m: _Member, local: torch.Tensor) -> torch.Tensor:
+        if m.bits:
+            if m.bits & _CONJ:
+                local = local.conj()
+            if m.bits & _NEG:
+                local = torch._neg_view(local)
         if m.dtensor is None:
             return local
         from torch.distributed.tensor import DTensor

@@ -1087,7 +1087,9 @@ class ActivationOffloader:
         if type(t) is not torch.Tensor:
             local = local_tensor(t)
             if type(local) is not torch.Tensor and not _has_storage(local):
-                # A wrapper subclass without bytes of its own: nothing to copy.
+                # A wrapper subclass without bytes of its own: nothing to copy. (One with bytes
+                # comes back as a plain tensor: so it does through any saved-tensor hooks,
+                # torch's save_on_cpu or an identity pair included.)
                 self._warn_once(
                     f"subclass:{type(local).__name__}",
                     f"saved tensors of type {type(local).__name__} have no storage to copy; "
@@ -1102,6 +1104,8 @@ class ActivationOffloader:
             or local.device != self.device
             or local.numel() * local.element_size() < self.config.min_offload_bytes
             or local.numel() == 0
+            or local.layout is not torch.strided  # sparse: no one storage to copy
+            or local.is_nested
             or self._params.holds(local, local.untyped_storage())
         ):
             return self._keep(t, stats)

@@ -41,6 +41,7 @@ __all__ = [
     "Batch",
     "ModelCase",
     "checkpointed",
+    "complex_views",
     "conv_net",
     "gpt_block",
     "gru",
@@ -488,6 +489,38 @@ def mixed_dtypes(seed: int = 0, device: Device = "cpu") -> ModelCase:
     return _case("mixed_dtypes", MixedDtypes, make_batch, _mixed_loss, seed, device)
 
 
+# -- complex_views ---------------------------------------------------------------------------
+
+
+class ComplexViews(nn.Module):
+    """A complex projection whose output is saved as lazy views that carry a flag, not bytes of
+    their own: ``h * h.conj()`` saves ``h.conj()`` (the conjugate bit) and ``h.conj().imag`` is
+    a negative view (the negative bit), each of the same storage as ``h``."""
+
+    def __init__(self, d: int = 32, classes: int = 4):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d, dtype=torch.complex64) / d**0.5)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w
+        power = (h * h.conj()).real
+        phase = h.conj().imag * h.real
+        return self.head(power + phase)
+
+
+def complex_views(seed: int = 0, device: Device = "cpu") -> ModelCase:
+    """Conjugate and negative views saved for backward; ``(64, 32)`` complex input."""
+
+    def make_batch(g: torch.Generator) -> Batch:
+        x = torch.randn(64, 32, dtype=torch.complex64, generator=g)
+        return x, torch.randint(0, 4, (64,), generator=g)
+
+    return _case(
+        "complex_views", ComplexViews, make_batch, _call_loss(F.cross_entropy), seed, device
+    )
+
+
 ALL_MODELS: dict[str, Callable[..., ModelCase]] = {
     "mlp": mlp,
     "gpt_block": gpt_block,
@@ -498,6 +531,7 @@ ALL_MODELS: dict[str, Callable[..., ModelCase]] = {
     "views_model": views_model,
     "checkpointed": checkpointed,
     "mixed_dtypes": mixed_dtypes,
+    "complex_views": complex_views,
 }
 """Every test model by name; each factory is called as ``factory(seed=..., device=...)``."""
 

@@ -694,6 +694,53 @@ def test_saved_tensor_read_outside_backward() -> None:
         assert mgr.stats.last.step_s > 0
 
 
+class _SparseAndNested(nn.Module):
+    """A graph convolution (a sparse COO or CSR adjacency times a Linear's output: ``sparse.mm``
+    saves the sparse matrix) and a strided nested tensor saved by a ``mul``."""
+
+    def __init__(self, layout: torch.layout) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        eye = torch.eye(64) + torch.diag(torch.ones(63), 1)
+        self.adj = eye.to_sparse() if layout is torch.sparse_coo else eye.to_sparse_csr()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sparse.mm(self.adj, self.lin(x))
+        nested = torch.nested.as_nested_tensor([h[:20], h[20:]])
+        out = nested * nested
+        return sum(t.sum() for t in out.unbind())
+
+
+@pytest.mark.filterwarnings("ignore:.*(nested|Sparse CSR).*")
+@pytest.mark.parametrize("tiers", [("cpu",), ("nvme",)], ids=["cpu", "nvme"])
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+def test_sparse_and_nested_saved_tensors_stay_where_they_are(
+    layout: torch.layout, tiers, tmp_path
+) -> None:
+    """They have no one strided storage to copy (reading it raised NotImplementedError, or
+    RuntimeError from a nested tensor's sizes): kept on the device, both by the manager and in
+    a profile, where each is a record of 0 bytes; the dense tensors around them move."""
+    torch.manual_seed(0)
+    model = _SparseAndNested(layout)
+    x = torch.randn(64, 16)
+    model(x).backward()
+    want = local_grads(model)
+    model.zero_grad(set_to_none=True)
+    with manager(model, tiers=tiers, nvme_dir=tmp_path) as mgr:
+        with mgr:
+            loss = model(x)
+        loss.backward()
+        stats = mgr.stats.last
+        assert stats.records_kept >= 3  # the adjacency and the two nested tensors mul saves
+        assert stats.records_offloaded_cpu + stats.records_offloaded_nvme >= 1
+    assert_bitwise(local_grads(model), want)
+    model.zero_grad(set_to_none=True)
+    trace = offload.profile(lambda: model(x).backward(), model, warmup_steps=0)
+    opaque = [r for r in trace.records if r.storage_nbytes == 0 and r.nbytes == 0]
+    assert len(opaque) >= 3
+    assert len({r.family for r in opaque}) == len(opaque)
+
+
 # -- several managers, late failures --------------------------------------------------------------
 
 

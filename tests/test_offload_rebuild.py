@@ -353,6 +353,43 @@ def test_a_kept_input_changed_in_place_raises_instead_of_rebuilding_another_outp
         mgr.close()
 
 
+class _ClampedAfter(nn.Module):
+    """A GELU or SiLU whose output is then changed in place under no_grad (its node stays the
+    activation's, its version moves) before the next Linear saves it."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.act(h)
+        with torch.no_grad():
+            out.clamp_(max=0.1)
+        return out
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_an_activation_output_changed_under_no_grad_is_stored_not_rebuilt(
+    act: str, tier: str, tmp_path
+) -> None:
+    """Its input's function is no longer what it holds: rebuilt, it came back unclamped (and
+    the gradients off by up to 2.0). Min-memory mode stores it instead, and the recorder links
+    it to nothing, so no plan rebuilds it either."""
+    fn = nn.GELU() if act == "gelu" else nn.SiLU()
+    model, x = _mlp(_ClampedAfter(fn)), _input()
+    want = _step(model, x)
+    trace = _profile(model, x)
+    assert [r.rebuild_from for r in trace.records if r.rebuild_from >= 0] == []
+    mgr = offload.ActivationOffloader(model, tiers=(tier,), nvme_dir=tmp_path, min_offload_bytes=0)
+    try:
+        got = _step(model, x, mgr)
+        assert mgr.stats.last.records_rebuilt == 0
+    finally:
+        mgr.close()
+    _assert_bitwise(got, want)
+
+
 class _Offset(nn.Module):
     """GELU of a contiguous slice at a storage offset: the recipe may run it, but no link is
     recorded for it (as lifecycle.Recorder, which links whole inputs only)."""
