@@ -81,6 +81,7 @@ class _Call:
     # that marks the end of the call's backward.
     inputs: dict[int, Any] | None = None
     end_hook: Any = None
+    buffers: tuple[tuple[torch.Tensor, int], ...] = ()  # the module's own, at the call
 
 
 _RECORD_FIELDS = (  # the columns of a record row (Recorder._records)
@@ -227,7 +228,8 @@ class Recorder:
         self._on_step_end: list[Callable[[int, bool], None]] = []
         self._step_first = (0, 0, 0)
         # Modules whose forward updated running statistics in a recorded step (BatchNorm in
-        # training): the trace names them, so that no plan recomputes them.
+        # training), or changed any buffer of their own in place (a spectral norm's power
+        # iteration): the trace names them, so that no plan recomputes them.
         self._stateful: set[str] = set()
 
     # -- public control ----------------------------------------------------------------------
@@ -501,6 +503,10 @@ class Recorder:
             idx = self._call_counts.get(name, 0)
             self._call_counts[name] = idx + 1
             call = _Call(name, idx)
+            if module._buffers:
+                call.buffers = tuple(
+                    (b, b._version) for b in module._buffers.values() if b is not None
+                )
             self._stack.append(call)
             self._event(EventKind.FORWARD_START, name, idx)
             if in_backward() or not torch.is_grad_enabled():
@@ -520,6 +526,10 @@ class Recorder:
                 return
             call = self._stack.pop()
             self._event(EventKind.FORWARD_END, call.module, call.call_index)
+            if any(b._version != v for b, v in call.buffers):
+                # Its forward changed its own buffers in place (running statistics, a spectral
+                # norm's power iteration): running it again would change them twice.
+                self._stateful.add(call.module)
             if in_backward() or not torch.is_grad_enabled():
                 return
         self._norms.note(module, output)

@@ -338,6 +338,13 @@ class ActivationOffloader:
         self._warned: set[str] = set()
         self._params = ParameterStorages()
         self._module_handles = self._install_module_hooks(model)
+        # The root and every module with buffers (whose train / eval mode may decide whether its
+        # forward changes them): their modes are part of a budgeted step's signature.
+        self._mode_modules = [
+            weakref.ref(m)
+            for n, m in named_modules_stop_at_compiled(model)
+            if n == "" or m._buffers
+        ]
         self._pack_fn, self._unpack_fn = self._pack, self._unpack
         self._hidden_from_compile = False
         # Each step resets the device's peak counters (stats.peak_allocated_bytes is per step);
@@ -712,9 +719,21 @@ class ActivationOffloader:
         if self._profiling is not None and self._profiler is not None:
             self._profiler.recorder.add_held(held)
 
+    def _modes(self) -> str:
+        """The train / eval modes of the root and of the modules with buffers, for a step's
+        signature: "" when all train, else which. A plan profiled in eval mode, where BatchNorm
+        leaves its running statistics alone, may recompute it; in train mode that would update
+        them twice."""
+        modes = [m.training for m in map(_call, self._mode_modules) if m is not None]
+        if all(modes):
+            return ""
+        if not any(modes):
+            return " (eval)"
+        return " (train: " + "".join("1" if t else "0" for t in modes) + ")"
+
     def _begin_signature(self, args: Any, kwargs: Any = None) -> None:
         """At the root's first forward of a step: choose how this step runs."""
-        sig = signature_of(args, kwargs)
+        sig = signature_of(args, kwargs) + self._modes()
         if self._round is not None:
             sig += self._round.label
         self._last_signature = sig
@@ -1397,6 +1416,10 @@ def _check_kept(d: torch.Tensor) -> None:
     saved = getattr(d, "_offload_saved_version", None)
     if saved is not None and d._version != saved:
         raise modified_after_save("a saved tensor", d, saved)
+
+
+def _call(ref: weakref.ref) -> Any:
+    return ref()
 
 
 def _has_storage(t: torch.Tensor) -> bool:

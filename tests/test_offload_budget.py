@@ -355,16 +355,24 @@ def test_a_dropped_manager_is_closed_by_the_garbage_collector_while_its_model_li
 
 
 class NormBlocks(nn.Module):
-    """Blocks of which every other one holds a BatchNorm (running statistics in training)."""
+    """Blocks of which every other one holds a BatchNorm (running statistics in training), or
+    with ``spectral``, a Linear under ``spectral_norm`` (a power iteration that changes the
+    parametrization's buffers in place at every forward in training)."""
 
-    def __init__(self, n: int = 6, width: int = 64) -> None:
+    def __init__(self, n: int = 6, width: int = 64, spectral: bool = False) -> None:
         super().__init__()
+        torch.manual_seed(0)
+
+        def stateful(i: int) -> nn.Module:
+            if i % 2:
+                return nn.Identity()
+            if spectral:
+                return nn.utils.parametrizations.spectral_norm(nn.Linear(2 * width, 2 * width))
+            return nn.BatchNorm1d(2 * width)
+
         self.blocks = nn.ModuleList(
             nn.Sequential(
-                nn.Linear(width, 2 * width),
-                nn.BatchNorm1d(2 * width) if i % 2 == 0 else nn.Identity(),
-                nn.Tanh(),
-                nn.Linear(2 * width, width),
+                nn.Linear(width, 2 * width), stateful(i), nn.Tanh(), nn.Linear(2 * width, width)
             )
             for i in range(n)
         )
@@ -375,24 +383,35 @@ class NormBlocks(nn.Module):
         return x
 
 
-def test_blocks_with_running_statistics_are_not_recomputed_and_stay_exact() -> None:
-    """Recomputing a BatchNorm in training would update its running statistics twice: the
-    profile names it and the plan recomputes only the other blocks. Buffers and gradients
-    stay bitwise equal to a run without offloading."""
-    torch.manual_seed(0)
-    ref = NormBlocks()
-    model = NormBlocks()
+@pytest.mark.parametrize(
+    ("spectral", "first"),
+    [(False, "train"), (False, "eval"), (True, "train"), (True, "eval")],
+    ids=["batchnorm", "batchnorm-eval-first", "spectral-norm", "spectral-norm-eval-first"],
+)
+def test_blocks_with_running_statistics_are_not_recomputed_and_stay_exact(
+    spectral: bool, first: str
+) -> None:
+    """Recomputing a BatchNorm in training would update its running statistics twice, and a
+    spectral norm's power iteration would run twice: the profile names such modules (any whose
+    forward changed its own buffers) and the plan recomputes only the other blocks. A first
+    step in eval mode (the adversarial-training pattern: an input gradient with the model in
+    eval), where nothing changes, is another signature: its plan may recompute them, the train
+    steps' may not. Buffers and gradients stay bitwise equal to a run without offloading."""
+    ref = NormBlocks(spectral=spectral)
+    model = NormBlocks(spectral=spectral)
     model.load_state_dict(ref.state_dict())
     batches = [torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    probe = NormBlocks()
+    probe = NormBlocks(spectral=spectral)
     trace = offload.profile(lambda: probe(batches[0]).pow(2).sum().backward(), probe)
-    assert trace.metadata["stateful_modules"] == ["blocks.0.1", "blocks.2.1", "blocks.4.1"]
+    name = "1.parametrizations.weight.0" if spectral else "1"
+    assert trace.metadata["stateful_modules"] == [f"blocks.{i}.{name}" for i in (0, 2, 4)]
     mgr = offload.ActivationOffloader(
         model, gpu_budget=trace.peak_saved_bytes // 2, hardware=SLOW, min_offload_bytes=0
     )
     try:
-        for x in batches:
+        for step, x in enumerate(batches):
             for m, ctx in ((ref, contextlib.nullcontext()), (model, mgr)):
+                m.train(step > 0 or first == "train")
                 m.zero_grad(set_to_none=True)
                 with ctx:
                     loss = m(x).pow(2).sum()
@@ -407,6 +426,7 @@ def test_blocks_with_running_statistics_are_not_recomputed_and_stay_exact() -> N
         assert plan is not None and plan.recompute_calls
         assert {m for m, _ in plan.recompute_calls} <= {"blocks.1", "blocks.3", "blocks.5"}
         assert mgr.stats.last.bytes_recomputed > 0
+        assert len(mgr._plans) == (2 if first == "eval" else 1)
     finally:
         mgr.close()
 
