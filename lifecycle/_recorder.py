@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from lifecycle._clock import Clock, MonotonicClock
+from lifecycle._inert import BoundHook
 from lifecycle._tensors import (
     ACTIVATION_NODES,
     NormOutputs,
@@ -346,8 +347,8 @@ class Recorder:
         self._roots[model] = None
         for name, mod in named_modules_stop_at_compiled(model):
             self._names[mod] = name
-            handles.append(mod.register_forward_pre_hook(self._forward_pre_hook))
-            handles.append(mod.register_forward_hook(self._forward_hook))
+            handles.append(mod.register_forward_pre_hook(BoundHook(self._forward_pre_hook)))
+            handles.append(mod.register_forward_hook(BoundHook(self._forward_hook)))
         self.add_parameters(model)
         try:
             yield self

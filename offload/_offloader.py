@@ -27,6 +27,7 @@ from torch import nn
 import lifecycle
 import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
+from lifecycle._inert import ModuleHook
 from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
@@ -1441,7 +1442,7 @@ def _add_note(exc: BaseException, note: str) -> None:
 # close(), whose finalizer must still run (the hooks are removed then).
 
 
-class _ForwardPre:
+class _ForwardPre(ModuleHook):
     __slots__ = ("kept", "mgr", "name")
 
     def __init__(self, mgr: ActivationOffloader, name: str, kept: bool) -> None:
@@ -1472,7 +1473,7 @@ class _ForwardPre:
             mgr._executor.poll()
 
 
-class _ForwardPost:
+class _ForwardPost(ModuleHook):
     __slots__ = ("mgr",)
 
     def __init__(self, mgr: ActivationOffloader) -> None:

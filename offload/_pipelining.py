@@ -43,6 +43,7 @@ from typing import Any
 
 from torch import nn
 
+from lifecycle._inert import ModuleHook
 from offload._errors import OffloadError
 
 _METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
@@ -265,9 +266,10 @@ class _Wrapper:
         return self.fn(*args, **kwargs)
 
 
-class _HoldInputs:
+class _HoldInputs(ModuleHook):
     """A forward pre-hook on a stage's module: its inputs are the stage's to hold (its manager
-    is held weakly, as the manager's own module hooks hold it)."""
+    is held weakly, as the manager's own module hooks hold it; a copy of the module gets a hook
+    that does nothing)."""
 
     __slots__ = ("mgr",)
 

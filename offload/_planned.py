@@ -52,6 +52,7 @@ NOTE [ Refinement ]
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -247,12 +248,26 @@ class RecomputeForward:
         self.mgr, self.name, self.forward = weakref.ref(mgr), name, forward
         functools.update_wrapper(self, forward)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # A copy of the module (an EMA or teacher copy) is not the manager's: it runs its own
+        # forward, as it would without a plan.
+        return copy.deepcopy(self.forward, memo)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # ``torch.save(model)``: a weak reference cannot be pickled; the loaded module calls
+        # its own forward (a bound method pickles as ``getattr(module, "forward")``).
+        return (_same, (self.forward,))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         mgr = self.mgr()
         call = None if mgr is None else mgr._recompute_this(self.name)
         if call is None:
             return self.forward(*args, **kwargs)
         return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 def merged_trace(trace: Trace, steps: Sequence[int]) -> tuple[Trace, int, list[int]]:

@@ -318,6 +318,55 @@ def test_recompute_under_a_slow_link_is_bitwise_and_restores_forward() -> None:
 
 
 @pytest.mark.parametrize("steps", [1, 2], ids=["profiled", "planned"])
+def test_a_copy_or_a_pickle_of_the_model_leaves_the_manager_behind(steps: int) -> None:
+    """``copy.deepcopy(model)`` (an EMA or teacher copy) and ``torch.save(model)`` while a
+    manager runs it: they raised (a weak reference, the profiler's lock cannot be pickled), or
+    the copy carried hooks that counted its calls as the model's. The copy's hooks do nothing,
+    its modules run their own forwards, and running it inside a step leaves the step's plan as
+    it was."""
+    import copy
+    import io
+
+    model, x, want = _blocks_case()
+    trace = offload.profile(lambda: model(x).pow(2).sum().backward(), model, warmup_steps=0)
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=trace.peak_saved_bytes // 2, hardware=SLOW, min_offload_bytes=0
+    )
+    try:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            with mgr:
+                loss = model(x).pow(2).sum()
+            loss.backward()
+        if steps == 2:
+            assert mgr.plan is not None and mgr.plan.recompute_calls
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        copies = [copy.deepcopy(model), torch.load(buf, weights_only=False)]
+        for c in copies:
+            # Each module's own forward (bound to the copy; an instance attribute, where the
+            # model had the plan's recomputing one).
+            assert all(getattr(m.forward, "__self__", None) is m for m in c.modules())
+            hooks = [*c.blocks[0]._forward_pre_hooks.values(), *c.blocks[0]._forward_hooks.values()]
+            assert hooks and all(type(h).__name__ == "InertHook" for h in hooks)
+            assert torch.equal(c(x), model(x))
+        ema = copies[0]
+        model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = model(x).pow(2).sum()
+            with torch.no_grad():
+                ema(x)
+        loss.backward()
+        for g, w in zip((p.grad for p in model.parameters()), want, strict=True):
+            assert torch.equal(g, w)
+        if steps == 2:
+            assert mgr.stats.last.unplanned_records == 0
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("steps", [1, 2], ids=["profiled", "planned"])
 def test_a_dropped_manager_is_closed_by_the_garbage_collector_while_its_model_lives(
     steps: int,
 ) -> None:
