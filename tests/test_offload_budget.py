@@ -317,6 +317,18 @@ def test_recompute_under_a_slow_link_is_bitwise_and_restores_forward() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def _run_steps(model: nn.Module, x: torch.Tensor, mgr: Any, steps: int) -> None:
+    """``steps`` steps of ``_blocks_case``'s model under ``mgr`` (the second one planned, with
+    recomputation under SLOW)."""
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = model(x).pow(2).sum()
+        loss.backward()
+    if steps == 2:
+        assert mgr.plan is not None and mgr.plan.recompute_calls
+
+
 @pytest.mark.parametrize("steps", [1, 2], ids=["profiled", "planned"])
 def test_a_copy_or_a_pickle_of_the_model_leaves_the_manager_behind(steps: int) -> None:
     """``copy.deepcopy(model)`` (an EMA or teacher copy) and ``torch.save(model)`` while a
@@ -333,13 +345,7 @@ def test_a_copy_or_a_pickle_of_the_model_leaves_the_manager_behind(steps: int) -
         model, gpu_budget=trace.peak_saved_bytes // 2, hardware=SLOW, min_offload_bytes=0
     )
     try:
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            with mgr:
-                loss = model(x).pow(2).sum()
-            loss.backward()
-        if steps == 2:
-            assert mgr.plan is not None and mgr.plan.recompute_calls
+        _run_steps(model, x, mgr, steps)
         buf = io.BytesIO()
         torch.save(model, buf)
         buf.seek(0)
@@ -382,15 +388,9 @@ def test_a_dropped_manager_is_closed_by_the_garbage_collector_while_its_model_li
         mgr = offload.ActivationOffloader(
             model, gpu_budget=trace.peak_saved_bytes // 2, hardware=SLOW, min_offload_bytes=0
         )
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            with mgr:
-                loss = model(x).pow(2).sum()
-            loss.backward()
-        if steps == 2:
-            assert mgr.plan is not None and mgr.plan.recompute_calls
+        _run_steps(model, x, mgr, steps)
         refs.append(weakref.ref(mgr))
-        del mgr, loss
+        del mgr
         gc.collect()
     assert [r() for r in refs] == [None, None]
     # Collected means closed: hooks removed, forwards given back, threads ended.
