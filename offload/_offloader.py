@@ -809,7 +809,8 @@ class ActivationOffloader:
 
     def _drop_unfinished_profile(self) -> None:
         """At a step's start: a profile still open is one whose backward has not ended (two
-        forwards before their backwards, or a forward never run backward). It cannot describe
+        forwards before their backwards, a forward never run backward, or a backward that
+        raised). It cannot describe
         one step: drop it. Until no older step's saved tensor is left (their backwards ran),
         steps are not profiled: an older backward running inside one would be recorded as its
         own. After two such profiles the signature stays in min-memory mode, said once."""
@@ -830,7 +831,8 @@ class ActivationOffloader:
             _UNFINISHED_PROFILES,
             "unfinished",
             f"a step of signature {sig} began before the backward of the step being profiled "
-            "ended (forwards run before their backwards, or a forward never run backward), "
+            "ended (forwards run before their backwards, a forward never run backward, or a "
+            "backward that raised), "
             f"{_UNFINISHED_PROFILES} times; gpu_budget profiles one step with its backward, so "
             "this signature runs in min-memory mode. Run each backward before the next forward, "
             "or plan offline (offload.profile, offload.plan) and pass plan=",
