@@ -203,7 +203,8 @@ def add_parser(sub: Any) -> None:
             "as JSON (Plan.load reads it) and a PNG of the planned device memory against keeping "
             "everything. Exit status: 0 success; 2 bad arguments (missing or unreadable TRACE "
             "or --hardware file, an unparsable size, an unknown tier, an output that cannot be "
-            f"written); {EXIT_INFEASIBLE} the budget cannot be met (the message gives the "
+            "written or is the same file as an input or the other output); "
+            f"{EXIT_INFEASIBLE} the budget cannot be met (the message gives the "
             "smallest feasible budget); 1 measuring this machine failed."
         ),
     )
@@ -508,6 +509,29 @@ def _check_writable(path: str, option: str) -> None:
         raise UsageError(f"{option} {path!r}: directory {parent!r} is not writable")
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)  # hard links and symlinks too
+    except OSError:  # one is not there yet: compare where the names lead
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_distinct(
+    *, outputs: list[tuple[str, str | None]], inputs: list[tuple[str, str | None]]
+) -> None:
+    """Raise ``UsageError`` when an output is the same file as an input or as another output
+    (``--png`` = TRACE would replace the trace with a picture), naming both options."""
+    given_outputs = [(opt, path) for opt, path in outputs if path is not None]
+    others = given_outputs + [(opt, path) for opt, path in inputs if path is not None]
+    for i, (opt, path) in enumerate(given_outputs):
+        for other_opt, other in others[i + 1 :]:
+            if _same_file(path, other):
+                raise UsageError(
+                    f"{opt} {path!r} is the same file as {other_opt} {other!r}; give "
+                    f"{opt} another file"
+                )
+
+
 def run(args: argparse.Namespace) -> int:
     """``offload plan``; the exit status."""
     prog = "offload plan"
@@ -518,10 +542,12 @@ def run(args: argparse.Namespace) -> int:
         plan_path = args.out or _default_out(args.trace)
         png_path = None if args.no_png else (args.png or _png_beside(plan_path))
         _check_writable(plan_path, "--out")
-        if os.path.abspath(plan_path) == os.path.abspath(args.trace):
-            raise UsageError(f"--out {plan_path!r} is the trace itself; give another file")
         if png_path is not None:
             _check_writable(png_path, "--png")
+        _check_distinct(
+            outputs=[("--out", plan_path), ("--png", png_path)],
+            inputs=[("TRACE", args.trace), ("--hardware", args.hardware)],
+        )
         try:
             trace = Trace.load(args.trace)
         except (OSError, ValueError) as e:

@@ -252,6 +252,46 @@ def test_bad_trace_files(work: Path, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert Trace.load(work / "trace.json").steps == 1  # not overwritten
 
 
+@pytest.mark.parametrize(
+    ("out", "png", "named"),
+    [
+        ("plan.json", "trace.json", ("--png", "TRACE")),
+        ("plan.json", "hardware.json", ("--png", "--hardware")),
+        ("hardware.json", None, ("--out", "--hardware")),
+        ("same.json", "same.json", ("--out", "--png")),
+        ("sub/../trace.json", None, ("--out", "TRACE")),  # another name for it
+        ("trace-link.json", None, ("--out", "TRACE")),  # a symbolic link to it
+        ("trace-hardlink.json", None, ("--out", "TRACE")),  # a hard link to it
+    ],
+)
+def test_outputs_that_are_inputs_or_each_other(
+    work: Path,
+    tmp_path: Path,
+    out: str,
+    png: str | None,
+    named: tuple[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No output may replace an input or the other output (``--png TRACE`` wrote a PNG over
+    the trace)."""
+    trace, hardware = tmp_path / "trace.json", tmp_path / "hardware.json"
+    shutil.copy(work / "trace.json", trace)
+    shutil.copy(work / "hardware.json", hardware)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "trace-link.json").symlink_to(trace)
+    os.link(trace, tmp_path / "trace-hardlink.json")
+    png_args = ["--png", str(tmp_path / png)] if png else ["--no-png"]
+    r = run_main(
+        "plan", str(trace), "--hardware", str(hardware), "--gpu-budget", "1GiB",
+        "--out", str(tmp_path / out), *png_args, capsys=capsys,
+    )  # fmt: skip
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert all(option in r.stderr for option in named), r.stderr
+    assert "same file" in r.stderr
+    assert Trace.load(trace).steps == 1 and HardwareModel.load(hardware) == HardwareModel.h200()
+    assert not (tmp_path / "same.json").exists() and not (tmp_path / "plan.json").exists()
+
+
 def test_unwritable_output(work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
