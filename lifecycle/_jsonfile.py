@@ -1,25 +1,50 @@
 """The JSON files lifecycle's data classes are saved as: written atomically, read with clear errors,
-tagged with a format name and a schema version."""
+tagged with a format name and a schema version. :func:`replacing` writes any file atomically."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 
-def write_json(path: str | os.PathLike[str], data: Mapping[str, Any], **dump: Any) -> None:
-    """Write ``data`` to ``path`` atomically (a temp file, then a rename)."""
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike[str]) -> Iterator[str]:
+    """A temp file name beside ``path`` for the block to write; renamed over ``path`` when the
+    block ends, removed when the block or the rename fails (a full disk leaves neither a
+    half-written ``path`` nor the temp file), and the error re-raised.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(d.name, "x.txt")
+        >>> with replacing(path) as tmp, open(tmp, "w") as f:
+        ...     _ = f.write("hello")
+        >>> open(path).read(), os.listdir(d.name)
+        ('hello', ['x.txt'])
+        >>> d.cleanup()
+    """
     path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike[str], data: Mapping[str, Any], **dump: Any) -> None:
+    """Write ``data`` to ``path`` atomically (a temp file, then a rename; see :func:`replacing`)."""
     # One string, then one write: ``json.dumps`` encodes in C, while ``json.dump`` streams through
     # the pure-Python encoder (3.3x as long on a 10k-record trace). Nothing is written if the
     # data cannot be encoded.
     text = json.dumps(data, **dump)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-    os.replace(tmp, path)
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:

@@ -9,7 +9,6 @@ touched only when :func:`probe_hardware` is called.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -537,8 +536,6 @@ def _write_cache(path: Path, hw: HardwareModel) -> str:
         hw.save(path)
     except OSError as e:
         log.warning("%s: could not write the cache file %s (%s)", _LOG_PREFIX, path, e)
-        with contextlib.suppress(OSError):  # HardwareModel.save's temp file, if it got that far
-            Path(f"{path}.tmp{os.getpid()}").unlink(missing_ok=True)
         return "not cached"
     return f"cached in {path}"
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+import resource
+import signal
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -58,3 +61,30 @@ def fused_rms_norm() -> Iterator[None]:
         yield
     finally:
         lib._destroy()
+
+
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int) -> Iterator[None]:
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def limit_file_size(nbytes: int) -> None:
+    """For ``subprocess.run(preexec_fn=...)``: a write past ``nbytes`` in any file fails."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an ignored signal stays ignored across exec
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.RLIM_INFINITY))
+
+
+@pytest.fixture
+def file_size_limit() -> Callable[[int], contextlib.AbstractContextManager[None]]:
+    """``with file_size_limit(n):`` a write that would make a file of this process longer than
+    ``n`` bytes fails with ``OSError(EFBIG)`` from the kernel: an honest failed write (as on a
+    full disk), for tests of what a failure leaves behind. (Tests run as root: a directory
+    without write permission fails nothing.)"""
+    return _file_size_limit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import subprocess
 import sys
@@ -323,3 +324,26 @@ def test_json_files_are_written_whole_or_not_at_all(tmp_path) -> None:
         write_json(target, {"bad": float("nan")}, allow_nan=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
     assert json.loads(target.read_text()) == {"ok": 1}
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path, file_size_limit) -> None:
+    """A write that fails half-way (disk full, file too large) raises, keeps the file it was to
+    replace, and removes its temp file: for a trace, a plan and a hardware model."""
+    from lifecycle import HardwareModel, plan
+
+    trace = transformer_trace(layers=2, hidden=64, tokens=64)
+    p = plan(trace, trace.peak_memory_bytes, HardwareModel.h200(), margin=0)
+    written = []
+    for name, save in (
+        ("trace.json", trace.save),
+        ("plan.json", p.save),
+        ("hardware.json", HardwareModel.h200().save),
+    ):
+        target = tmp_path / name
+        target.write_text("old")
+        written.append(name)
+        with file_size_limit(100), pytest.raises(OSError) as e:
+            save(target)
+        assert e.value.errno == errno.EFBIG
+        assert target.read_text() == "old"
+        assert sorted(f.name for f in tmp_path.iterdir()) == sorted(written)  # no *.tmpPID
