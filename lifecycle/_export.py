@@ -7,6 +7,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from lifecycle._jsonfile import replacing
 from lifecycle._units import format_bytes
 
 if TYPE_CHECKING:
@@ -124,14 +125,16 @@ def write_perfetto(trace: Trace, path: str | os.PathLike[str]) -> None:
 
     Args:
         trace: the trace to export.
-        path: the JSON file to write.
+        path: the JSON file to write (atomically: a temp file, then a rename).
     """
-    with open(os.fspath(path), "w", encoding="utf-8") as f:
-        json.dump({"traceEvents": perfetto_events(trace), "displayTimeUnit": "ms"}, f)
+    events = perfetto_events(trace)
+    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
 def write_memory_png(trace: Trace, path: str | os.PathLike[str]) -> None:
-    """Plot live saved bytes (and memory in use) over the step timeline into a PNG.
+    """Plot live saved bytes (and memory in use) over the step timeline into a PNG (written
+    atomically: a temp file, then a rename).
 
     Raises:
         ImportError: matplotlib is missing; the message names the ``plot`` extra.
@@ -169,7 +172,8 @@ def write_memory_png(trace: Trace, path: str | os.PathLike[str]) -> None:
     )
     ax.legend(loc="upper right")
     fig.tight_layout()
-    fig.savefig(os.fspath(path), format="png")  # a PNG whatever the name ends in
+    with replacing(path) as tmp:  # a failed write leaves no half a picture
+        fig.savefig(tmp, format="png")  # a PNG whatever the name ends in
 
 
 def write_plan_png(
@@ -186,7 +190,7 @@ def write_plan_png(
     Args:
         trace: the trace the plan was made from.
         plan: a plan of ``trace``'s step ``step``.
-        path: the PNG file to write.
+        path: the PNG file to write (atomically: a temp file, then a rename).
         step: the recorded step the plan is for (``-1``: the last, as :func:`lifecycle.plan`).
 
     Raises:
@@ -246,7 +250,8 @@ def write_plan_png(
     # Outside the axes: the curves peak mid-step, where any inside corner may be.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
-    fig.savefig(os.fspath(path), format="png")  # a PNG whatever the name ends in
+    with replacing(path) as tmp:  # a failed write leaves no half a picture
+        fig.savefig(tmp, format="png")  # a PNG whatever the name ends in
 
 
 def _figure_class(what: str) -> type[Figure]:

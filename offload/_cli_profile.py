@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import runpy
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +36,8 @@ def add_parser(sub: Any) -> None:
             "writes plan.json and plan.png into --out. Options go before SCRIPT; everything "
             "after SCRIPT is passed to it. Exit status: 0 success; 1 the script failed (the "
             "completed steps are still written and planned) or no step completed; 2 bad "
-            f"arguments; {_cli_plan.EXIT_INFEASIBLE} the budget cannot be met (the trace is "
+            "arguments or an output that cannot be written; "
+            f"{_cli_plan.EXIT_INFEASIBLE} the budget cannot be met (the trace is "
             "written; the message gives the smallest feasible budget)."
         ),
     )
@@ -202,13 +203,13 @@ def run(args: argparse.Namespace) -> int:
             f"{args.steps} step(s) asked for (--steps); the trace holds those",
             file=sys.stderr,
         )
-    paths = _write_outputs(trace, out)
     plan_path, png_path = os.path.join(out, "plan.json"), os.path.join(out, "plan.png")
-    # A plan left by an earlier run belongs to the trace just replaced: never leave it beside
-    # this one (a run without --gpu-budget, or with an infeasible one, writes none).
-    for stale in (plan_path, png_path):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(stale)
+    try:
+        paths = _write_outputs(trace, out, stale=(plan_path, png_path))
+    except _OutputError as e:
+        if failure is not None:
+            _describe_failure(script, failure)
+        return _fail(str(e))
     print(trace.summary())
     for p in paths:
         print(f"wrote {p}")
@@ -233,14 +234,48 @@ def _describe_failure(script: str, exc: BaseException) -> None:
     traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
 
 
-def _write_outputs(trace: Trace, out: str) -> list[str]:
-    paths = [os.path.join(out, "trace.json"), os.path.join(out, "trace.perfetto.json")]
-    trace.save(paths[0])
-    write_perfetto(trace, paths[1])
+class _OutputError(Exception):
+    """An output file that could not be written or removed; the message names it."""
+
+
+def _write_outputs(trace: Trace, out: str, *, stale: tuple[str, ...]) -> list[str]:
+    """Write the trace into ``out``, remove the files ``stale``, then write the trace's Perfetto
+    export and memory PNG; each file atomically. Returns the paths written.
+
+    Raises:
+        _OutputError: naming the first file that cannot be written or removed (a full disk, a
+            directory in its place).
+    """
+    trace_path = os.path.join(out, "trace.json")
+    _write(Trace.save, trace, trace_path)
+    # A plan left by an earlier run belongs to the trace just replaced: never leave it beside
+    # this one (a run without --gpu-budget, or with an infeasible one, writes none).
+    for path in stale:
+        _remove(path)
+    paths = [trace_path, os.path.join(out, "trace.perfetto.json")]
+    _write(write_perfetto, trace, paths[1])
     png = os.path.join(out, "memory.png")
     try:
-        write_memory_png(trace, png)
+        _write(write_memory_png, trace, png)
         paths.append(png)
     except ImportError as e:
         print(f"offload: skipped {png}: {e}", file=sys.stderr)
     return paths
+
+
+def _write(write: Callable[[Trace, str], None], trace: Trace, path: str) -> None:
+    try:
+        write(trace, path)
+    except OSError as e:
+        raise _OutputError(f"cannot write {path!r}: {e.strerror or e}") from e
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise _OutputError(
+            f"cannot remove {path!r}, left by an earlier run: {e.strerror or e}"
+        ) from e

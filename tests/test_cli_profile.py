@@ -309,3 +309,48 @@ def test_profile_without_budget_removes_an_earlier_plan(
     assert code == 0, capsys.readouterr().err
     assert Trace.load(out / "trace.json").steps == 1
     assert not (out / "plan.json").exists() and not (out / "plan.png").exists()
+
+
+def test_outputs_that_cannot_be_written(tmp_path: Path) -> None:
+    """A disk that fills up (here a file-size limit: the same EFBIG from the kernel) is reported
+    as an error with exit 2, not a traceback, and leaves no half-written or temp file."""
+    from conftest import limit_file_size
+
+    out = tmp_path / "prof"
+    script = _script(tmp_path, _TINY.format(chdir=""))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "offload", "profile", "--quiet", "--out", str(out), str(script)],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=240,
+        preexec_fn=lambda: limit_file_size(200),
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert f"offload profile: error: cannot write {str(out / 'trace.json')!r}" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("blocked", "message"),
+    [
+        ("trace.perfetto.json", "cannot write"),
+        ("memory.png", "cannot write"),
+        ("plan.json", "cannot remove"),  # an earlier run's plan, of the trace being replaced
+    ],
+)
+def test_a_directory_where_an_output_goes(
+    tmp_path: Path, blocked: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from offload._cli import main
+
+    if blocked.endswith(".png"):
+        pytest.importorskip("matplotlib")
+    out = tmp_path / "prof"
+    (out / blocked).mkdir(parents=True)
+    script = _script(tmp_path, _TINY.format(chdir=""))
+    code = main(["profile", "--quiet", "--out", str(out), str(script)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"offload profile: error: {message} {str(out / blocked)!r}" in err
+    assert Trace.load(out / "trace.json").steps == 1  # written before
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]

@@ -328,8 +328,9 @@ def test_json_files_are_written_whole_or_not_at_all(tmp_path) -> None:
 
 def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path, file_size_limit) -> None:
     """A write that fails half-way (disk full, file too large) raises, keeps the file it was to
-    replace, and removes its temp file: for a trace, a plan and a hardware model."""
-    from lifecycle import HardwareModel, plan
+    replace, and removes its temp file: for a trace, a plan, a hardware model and the exports."""
+    pytest.importorskip("matplotlib")
+    from lifecycle import HardwareModel, plan, write_plan_png
 
     trace = transformer_trace(layers=2, hidden=64, tokens=64)
     p = plan(trace, trace.peak_memory_bytes, HardwareModel.h200(), margin=0)
@@ -338,6 +339,9 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path, file_size
         ("trace.json", trace.save),
         ("plan.json", p.save),
         ("hardware.json", HardwareModel.h200().save),
+        ("trace.perfetto.json", lambda path: write_perfetto(trace, path)),
+        ("memory.png", lambda path: write_memory_png(trace, path)),
+        ("plan.png", lambda path: write_plan_png(trace, p, path)),
     ):
         target = tmp_path / name
         target.write_text("old")
