@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
@@ -74,9 +75,11 @@ def _prepare_out(out: str) -> str | None:
     try:
         with open(probe, "w") as f:
             f.write("x")
-        os.unlink(probe)
-    except OSError as e:
+    except OSError as e:  # the write, or the close that flushes it on a full disk
         return f"output directory {out!r} is not writable: {e.strerror or e}"
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
     return None
 
 

@@ -311,22 +311,38 @@ def test_profile_without_budget_removes_an_earlier_plan(
     assert not (out / "plan.json").exists() and not (out / "plan.png").exists()
 
 
+def _profile_with_file_size_limit(
+    tmp_path: Path, out: Path, nbytes: int
+) -> subprocess.CompletedProcess:
+    from conftest import limit_file_size
+
+    script = _script(tmp_path, _TINY.format(chdir=""))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run(
+        [sys.executable, "-m", "offload", "profile", "--quiet", "--out", str(out), str(script)],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=240,
+        preexec_fn=lambda: limit_file_size(nbytes),
+    )  # fmt: skip
+
+
 def test_outputs_that_cannot_be_written(tmp_path: Path) -> None:
     """A disk that fills up (here a file-size limit: the same EFBIG from the kernel) is reported
     as an error with exit 2, not a traceback, and leaves no half-written or temp file."""
-    from conftest import limit_file_size
-
     out = tmp_path / "prof"
-    script = _script(tmp_path, _TINY.format(chdir=""))
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONDONTWRITEBYTECODE="1")
-    r = subprocess.run(
-        [sys.executable, "-m", "offload", "profile", "--quiet", "--out", str(out), str(script)],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=240,
-        preexec_fn=lambda: limit_file_size(200),
-    )  # fmt: skip
+    r = _profile_with_file_size_limit(tmp_path, out, 200)
     assert r.returncode == 2, r.stderr
     assert f"offload profile: error: cannot write {str(out / 'trace.json')!r}" in r.stderr
     assert "Traceback" not in r.stderr
+    assert list(out.iterdir()) == []
+
+
+def test_output_directory_that_takes_no_byte(tmp_path: Path) -> None:
+    """The writability check fails on a full disk at its write (or the close that flushes it)
+    and removes its probe file all the same."""
+    out = tmp_path / "prof"
+    r = _profile_with_file_size_limit(tmp_path, out, 0)
+    assert r.returncode == 2, r.stderr
+    assert f"output directory {str(out)!r} is not writable" in r.stderr
     assert list(out.iterdir()) == []
 
 
