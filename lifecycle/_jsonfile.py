@@ -54,6 +54,10 @@ def read_json(path: str | os.PathLike[str]) -> Any:
             return json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {e}") from e
+        except RecursionError as e:  # thousands of nested brackets: no file of ours
+            raise ValueError(
+                f"{os.fspath(path)!r} is not a file offload reads: its JSON is nested too deeply"
+            ) from e
 
 
 def check_header(data: Any, *, fmt: str, version: int, what: str) -> None:

@@ -139,6 +139,9 @@ def test_load_rejects_other_files(tmp_path) -> None:
     p.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         Trace.load(p)
+    p.write_text("[" * 100_000)  # the parser's recursion runs out first
+    with pytest.raises(ValueError, match="nested too deeply"):
+        Trace.load(p)
     p.write_text(json.dumps({"format": "something else"}))
     with pytest.raises(ValueError, match="not an offload trace"):
         Trace.load(p)
