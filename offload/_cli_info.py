@@ -32,7 +32,8 @@ def add_parser(sub: Any) -> None:
             "host memory and the default pinned-pool budget (psutil and cgroups), NVMe free "
             "space and bandwidth (with --nvme-dir), which gds extra fits, and the start-up costs "
             "to expect. Works without a GPU. Exit status: 0 on success, 1 when a requested disk "
-            "measurement failed, 2 for bad arguments or a bad LOCAL_WORLD_SIZE."
+            "measurement failed, 2 for bad arguments, a bad LOCAL_WORLD_SIZE or standard output "
+            "that cannot be written."
         ),
     )
     p.add_argument(

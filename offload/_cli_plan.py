@@ -5,7 +5,8 @@ declares them, :func:`check_plan_options` validates what can be checked before a
 and :func:`plan_and_write` plans, prints and writes the plan JSON and PNG for both commands.
 
 Exit status (both commands): 0 success; 2 bad arguments (a missing or unreadable trace or
-hardware file, an unparsable size, an unknown tier, an output path that cannot be written);
+hardware file, an unparsable size, an unknown tier, an output path or standard output that
+cannot be written);
 3 the budget cannot be met (:data:`EXIT_INFEASIBLE`; the message gives the smallest feasible
 budget); 1 anything else that failed (measuring the hardware, the profiled script).
 """

@@ -416,6 +416,28 @@ def test_reader_that_goes_away_ends_the_command_quietly(
     assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("command", ["plan", "info"])
+def test_standard_output_that_cannot_be_written(
+    work: Path, peak: int, tmp_path: Path, command: str
+) -> None:
+    """``offload plan ... > /dev/full``: the command says it cannot write its output and exits
+    with 2, as for an output file, without a traceback."""
+    args = ["info", "--probe-bytes", "1MiB"]
+    if command == "plan":
+        trace, hardware = str(work / "trace.json"), str(work / "hardware.json")
+        args = ["plan", trace, "--hardware", hardware, "--gpu-budget", str(peak // 2), *SMALL]
+        args += ["--out", str(tmp_path / "p.json"), "--no-png"]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OFFLOAD_CACHE_DIR=str(work / "cache"))
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "offload", *args],
+            stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, timeout=240,
+        )  # fmt: skip
+    assert r.returncode == 2
+    assert "offload: error: cannot write to standard output: No space left on device" in r.stderr
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+
+
 def test_help(tmp_path: Path) -> None:
     r = run_cli("plan", "--help", cache_dir=tmp_path)
     assert r.returncode == 0
