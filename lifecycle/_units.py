@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -21,10 +22,14 @@ _UNITS = {
     "t": 1 << 40,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+MAX_BYTES = 2**63 - 1  # sizes are int64 to torch and numpy
 
 
 def parse_bytes(value: int | str, *, name: str = "value", total: int | None = None) -> int:
     """Parse ``12GiB``, ``512MB``, ``1e9``-free integers, or ``"85%"`` (of ``total``) into bytes.
+
+    A number with a unit is computed exactly and must come to a whole number of bytes
+    (``"1.5GiB"`` does; ``"0.5"`` and ``"1.1GiB"`` do not); a percentage is rounded down.
 
     Args:
         value: an int (bytes) or a string with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; K, M,
@@ -34,7 +39,8 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
             percentage (the error messages then offer none).
 
     Raises:
-        ValueError: the value is negative, unparsable, or a percentage without a total.
+        ValueError: the value is negative, unparsable, more than :data:`MAX_BYTES` (2**63 - 1),
+            not a whole number of bytes, or a percentage without a total.
         TypeError: the value is neither int nor str.
 
     Example:
@@ -51,7 +57,7 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes; got {value}")
-        return value
+        return _at_most_max(value, name, value)
     text = value.strip()
     if text.endswith("%"):
         if total is None:
@@ -72,7 +78,29 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
             f"{name}={value!r} is not a size; use bytes or a number with one of B, KB, MB, GB, TB, "
             "KiB, MiB, GiB, TiB (e.g. '12GiB')"
         )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        n = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+    except ValueError:  # more digits than Python converts to an int (4300)
+        return _at_most_max(MAX_BYTES + 1, name, value)
+    _at_most_max(n, name, value)
+    if n.denominator != 1:
+        example = f" (e.g. {int(n)})" if n > 1 else ""
+        raise ValueError(
+            f"{name}={value!r} is {float(n):.15g} bytes, not a whole number of bytes; give "
+            f"whole bytes{example}"
+        )
+    return int(n)
+
+
+def _at_most_max(n: int | Fraction, name: str, value: int | str) -> int:
+    if n > MAX_BYTES:
+        shown = (
+            repr(value)
+            if len(repr(value)) <= 40
+            else f"{repr(value)[:24]}... ({len(str(value))} characters)"
+        )
+        raise ValueError(f"{name}={shown} is too large; at most {MAX_BYTES} bytes (2**63 - 1)")
+    return int(n)
 
 
 def format_bytes(n: float) -> str:

@@ -56,14 +56,13 @@ class UsageError(Exception):
 # -- argument types ---------------------------------------------------------------------------
 
 
-_SIZE_HELP = "give bytes or a number with a unit, B KB MB GB TB or KiB MiB GiB TiB (e.g. 8GiB)"
-
-
 def _parse_size(text: str) -> int:
+    """``parse_bytes(text)``, its error an ``ArgumentTypeError`` whose message does not start
+    with ``value=`` (argparse names the option)."""
     try:
         return parse_bytes(text.strip())
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; {_SIZE_HELP}") from None
+    except ValueError as e:  # not a size, a fraction of a byte, more than 2**63 - 1 bytes
+        raise argparse.ArgumentTypeError(str(e).removeprefix("value=")) from None
 
 
 def _size(*, allow_auto: bool = False) -> Callable[[str], int | None]:
@@ -95,10 +94,10 @@ def _budget(text: str) -> int | str:
             ) from None
         return text
     try:
-        n = parse_bytes(text)
-    except ValueError:
+        n = _parse_size(text)
+    except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; {_SIZE_HELP}, or a percentage of device memory like 85%"
+            f"{e}, or a percentage of device memory like 85%"
         ) from None
     if n <= 0:
         raise argparse.ArgumentTypeError(f"the budget must be more than 0 bytes; got {text!r}")

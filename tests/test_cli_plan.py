@@ -199,6 +199,9 @@ def test_suggested_budget_plans(
         (["--gpu-budget", "1GiB", "--tiers", "cpu,cpu"], "--tiers"),
         (["--gpu-budget", "1GiB", "--margin", "-1"], "--margin"),
         (["--gpu-budget", "1GiB", "--cpu-budget", "x"], "--cpu-budget"),
+        (["--gpu-budget", "1GiB", "--cpu-budget", "0.5"], "not a whole number of bytes"),
+        (["--gpu-budget", "9" * 400], "too large"),  # an OverflowError traceback before
+        (["--gpu-budget", "1GiB", "--nvme-bytes", "9" * 5000], "too large"),
         (["--gpu-budget", "1GiB", "--min-offload-bytes", "1 MiBs"], "--min-offload-bytes"),
         (["--gpu-budget", "1GiB", "--hardware", "missing.json"], "--hardware"),
         (["--gpu-budget", "1GiB", "--png", "x.png", "--no-png"], "--no-png"),

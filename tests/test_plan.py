@@ -639,6 +639,22 @@ def test_size_errors_offer_only_what_the_argument_takes() -> None:
         offload.plan(trace, 1.5, H200)
 
 
+def test_sizes_are_whole_bytes_computed_exactly() -> None:
+    from lifecycle._units import parse_bytes
+
+    assert parse_bytes("1.5GiB") == 3 << 29 and parse_bytes(".5KiB") == 512
+    assert parse_bytes("9007199254740993") == 2**53 + 1  # through a float it was 2**53
+    assert parse_bytes(str(2**63 - 1)) == 2**63 - 1
+    # A fraction of a byte is refused, not rounded down ('0.5' was 0: no host room at all).
+    for text, figure in (("0.5", "0.5 bytes"), ("1.1GiB", "1181116006.4 bytes"), ("1.5B", "")):
+        with pytest.raises(ValueError, match=f"cpu_budget='{text}' is {figure}.*not a whole"):
+            parse_bytes(text, name="cpu_budget")
+    # Too large is a ValueError naming the value (an OverflowError, or an int64 overflow later).
+    for value in (str(2**63), "9" * 400, "9" * 5000, 2**64):
+        with pytest.raises(ValueError, match=r"cpu_budget=.*is too large; at most 922"):
+            parse_bytes(value, name="cpu_budget")
+
+
 def _small_plan() -> Plan:
     trace = transformer_trace(layers=4, hidden=64, tokens=64)
     return plan(trace, trace.peak_memory_bytes // 2, H200, min_offload_bytes=0, margin=0)
