@@ -22,6 +22,12 @@ def _size(text: str) -> int:
     return n
 
 
+def _dir(text: str) -> str:
+    if not text.strip():  # an empty name would measure the current directory
+        raise argparse.ArgumentTypeError("give a directory; got an empty name")
+    return text
+
+
 def add_parser(sub: Any) -> None:
     """Add the ``info`` subcommand to the ``offload`` subparsers ``sub``."""
     p = sub.add_parser(
@@ -39,6 +45,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--nvme-dir",
         metavar="DIR",
+        type=_dir,
         default=None,
         help="directory on the disk an NVMe tier would use: report its free space and measure "
         "write/read bandwidth with a probe file that is removed afterwards (default: no disk "

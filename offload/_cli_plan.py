@@ -256,6 +256,12 @@ def check_plan_options(args: argparse.Namespace, *, cuda_expected: bool | None) 
     """
     if isinstance(args.gpu_budget, str) and cuda_expected is False:
         raise UsageError(_percent_needs_cuda(args.gpu_budget))
+    tiers = args.tiers or ("cpu",)
+    if args.nvme_bytes is not None and "nvme" not in tiers:
+        raise UsageError(
+            f"--nvme-bytes applies only with nvme in --tiers (the tiers are {','.join(tiers)}: "
+            "nothing goes to NVMe)"
+        )
     hardware = None
     if args.hardware is not None:
         try:
@@ -267,7 +273,7 @@ def check_plan_options(args: argparse.Namespace, *, cuda_expected: bool | None) 
     return PlanOptions(
         gpu_budget=args.gpu_budget,
         hardware=hardware,
-        tiers=args.tiers or ("cpu",),
+        tiers=tiers,
         cpu_budget=args.cpu_budget,
         nvme_bytes=args.nvme_bytes,
         min_offload_bytes=(

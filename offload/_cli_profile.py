@@ -54,7 +54,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     _cli_plan.add_plan_options(p, budget_required=False)
     p.add_argument("script", help="the training script to run")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    rest = p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    # argparse marks a REMAINDER positional required, and without SCRIPT said "required: script,
+    # script_args"; the script's arguments may be none.
+    rest.required = False
     p.set_defaults(run=run)
 
 

@@ -205,6 +205,8 @@ def test_suggested_budget_plans(
         (["--gpu-budget", "1GiB", "--min-offload-bytes", "1 MiBs"], "--min-offload-bytes"),
         (["--gpu-budget", "1GiB", "--hardware", "missing.json"], "--hardware"),
         (["--gpu-budget", "1GiB", "--png", "x.png", "--no-png"], "--no-png"),
+        (["--gpu-budget", "1GiB", "--nvme-bytes", "1GiB"], "--nvme-bytes applies only with nvme"),
+        (["--gpu-budget", "1GiB", "--tiers", "cpu", "--nvme-bytes", "1GiB"], "--nvme-bytes"),
         ([], "--gpu-budget"),  # required
     ],
 )

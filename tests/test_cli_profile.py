@@ -66,6 +66,16 @@ def test_missing_script(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_no_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from offload._cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "the following arguments are required: script\n" in err  # not "script, script_args"
+
+
 def test_unwritable_output_dir(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -233,6 +243,7 @@ def test_profile_infeasible_budget_keeps_the_trace(tmp_path: Path) -> None:
         (["--gpu-budget", "lots"], "--gpu-budget"),
         (["--gpu-budget", "1GiB", "--hardware", "missing.json"], "--hardware"),
         (["--gpu-budget", "1GiB", "--tiers", "disk"], "--tiers"),
+        (["--gpu-budget", "1GiB", "--nvme-bytes", "1GiB"], "--nvme-bytes applies only with nvme"),
     ],
 )
 def test_profile_bad_planning_arguments(

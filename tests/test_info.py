@@ -192,6 +192,12 @@ def test_cli_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit) as e:
         _cli(["info", "--probe-bytes", "lots"])
     assert e.value.code == 2
+    # An empty name is refused, not taken for the current directory.
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        _cli(["info", "--nvme-dir="])
+    assert e.value.code == 2
+    assert "argument --nvme-dir: give a directory; got an empty name" in capsys.readouterr().err
 
 
 def test_python_m_offload_info_json(tmp_path: Path) -> None:
