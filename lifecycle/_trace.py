@@ -8,6 +8,7 @@ touches CUDA or autograd.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import os
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -404,8 +405,10 @@ class Trace:
 
         Raises:
             ValueError: another format or schema, or a body that is not a trace's: a missing or
-                malformed field, or an index to an event or record that is not there. The
-                message names what is wrong.
+                malformed field (indices are ints, not bools or floats; byte counts ints in
+                [0, 2**63); times finite numbers; ``dtype`` a torch dtype's name; one unpack
+                time per unpack event), or an index to an event or record that is not there.
+                The message names the record or event and the field.
         """
         check_header(data, fmt=_FORMAT, version=SCHEMA_VERSION, what="trace")
         missing = [k for k in ("steps", "records", "events") if k not in data]
@@ -439,7 +442,8 @@ class Trace:
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            ValueError: the file is not an offload trace, or has another schema version.
+            ValueError: the file is not an offload trace, has another schema version, or a
+                field that is malformed (see :meth:`from_dict`).
         """
         with gc_paused():
             return cls.from_dict(read_json(path))
@@ -551,6 +555,47 @@ def _converts(convert: Callable[[Mapping[str, Any]], Any], item: Any) -> bool:
     return True
 
 
+# What each field of a loaded record or event must hold: a file that is not one fails at load,
+# naming the item and the field, not deep inside the planner or the simulator (a NaN time made
+# Plan.save fail, a null module the summary, 10**30 bytes numpy).
+_INT64 = 2**63
+_RECORD_INTS = ("seq", "step", "family", "call_index", "ordinal", "pack_event")
+_RECORD_SIZES = ("nbytes", "storage_nbytes", "storage_offset")
+_RECORD_STRS = ("module", "dtype", "device", "grad_fn")
+_RECORD_BOOLS = ("is_parameter", "in_backward")
+
+
+def _check_fields(
+    d: Mapping[str, Any],
+    *,
+    ints: Iterable[str] = (),
+    sizes: Iterable[str] = (),
+    strs: Iterable[str] = (),
+    bools: Iterable[str] = (),
+    times: Iterable[str] = (),
+) -> None:
+    """Raise ``ValueError`` naming the first field of ``d`` that is not what it must be (a
+    missing one is a ``KeyError``). ``type(v) is int``, not isinstance: a bool is no index."""
+    for k in ints:
+        v = d[k]
+        if type(v) is not int:
+            raise ValueError(f"field {k!r} must be an int (not a bool or a float); got {v!r}")
+    for k in sizes:
+        v = d[k]
+        if type(v) is not int or not 0 <= v < _INT64:
+            raise ValueError(f"field {k!r} must be an int in [0, 2**63); got {v!r}")
+    for k in strs:
+        if type(d[k]) is not str:
+            raise ValueError(f"field {k!r} must be a string; got {d[k]!r}")
+    for k in bools:
+        if type(d[k]) is not bool:
+            raise ValueError(f"field {k!r} must be true or false; got {d[k]!r}")
+    for k in times:
+        v = d[k]
+        if type(v) not in (float, int) or not math.isfinite(v):
+            raise ValueError(f"field {k!r} must be a finite number of seconds; got {v!r}")
+
+
 def _record_from_json(d: Mapping[str, Any]) -> TensorRecord:
     d = dict(d)
     for k in _TUPLE_FIELDS:
@@ -558,7 +603,42 @@ def _record_from_json(d: Mapping[str, Any]) -> TensorRecord:
             d[k] = tuple(d[k])
         except TypeError:
             raise TypeError(f"field {k!r} must be a list; got {d[k]!r}") from None
+    _check_fields(
+        d,
+        ints=_RECORD_INTS if "rebuild_from" not in d else (*_RECORD_INTS, "rebuild_from"),
+        sizes=_RECORD_SIZES,
+        strs=_RECORD_STRS,
+        bools=_RECORD_BOOLS,
+        times=("pack_time_s",),
+    )
+    shape, stride = d["shape"], d["stride"]
+    if any(type(n) is not int or not 0 <= n < _INT64 for n in shape):
+        raise ValueError(f"field 'shape' must be a list of ints >= 0; got {list(shape)!r}")
+    if len(stride) != len(shape) or any(type(n) is not int for n in stride):
+        raise ValueError(
+            f"field 'stride' must be a list of ints as long as 'shape' {list(shape)!r}; got "
+            f"{list(stride)!r}"
+        )
+    if d["dtype"] not in _dtype_names():
+        raise ValueError(f"field 'dtype' {d['dtype']!r} is not a torch dtype, e.g. 'torch.float32'")
+    unpacks, times = d["unpack_events"], d["unpack_times_s"]
+    if any(type(u) is not int for u in unpacks):
+        raise ValueError(f"field 'unpack_events' must be a list of ints; got {list(unpacks)!r}")
+    if len(times) != len(unpacks) or any(
+        type(t) not in (float, int) or not math.isfinite(t) for t in times
+    ):
+        raise ValueError(
+            f"field 'unpack_times_s' must be a list of finite times, one per unpack event "
+            f"({len(unpacks)}); got {list(times)!r}"
+        )
     return TensorRecord(**d)
+
+
+@functools.cache
+def _dtype_names() -> frozenset[str]:
+    import torch  # at the first load, not at import: lifecycle's data needs no torch
+
+    return frozenset(str(v) for v in vars(torch).values() if isinstance(v, torch.dtype))
 
 
 def _event_to_json(e: Event) -> dict[str, Any]:
@@ -569,8 +649,30 @@ def _event_to_json(e: Event) -> dict[str, Any]:
 
 def _event_from_json(d: Mapping[str, Any]) -> Event:
     d = dict(d)
-    kind = _EVENT_KINDS.get(d["kind"])
+    kind = _EVENT_KINDS.get(d["kind"]) if isinstance(d["kind"], str) else None
     if kind is None:
         raise ValueError(f"{d['kind']!r} is not a valid EventKind")
     d["kind"] = kind
+    t, m = d["time_s"], d["memory_bytes"]
+    # One expression for the common case, as events are the most numerous items; the
+    # field-by-field check runs only to say what is wrong.
+    if not (
+        type(d["index"]) is int
+        and type(d["step"]) is int
+        and type(d.get("call_index", 0)) is int
+        and type(d.get("record", 0)) is int
+        and type(d.get("module", "")) is str
+        and type(m) is int
+        and 0 <= m < _INT64
+        and (type(t) is float or type(t) is int)
+        and math.isfinite(t)
+    ):
+        _check_fields(
+            d,
+            # module, call_index and record have defaults in Event
+            ints=("index", "step", *(k for k in ("call_index", "record") if k in d)),
+            sizes=("memory_bytes",),
+            strs=("module",) if "module" in d else (),
+            times=("time_s",),
+        )
     return Event(**d)

@@ -346,11 +346,18 @@ def plan_and_write(
         return EXIT_INFEASIBLE
     except (TypeError, ValueError) as e:  # e.g. a trace without a step
         return _fail(prog, f"cannot plan this trace: {e}")
+    except (ArithmeticError, LookupError, RuntimeError) as e:
+        # A trace that loads but that the planner or the simulator cannot take (the loader
+        # checks each field, not every relation between them): said with what failed, not a
+        # traceback.
+        return _fail(prog, f"cannot plan this trace: {type(e).__name__}: {e}")
     print(p.summary())
     try:
         p.save(plan_path)
     except OSError as e:
         return _fail(prog, f"cannot write the plan to {plan_path!r}: {_reason(e)}")
+    except ValueError as e:  # a NaN or an infinity in the plan: JSON has no such numbers
+        return _fail(prog, f"cannot write the plan to {plan_path!r}: {e}")
     print(f"wrote {plan_path}")
     if png_path is not None:
         _write_png(trace, p, png_path, prog)
@@ -389,6 +396,8 @@ def _hint_feasible(
                 break
             except BudgetInfeasibleError as again:
                 need = max(need + 1, again.min_feasible_bytes)
+            except ValueError:  # past 2**63 - 1 bytes, the largest budget there is
+                break
     others = []
     if options.margin != 0:
         others.append("a smaller --margin")

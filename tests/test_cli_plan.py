@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -295,6 +297,47 @@ def test_outputs_that_are_inputs_or_each_other(
     assert "same file" in r.stderr
     assert Trace.load(trace).steps == 1 and HardwareModel.load(hardware) == HardwareModel.h200()
     assert not (tmp_path / "same.json").exists() and not (tmp_path / "plan.json").exists()
+
+
+def _spoiled_trace(work: Path, tmp_path: Path, spoil: Callable[[dict], None]) -> Path:
+    body = json.loads((work / "trace.json").read_text())
+    spoil(body)
+    path = tmp_path / "spoiled.json"
+    path.write_text(json.dumps(body))
+    return path
+
+
+def test_traces_that_load_but_cannot_be_planned(
+    work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A field that holds nonsense is refused at load, naming it; a trace of well-formed
+    fields that still cannot be planned is 'cannot plan this trace' or 'cannot write the plan',
+    exit 2: never a traceback."""
+
+    def nan_times(body: dict) -> None:
+        for e in body["events"]:
+            e["time_s"] = float("nan")
+
+    def huge_times(body: dict) -> None:  # finite, but a step time of infinity is planned
+        for i, e in enumerate(body["events"]):
+            e["time_s"] = 1e308 * (i % 2)
+
+    def huge_sizes(body: dict) -> None:  # under 2**63 each, more than 2**63 together
+        for r in body["records"]:
+            r["nbytes"] = r["storage_nbytes"] = 2**62
+
+    out = str(tmp_path / "plan.json")
+    for spoil, code, message in (
+        (nan_times, 2, "cannot read trace .* events\\[0\\]: field 'time_s' must be a finite"),
+        # The simulator's own check (a RuntimeError), or JSON's refusal of an infinite time.
+        (huge_times, 2, "cannot plan this trace: RuntimeError: |cannot write the plan to "),
+        (huge_sizes, 3, "cannot be met"),
+    ):
+        trace = _spoiled_trace(work, tmp_path, spoil)
+        r = plan_main(work, "--gpu-budget", "6MiB", "--out", out, "--no-png", trace=trace,
+                      capsys=capsys)  # fmt: skip
+        assert r.returncode == code, r.stderr
+        assert re.search(message, r.stderr), r.stderr
 
 
 def test_unwritable_output(work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

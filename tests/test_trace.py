@@ -169,9 +169,33 @@ _DELETE = object()
         (("metadata",), ["device", "cpu"], "'metadata' must be a JSON object; got list"),
         # Indices into the timeline and the records must point at something.
         (("records", 1, "pack_event"), 10**6, r"record 1: pack_event 1000000 is not an event"),
-        (("records", 1, "unpack_events"), [6, 10], r"record 1: unpack_events 10 is not an event"),
+        (("records", 1, "unpack_events"), [10], r"record 1: unpack_events 10 is not an event"),
         (("events", 2, "record"), 4, r"event 2: record 4 is not a record's seq in \[0, 4\)"),
-        (("records", 1, "pack_event"), "2", "malformed index field"),
+        (("records", 1, "pack_event"), "2", r"records\[1\]: field 'pack_event' must be an int"),
+        # Every field holds what it must (each of these loaded, and offload plan then crashed
+        # or planned from nonsense).
+        (("records", 1, "pack_event"), 3.5, r"records\[1\]: field 'pack_event' must be an int"),
+        (("records", 1, "seq"), True, r"records\[1\]: field 'seq' must be an int \(not a bool"),
+        (("records", 1, "nbytes"), -4096, r"records\[1\]: field 'nbytes' must be an int in \[0, "),
+        (("records", 1, "nbytes"), 1.5, r"records\[1\]: field 'nbytes' must be an int"),
+        (("records", 1, "nbytes"), 10**30, r"field 'nbytes' must be an int in \[0, 2\*\*63\)"),
+        (
+            ("records", 1, "module"),
+            None,
+            r"records\[1\]: field 'module' must be a string; got None",
+        ),
+        (("records", 1, "dtype"), "torch.nonsense", "'torch.nonsense' is not a torch dtype"),
+        (("records", 1, "is_parameter"), "no", "field 'is_parameter' must be true or false"),
+        (("records", 1, "shape"), ["a"], "field 'shape' must be a list of ints >= 0"),
+        (("records", 1, "stride"), [1, 1], "field 'stride' must be a list of ints as long as"),
+        (("records", 1, "pack_time_s"), float("nan"), "'pack_time_s' must be a finite number"),
+        (("records", 1, "unpack_times_s"), [], r"'unpack_times_s' must be .* one per unpack"),
+        (("events", 5, "time_s"), "x", r"events\[5\]: field 'time_s' must be a finite number"),
+        (("events", 5, "time_s"), float("nan"), r"events\[5\]: field 'time_s' must be a finite"),
+        (("events", 5, "time_s"), float("inf"), r"events\[5\]: field 'time_s' must be a finite"),
+        (("events", 3, "memory_bytes"), "x", r"events\[3\]: field 'memory_bytes' must be an int"),
+        (("events", 3, "memory_bytes"), -1, r"events\[3\]: field 'memory_bytes' must be an int"),
+        (("events", 3, "record"), 0.5, r"events\[3\]: field 'record' must be an int"),
     ],
 )
 def test_load_names_what_is_wrong_in_the_body(
