@@ -26,9 +26,9 @@ class _StdoutError(OSError):
 
 
 class _Stdout:
-    """``sys.stdout`` while a command runs: a write or flush that fails, other than with a
-    closed pipe, raises :class:`_StdoutError`, so that :func:`main` tells it from the command's
-    own file errors (those are reported where they happen)."""
+    """``sys.stdout`` while ``offload info`` or ``offload plan`` runs: a write or flush that
+    fails, other than with a closed pipe, raises :class:`_StdoutError`, so that :func:`main`
+    tells it from the command's own file errors (those are reported where they happen)."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
@@ -56,7 +56,10 @@ class _Stdout:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stdout = sys.stdout
-    sys.stdout = _Stdout(stdout)  # type: ignore[assignment]  # writes and flushes suffice
+    if not getattr(args, "runs_a_script", False):
+        # Not around `offload profile`: the user's script runs there, and sees sys.stdout as
+        # it would without offload (a failed write is its own to handle).
+        sys.stdout = _Stdout(stdout)  # type: ignore[assignment]  # writes and flushes suffice
     try:
         code = int(args.run(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe or a full disk can still be caught

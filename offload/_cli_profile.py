@@ -58,7 +58,7 @@ def add_parser(sub: Any) -> None:
     # argparse marks a REMAINDER positional required, and without SCRIPT said "required: script,
     # script_args"; the script's arguments may be none.
     rest.required = False
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, runs_a_script=True)
 
 
 def _fail(msg: str, code: int = 2) -> int:
