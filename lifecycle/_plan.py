@@ -9,6 +9,7 @@ Plans are JSON with a schema version and explain themselves (:meth:`Plan.summary
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -324,7 +325,14 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """Inverse of :meth:`to_dict`; raises ``ValueError`` for another format or schema."""
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: another format or schema; a missing field or one not of the type and
+                range :meth:`to_dict` writes (named, with its value); or entries that disagree
+                (a family or record key in two entries, a move to a tier the plan does not
+                have, a recomputation in a call ``recompute_calls`` does not list).
+        """
         check_header(data, fmt=_FORMAT, version=PLAN_SCHEMA_VERSION, what="plan")
         tiers, anchors = data.get("tiers"), data.get("anchors")
         if (
@@ -342,25 +350,42 @@ class Plan:
                 "plan field 'anchors' must be a JSON object of predictions by name; got "
                 f"{anchors!r}"
             )
+        metadata = data.get("metadata", {})
+        if not isinstance(metadata, Mapping):
+            raise ValueError(f"plan field 'metadata' must be a JSON object; got {metadata!r}")
         try:
-            return cls(
-                gpu_budget_bytes=int(data["gpu_budget_bytes"]),
-                margin_bytes=int(data["margin_bytes"]),
+            budget = _size(data["gpu_budget_bytes"], "gpu_budget_bytes", low=1)
+            plan = cls(
+                gpu_budget_bytes=budget,
+                margin_bytes=_size(data["margin_bytes"], "margin_bytes", high=budget - 1),
                 tiers=tuple(tiers),
-                signature=str(data.get("signature", "")),
-                prediction_source=str(data["prediction_source"]),
-                trace_step_s=float(data["trace_step_s"]),
-                base_bytes=int(data["base_bytes"]),
-                predicted=_prediction_from_json(data["predicted"]),
-                anchors={k: _prediction_from_json(v) for k, v in anchors.items()},
+                signature=_str(data.get("signature", ""), "signature"),
+                prediction_source=_str(data["prediction_source"], "prediction_source"),
+                trace_step_s=_seconds(data["trace_step_s"], "trace_step_s"),
+                base_bytes=_size(data["base_bytes"], "base_bytes"),
+                predicted=_prediction_from_json(data["predicted"], "predicted"),
+                anchors={k: _prediction_from_json(v, f"anchors.{k}") for k, v in anchors.items()},
                 hardware=HardwareModel.from_dict(data["hardware"]),
-                recompute_calls=tuple((str(m), int(c)) for m, c in data["recompute_calls"]),
-                expected_keys=tuple(_key(k) for k in data["expected_keys"]),
-                entries=tuple(_entry_from_json(e) for e in data["entries"]),
-                metadata=dict(data.get("metadata", {})),
+                recompute_calls=tuple(
+                    _call(c, f"recompute_calls[{i}]")
+                    for i, c in enumerate(_list(data["recompute_calls"], "recompute_calls"))
+                ),
+                expected_keys=tuple(
+                    _key(k, f"expected_keys[{i}]")
+                    for i, k in enumerate(_list(data["expected_keys"], "expected_keys"))
+                ),
+                entries=tuple(
+                    _entry_from_json(e, f"entries[{i}]")
+                    for i, e in enumerate(_list(data["entries"], "entries"))
+                ),
+                metadata=dict(metadata),
             )
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"plan file is missing or has a malformed field: {e!r}") from e
+        except KeyError as e:
+            raise ValueError(f"plan file is missing the field {e.args[0]!r}") from None
+        except TypeError as e:  # an entry that is not an object, say
+            raise ValueError(f"plan file has a malformed field: {e}") from None
+        _check_consistent(plan)
+        return plan
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON to ``path`` (atomically: a temp file, then a rename)."""
@@ -372,7 +397,8 @@ class Plan:
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            ValueError: the file is not an offload plan, or has another schema version.
+            ValueError: the file is not an offload plan, has another schema version, or is
+                malformed (see :meth:`from_dict`).
         """
         return cls.from_dict(read_json(path))
 
@@ -381,17 +407,94 @@ def _short(n: int) -> str:
     return "-" if n == 0 else format_bytes(n)
 
 
-def _key(k: Any) -> Key:
-    module, call, ordinal = k
-    return (str(module), int(call), int(ordinal))
+# A loaded plan's fields: each of the type to_dict() writes, or a ValueError naming the field
+# (int() of "8GiB", or unpacking a key of two items, said neither where nor what).
+_INT64 = 2**63
+
+
+def _size(v: Any, field: str, *, low: int = 0, high: int = _INT64 - 1) -> int:
+    if type(v) is not int or not low <= v <= high:
+        raise ValueError(f"plan field {field!r} must be an int in [{low}, {high}]; got {v!r}")
+    return v
+
+
+def _int(v: Any, field: str) -> int:
+    if type(v) is not int or not -_INT64 <= v < _INT64:
+        raise ValueError(f"plan field {field!r} must be an int; got {v!r}")
+    return v
+
+
+def _str(v: Any, field: str) -> str:
+    if type(v) is not str:
+        raise ValueError(f"plan field {field!r} must be a string; got {v!r}")
+    return v
+
+
+def _seconds(v: Any, field: str) -> float:
+    if type(v) not in (int, float) or not 0 <= v < math.inf:
+        raise ValueError(f"plan field {field!r} must be a finite number of seconds >= 0; got {v!r}")
+    return float(v)
+
+
+def _list(v: Any, field: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise ValueError(f"plan field {field!r} must be a list; got {v!r}")
+    return v
+
+
+def _call(c: Any, field: str) -> tuple[str, int]:
+    if not isinstance(c, list) or len(c) != 2:
+        raise ValueError(f"plan field {field!r} must be [module, call index]; got {c!r}")
+    return (_str(c[0], field), _size(c[1], field))
+
+
+def _key(k: Any, field: str = "key") -> Key:
+    if not isinstance(k, (list, tuple)) or len(k) != 3:
+        raise ValueError(f"plan field {field!r} must be [module, call index, ordinal]; got {k!r}")
+    return (_str(k[0], field), _size(k[1], field), _size(k[2], field))
+
+
+def _check_consistent(plan: Plan) -> None:
+    """A loaded plan's entries agree with each other and with the plan (what :func:`plan`
+    makes always does): one entry per family, each key in one entry, moves only to the plan's
+    tiers, recomputation only in the calls it lists."""
+    families: set[int] = set()
+    keys: set[Key] = set()
+    recomputed = {m for m, _ in plan.recompute_calls}
+    for i, e in enumerate(plan.entries):
+        where = f"plan entries[{i}] (family {e.family})"
+        if e.family in families:
+            raise ValueError(f"{where}: another entry has this family")
+        families.add(e.family)
+        if not e.keys:
+            raise ValueError(f"{where}: no record keys")
+        for k in e.keys:
+            if k in keys:
+                raise ValueError(f"{where}: key {list(k)} is another entry's too")
+            keys.add(k)
+        tier = {Placement.CPU: "cpu", Placement.NVME: "nvme"}.get(e.placement)
+        if tier is not None and tier not in plan.tiers:
+            raise ValueError(
+                f"{where}: moves to {tier}, which is not among the plan's tiers {list(plan.tiers)}"
+            )
+        if e.placement is Placement.RECOMPUTE and e.recompute_module not in recomputed:
+            raise ValueError(
+                f"{where}: recomputed in {e.recompute_module!r}, which recompute_calls does not "
+                f"list ({sorted(recomputed)})"
+            )
 
 
 def _prediction_to_json(p: Prediction) -> dict[str, Any]:
     return {"peak_bytes": p.peak_bytes, "step_s": p.step_s}
 
 
-def _prediction_from_json(d: Mapping[str, Any]) -> Prediction:
-    return Prediction(peak_bytes=int(d["peak_bytes"]), step_s=float(d["step_s"]))
+def _prediction_from_json(d: Any, field: str) -> Prediction:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"plan field {field!r} must be a JSON object; got {d!r}")
+    return Prediction(
+        peak_bytes=_size(d["peak_bytes"], f"{field}.peak_bytes"),
+        step_s=_seconds(d["step_s"], f"{field}.step_s"),
+    )
 
 
 def _entry_to_json(e: PlanEntry) -> dict[str, Any]:
@@ -410,20 +513,37 @@ def _entry_to_json(e: PlanEntry) -> dict[str, Any]:
     return out
 
 
-def _entry_from_json(d: Mapping[str, Any]) -> PlanEntry:
+def _entry_from_json(d: Any, field: str) -> PlanEntry:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"plan field {field!r} must be a JSON object; got {d!r}")
     reload = None
     if "reload" in d:
-        kind, module, call, ordinal = d["reload"]
+        r = d["reload"]
+        if not isinstance(r, list) or len(r) != 4:
+            raise ValueError(
+                f"plan field '{field}.reload' must be [kind, module, call index, ordinal]; got "
+                f"{r!r}"
+            )
         reload = Trigger(
-            kind=str(kind), module=str(module), call_index=int(call), ordinal=int(ordinal)
+            kind=_str(r[0], f"{field}.reload"),
+            module=_str(r[1], f"{field}.reload"),
+            call_index=_size(r[2], f"{field}.reload"),
+            ordinal=_int(r[3], f"{field}.reload"),
         )
+    try:
+        placement = Placement(d["placement"])
+    except ValueError:
+        raise ValueError(
+            f"plan field '{field}.placement' must be one of "
+            f"{[p.value for p in Placement]}; got {d['placement']!r}"
+        ) from None
     return PlanEntry(
-        family=int(d["family"]),
-        keys=tuple(_key(k) for k in d["keys"]),
-        nbytes=int(d["nbytes"]),
-        module=str(d["module"]),
-        placement=Placement(d["placement"]),
+        family=_size(d["family"], f"{field}.family"),
+        keys=tuple(_key(k, f"{field}.keys") for k in _list(d["keys"], f"{field}.keys")),
+        nbytes=_size(d["nbytes"], f"{field}.nbytes"),
+        module=_str(d["module"], f"{field}.module"),
+        placement=placement,
         reload=reload,
-        reload_event=int(d.get("reload_event", -1)),
-        recompute_module=str(d.get("recompute_module", "")),
+        reload_event=_int(d.get("reload_event", -1), f"{field}.reload_event"),
+        recompute_module=_str(d.get("recompute_module", ""), f"{field}.recompute_module"),
     )

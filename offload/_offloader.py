@@ -267,6 +267,15 @@ class ActivationOffloader:
             gpu_budget = user_plan.gpu_budget_bytes
         self._budget_bytes = None if gpu_budget is None else resolve_budget(gpu_budget, self.device)
         self._user_plan = user_plan
+        if user_plan is not None:
+            names = {n for n, _ in named_modules_stop_at_compiled(model)} - {""}
+            unknown_calls = sorted({m for m, _ in user_plan.recompute_calls} - names)
+            if unknown_calls:
+                raise ValueError(
+                    f"plan: recompute_calls name {unknown_calls}, which are not modules of this "
+                    "model below its root (or lie inside a compiled one): a plan is made for the "
+                    "model it was profiled on"
+                )
         if user_plan is not None and (keep_names or keep_types):
             unplanned = set(self._kept_modules(model)) - set(
                 user_plan.metadata.get("kept_modules") or ()

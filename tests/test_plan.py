@@ -680,6 +680,69 @@ def test_plan_file_with_a_malformed_field(field: str, value: object) -> None:
         Plan.from_dict(d)
 
 
+def _entry0(d: dict, **fields: object) -> dict:
+    d["entries"][0].update(fields)
+    return d
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(gpu_budget_bytes="8GiB"), r"'gpu_budget_bytes' must be an int"),
+        (lambda d: d.update(gpu_budget_bytes=0), r"'gpu_budget_bytes' must be an int in \[1,"),
+        (lambda d: d.update(gpu_budget_bytes=1e300), r"'gpu_budget_bytes' must be an int"),
+        (lambda d: d.update(margin_bytes=d["gpu_budget_bytes"]), r"'margin_bytes' must be"),
+        (lambda d: d.update(trace_step_s=float("nan")), r"'trace_step_s' must be a finite"),
+        (lambda d: d.update(metadata="x"), r"'metadata' must be a JSON object"),
+        (lambda d: d.update(entries={}), r"'entries' must be a list"),
+        (lambda d: d["predicted"].update(peak_bytes=-1), r"'predicted.peak_bytes' must be"),
+        (lambda d: _entry0(d, nbytes=-1), r"'entries\[0\].nbytes' must be an int in \[0,"),
+        (lambda d: _entry0(d, keys=[["a", 0]]), r"'entries\[0\].keys' must be \[module, call"),
+        (lambda d: _entry0(d, placement="gpu"), r"'entries\[0\].placement' must be one of"),
+        (lambda d: d["entries"].append(d["entries"][0]), r"another entry has this family"),
+        (lambda d: _entry0(d, placement="nvme"), r"not among the plan's tiers"),
+        (lambda d: _entry0(d, placement="recompute"), r"which recompute_calls does not list"),
+        (lambda d: d.pop("base_bytes"), r"missing the field 'base_bytes'"),
+    ],
+    ids=[
+        "budget-str",
+        "budget-zero",
+        "budget-float",
+        "margin-as-budget",
+        "time-nan",
+        "metadata-str",
+        "entries-object",
+        "peak-negative",
+        "nbytes-negative",
+        "key-short",
+        "placement-unknown",
+        "family-twice",
+        "tier-not-planned",
+        "recompute-unlisted",
+        "field-missing",
+    ],
+)
+def test_a_plan_file_that_is_not_one_the_planner_makes_is_refused(change, message) -> None:
+    """Each of these loaded (a few raised an error that named neither field nor value: int() of
+    '8GiB', unpacking a short key, OverflowError) and ran, the budget unenforced."""
+    d = _small_plan().to_dict()
+    change(d)
+    with pytest.raises(ValueError, match=message):
+        Plan.from_dict(d)
+
+
+def test_a_given_plan_that_recomputes_modules_the_model_lacks_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    d = _small_plan().to_dict()
+    for name in ("layers.0", ""):
+        d["recompute_calls"] = [[name, 0]]
+        for e in d["entries"]:
+            if e["placement"] == "recompute":
+                e["recompute_module"] = name
+        with pytest.raises(ValueError, match=r"plan: recompute_calls name \[" + repr(name)):
+            offload.ActivationOffloader(model, plan=Plan.from_dict(d))
+
+
 def test_plan_summary_lists_top_modules_or_none() -> None:
     p = _small_plan()
     header = "  module "
