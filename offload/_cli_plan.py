@@ -524,7 +524,7 @@ def _check_writable(path: str, option: str) -> None:
         raise UsageError(f"{option} {path!r}: directory {parent!r} is not writable")
 
 
-def _same_file(a: str, b: str) -> bool:
+def same_file(a: str, b: str) -> bool:
     try:
         return os.path.samefile(a, b)  # hard links and symlinks too
     except OSError:  # one is not there yet: compare where the names lead
@@ -540,7 +540,7 @@ def _check_distinct(
     others = given_outputs + [(opt, path) for opt, path in inputs if path is not None]
     for i, (opt, path) in enumerate(given_outputs):
         for other_opt, other in others[i + 1 :]:
-            if _same_file(path, other):
+            if same_file(path, other):
                 raise UsageError(
                     f"{opt} {path!r} is the same file as {other_opt} {other!r}; give "
                     f"{opt} another file"

@@ -120,6 +120,15 @@ def run(args: argparse.Namespace) -> int:
     err = _prepare_out(args.out)
     if err:
         return _fail(err)
+    hardware = getattr(args, "hardware", None)
+    if hardware is not None:
+        # The outputs replace (or, a plan of an earlier run, remove) these files.
+        for name in _OUTPUTS:
+            if _cli_plan.same_file(hardware, os.path.join(args.out, name)):
+                return _fail(
+                    f"--hardware {hardware!r} is the {name} this run writes into --out; "
+                    "keep the hardware model outside --out"
+                )
     # The script may change directory (os.chdir to its data, say): write where --out named
     # when the command started.
     out = os.path.abspath(args.out)
@@ -242,6 +251,9 @@ def _describe_failure(script: str, exc: BaseException) -> None:
 
 class _OutputError(Exception):
     """An output file that could not be written or removed; the message names it."""
+
+
+_OUTPUTS = ("trace.json", "trace.perfetto.json", "memory.png", "plan.json", "plan.png")
 
 
 def _write_outputs(trace: Trace, out: str, *, stale: tuple[str, ...]) -> list[str]:

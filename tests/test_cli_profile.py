@@ -322,6 +322,31 @@ def test_profile_without_budget_removes_an_earlier_plan(
     assert not (out / "plan.json").exists() and not (out / "plan.png").exists()
 
 
+@pytest.mark.parametrize("name", ["plan.json", "trace.json"])
+def test_a_hardware_model_inside_out_where_an_output_goes_is_refused(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--hardware OUT/plan.json`` was read, then removed as an earlier run's plan (and
+    ``OUT/trace.json`` overwritten by the trace); refused before the script runs."""
+    from offload._cli import main
+
+    out = tmp_path / "prof"
+    out.mkdir()
+    hw = out / name
+    HardwareModel.cpu_only(
+        copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
+    ).save(hw)
+    before = hw.read_bytes()
+    script = _script(tmp_path, "raise SystemExit('the script must not run')")
+    code = main(
+        ["profile", "--out", str(out), "--gpu-budget", "1MiB", "--hardware", str(hw), str(script)]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--hardware" in err and name in err and "must not run" not in err
+    assert hw.read_bytes() == before
+
+
 def _profile_with_file_size_limit(
     tmp_path: Path, out: Path, nbytes: int
 ) -> subprocess.CompletedProcess:
