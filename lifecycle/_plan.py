@@ -357,7 +357,7 @@ class Plan:
             budget = _size(data["gpu_budget_bytes"], "gpu_budget_bytes", low=1)
             plan = cls(
                 gpu_budget_bytes=budget,
-                margin_bytes=_size(data["margin_bytes"], "margin_bytes", high=budget - 1),
+                margin_bytes=_size(data["margin_bytes"], "margin_bytes", high=budget),
                 tiers=tuple(tiers),
                 signature=_str(data.get("signature", ""), "signature"),
                 prediction_source=_str(data["prediction_source"], "prediction_source"),

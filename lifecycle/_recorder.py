@@ -41,6 +41,7 @@ from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
     activation_output,
+    is_compiled,
     is_parameter,
     local_tensor,
     named_modules_stop_at_compiled,
@@ -232,6 +233,7 @@ class Recorder:
         # training), or changed any buffer of their own in place (a spectral norm's power
         # iteration): the trace names them, so that no plan recomputes them.
         self._stateful: set[str] = set()
+        self._compiled: set[int] = set()  # ids of the compiled modules attached (leaves)
 
     # -- public control ----------------------------------------------------------------------
 
@@ -347,6 +349,8 @@ class Recorder:
         self._roots[model] = None
         for name, mod in named_modules_stop_at_compiled(model):
             self._names[mod] = name
+            if is_compiled(mod):
+                self._compiled.add(id(mod))
             handles.append(mod.register_forward_pre_hook(BoundHook(self._forward_pre_hook)))
             handles.append(mod.register_forward_hook(BoundHook(self._forward_hook)))
         self.add_parameters(model)
@@ -485,6 +489,8 @@ class Recorder:
                 root = type(module).__name__
                 self._roots[module] = None
                 for name, mod in named_modules_stop_at_compiled(module):
+                    if is_compiled(mod):
+                        self._compiled.add(id(mod))
                     if mod not in self._names:
                         self._names[mod] = f"{root}.{name}" if name else root
                 self.add_parameters(module)
@@ -498,16 +504,20 @@ class Recorder:
         if not self._recording:
             return
         name = self._names.get(module, type(module).__name__)
-        if isinstance(module, _NormBase) and module.training and module.track_running_stats:
+        # A compiled module is a leaf (no hooks inside): it answers for its whole subtree.
+        leaf = id(module) in self._compiled
+        if any(
+            isinstance(m, _NormBase) and m.training and m.track_running_stats
+            for m in (module.modules() if leaf else (module,))
+        ):
             self._stateful.add(name)
         with self._lock:
             idx = self._call_counts.get(name, 0)
             self._call_counts[name] = idx + 1
             call = _Call(name, idx)
-            if module._buffers:
-                call.buffers = tuple(
-                    (b, b._version) for b in module._buffers.values() if b is not None
-                )
+            if module._buffers or leaf:
+                buffers = module.buffers() if leaf else module._buffers.values()
+                call.buffers = tuple((b, b._version) for b in buffers if b is not None)
             self._stack.append(call)
             self._event(EventKind.FORWARD_START, name, idx)
             if in_backward() or not torch.is_grad_enabled():

@@ -60,16 +60,23 @@ def params_and_buffers(module: nn.Module) -> Iterable[torch.Tensor]:
     yield from module.buffers()
 
 
-def named_modules_stop_at_compiled(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    """``named_modules()``, without descending into compiled modules."""
-    # Only look for compiled modules when dynamo was imported (importing it costs seconds).
+def is_compiled(mod: nn.Module) -> bool:
+    """Whether ``mod`` runs compiled: ``torch.compile(mod)`` wraps it in an OptimizedModule;
+    ``mod.compile()`` sets a compiled call."""
+    # Only look for OptimizedModule when dynamo was imported (importing it costs seconds).
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", ()) if eval_frame else ()
+    return bool(optimized and isinstance(mod, optimized)) or bool(
+        getattr(mod, "_compiled_call_impl", None)
+    )
+
+
+def named_modules_stop_at_compiled(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """``named_modules()``, without descending into compiled modules."""
 
     def walk(prefix: str, mod: nn.Module) -> Iterable[tuple[str, nn.Module]]:
         yield prefix, mod
-        # torch.compile(mod) wraps it in an OptimizedModule; mod.compile() sets a compiled call.
-        if (optimized and isinstance(mod, optimized)) or getattr(mod, "_compiled_call_impl", None):
+        if is_compiled(mod):
             return
         for name, child in mod.named_children():
             yield from walk(f"{prefix}.{name}" if prefix else name, child)

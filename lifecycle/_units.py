@@ -28,8 +28,10 @@ MAX_BYTES = 2**63 - 1  # sizes are int64 to torch and numpy
 def parse_bytes(value: int | str, *, name: str = "value", total: int | None = None) -> int:
     """Parse ``12GiB``, ``512MB``, ``1e9``-free integers, or ``"85%"`` (of ``total``) into bytes.
 
-    A number with a unit is computed exactly and must come to a whole number of bytes
-    (``"1.5GiB"`` does; ``"0.5"`` and ``"1.1GiB"`` do not); a percentage is rounded down.
+    A number with a unit of a kilobyte or more is computed exactly and rounded down to whole
+    bytes (``"1.44MiB"`` is 1509949 bytes, as ``offload plan`` prints budgets); a number of
+    bytes must be whole (``"0.5"`` is refused: it is no size of memory); a percentage is
+    rounded down.
 
     Args:
         value: an int (bytes) or a string with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; K, M,
@@ -40,7 +42,7 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
 
     Raises:
         ValueError: the value is negative, unparsable, more than :data:`MAX_BYTES` (2**63 - 1),
-            not a whole number of bytes, or a percentage without a total.
+            a fraction of a byte without a larger unit, or a percentage without a total.
         TypeError: the value is neither int nor str.
 
     Example:
@@ -83,13 +85,12 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
     except ValueError:  # more digits than Python converts to an int (4300)
         return _at_most_max(MAX_BYTES + 1, name, value)
     _at_most_max(n, name, value)
-    if n.denominator != 1:
-        example = f" (e.g. {int(n)})" if n > 1 else ""
+    if n.denominator != 1 and _UNITS[m.group(2).lower()] == 1:
         raise ValueError(
             f"{name}={value!r} is {float(n):.15g} bytes, not a whole number of bytes; give "
-            f"whole bytes{example}"
+            "whole bytes, or a size with a unit such as '1.5GiB'"
         )
-    return int(n)
+    return int(n)  # rounded down
 
 
 def _at_most_max(n: int | Fraction, name: str, value: int | str) -> int:

@@ -484,13 +484,17 @@ def _round_up_size(n: int) -> str:
     Example:
         >>> _round_up_size(1_000_000), _round_up_size(123), _round_up_size(5 << 30)
         ('977KiB', '123', '5GiB')
+        >>> _round_up_size(100 << 20), _round_up_size(1_509_052)
+        ('100MiB', '1.44MiB')
     """
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             digits = max(0, 2 - int(math.log10(n / size)))
             step = 10**-digits
             value = math.ceil(n / size / step - 1e-9) * step
-            text = f"{value:.{digits}f}".rstrip("0").rstrip(".")
+            text = f"{value:.{digits}f}"
+            if "." in text:  # only a fraction's trailing zeros ('1MiB' was 100 MiB's hint)
+                text = text.rstrip("0").rstrip(".")
             return f"{text}{unit}"
     return str(n)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -173,6 +174,21 @@ def test_infeasible_budget(work: Path, tmp_path: Path) -> None:
     assert "smallest budget that can be planned" in r.stderr and "try --gpu-budget" in r.stderr
     assert "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_a_suggested_size_parses_to_at_least_what_is_needed() -> None:
+    """The hint's figure: 3 significant digits, rounded up. '1.44MiB' was refused as not whole
+    bytes (1623 of 2000 random needs), and whole figures lost their zeros ('100MiB' was '1MiB')."""
+    from lifecycle._units import parse_bytes
+    from offload._cli_plan import _round_up_size
+
+    rng = random.Random(0)
+    needs = [100 << 20, 200 << 30, 777_777, 1_509_052, 1023, 1024, 10 << 10]
+    needs += [rng.randrange(1 << 20, 64 << 30) for _ in range(500)]
+    for n in needs:
+        text = _round_up_size(n)
+        got = parse_bytes(text, name="--gpu-budget")
+        assert n <= got <= n * 1.01 + 1, (n, text, got)
 
 
 def test_suggested_budget_plans(

@@ -645,10 +645,12 @@ def test_sizes_are_whole_bytes_computed_exactly() -> None:
     assert parse_bytes("1.5GiB") == 3 << 29 and parse_bytes(".5KiB") == 512
     assert parse_bytes("9007199254740993") == 2**53 + 1  # through a float it was 2**53
     assert parse_bytes(str(2**63 - 1)) == 2**63 - 1
-    # A fraction of a byte is refused, not rounded down ('0.5' was 0: no host room at all).
-    for text, figure in (("0.5", "0.5 bytes"), ("1.1GiB", "1181116006.4 bytes"), ("1.5B", "")):
+    # A fraction of a byte is refused, not rounded down ('0.5' was 0: no host room at all);
+    # with a larger unit it is rounded down, so that offload plan's own figures parse.
+    for text, figure in (("0.5", "0.5 bytes"), ("1.5B", "1.5 bytes")):
         with pytest.raises(ValueError, match=f"cpu_budget='{text}' is {figure}.*not a whole"):
             parse_bytes(text, name="cpu_budget")
+    assert parse_bytes("1.1GiB") == 1181116006 and parse_bytes("1.44MiB") == 1509949
     # Too large is a ValueError naming the value (an OverflowError, or an int64 overflow later).
     for value in (str(2**63), "9" * 400, "9" * 5000, 2**64):
         with pytest.raises(ValueError, match=r"cpu_budget=.*is too large; at most 922"):
@@ -691,7 +693,7 @@ def _entry0(d: dict, **fields: object) -> dict:
         (lambda d: d.update(gpu_budget_bytes="8GiB"), r"'gpu_budget_bytes' must be an int"),
         (lambda d: d.update(gpu_budget_bytes=0), r"'gpu_budget_bytes' must be an int in \[1,"),
         (lambda d: d.update(gpu_budget_bytes=1e300), r"'gpu_budget_bytes' must be an int"),
-        (lambda d: d.update(margin_bytes=d["gpu_budget_bytes"]), r"'margin_bytes' must be"),
+        (lambda d: d.update(margin_bytes=d["gpu_budget_bytes"] + 1), r"'margin_bytes' must be"),
         (lambda d: d.update(trace_step_s=float("nan")), r"'trace_step_s' must be a finite"),
         (lambda d: d.update(metadata="x"), r"'metadata' must be a JSON object"),
         (lambda d: d.update(entries={}), r"'entries' must be a list"),

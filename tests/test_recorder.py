@@ -299,6 +299,21 @@ def test_a_module_handing_back_its_input_has_an_empty_backward_span(through: str
     assert span["3"].start_event < relu.unpack_events[0] < span["3"].end_event
 
 
+def test_a_compiled_module_answers_for_the_state_its_subtree_changes() -> None:
+    """A compiled module is a leaf (no hooks inside it): a BatchNorm in training within it, or
+    a buffer its forward changes, names the leaf stateful (it went unnamed: a plan could have
+    recomputed the block and updated the running statistics twice)."""
+    torch.manual_seed(0)
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU())
+
+    model = nn.Sequential(nn.Linear(16, 16), torch.compile(block(), backend="eager"), block())
+    x = torch.randn(8, 16)
+    trace = offload.profile(lambda: model(x).sum().backward(), model, warmup_steps=0)
+    assert trace.metadata["stateful_modules"] == ["1", "2.1"]
+
+
 def test_lstm_records_and_unpacks() -> None:
     trace = record_case(lstm(seed=0))
     assert trace.activation_records
