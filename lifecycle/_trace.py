@@ -479,12 +479,39 @@ def _check_indices(trace: Trace) -> None:
         for u in r.unpack_events:
             if not 0 <= u < n_events:
                 raise ValueError(_not_an_event(r.seq, "unpack_events", u, n_events))
-    for e in trace.events:
+    ends = sum(e.kind is EventKind.STEP_END for e in trace.events)
+    if ends != trace.steps:
+        raise ValueError(f"'steps' is {trace.steps}, but the events end {ends} step(s)")
+    step = 0
+    for i, e in enumerate(trace.events):
         if not -1 <= e.record < n_records:
             raise ValueError(
                 f"event {e.index}: record {e.record!r} is not a record's seq in [0, {n_records}) "
                 "or -1"
             )
+        if e.step < step:
+            raise ValueError(f"event {i}: step {e.step} after step {step}; steps are in order")
+        step = e.step
+    # What records and events say of each other (the recorder writes both): a record's pack
+    # event packs it, each of its unpack events unpacks it, after that pack.
+    events = trace.events
+    for r in trace.records:
+        pack = events[r.pack_event]
+        if pack.kind is not EventKind.PACK or pack.record != r.seq:
+            raise ValueError(
+                f"record {r.seq}: pack_event {r.pack_event} is not its pack (it is the "
+                f"{pack.kind.value} event of record {pack.record})"
+            )
+        for u in r.unpack_events:
+            if events[u].kind is not EventKind.UNPACK or events[u].record != r.seq:
+                raise ValueError(
+                    f"record {r.seq}: unpack event {u} is not an unpack of it (it is the "
+                    f"{events[u].kind.value} event of record {events[u].record})"
+                )
+            if u <= r.pack_event:
+                raise ValueError(
+                    f"record {r.seq}: unpack event {u} comes before its pack_event {r.pack_event}"
+                )
 
 
 def _not_an_event(seq: int, name: str, index: Any, n_events: int) -> str:

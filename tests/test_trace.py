@@ -196,6 +196,12 @@ _DELETE = object()
         (("events", 3, "memory_bytes"), "x", r"events\[3\]: field 'memory_bytes' must be an int"),
         (("events", 3, "memory_bytes"), -1, r"events\[3\]: field 'memory_bytes' must be an int"),
         (("events", 3, "record"), 0.5, r"events\[3\]: field 'record' must be an int"),
+        # Records and events agree (each of these loaded and was planned).
+        (("records", 1, "pack_event"), 3, "record 1: pack_event 3 is not its pack .*record 2"),
+        (("records", 1, "pack_event"), 0, "record 1: pack_event 0 is not its pack .*step_start"),
+        (("records", 1, "unpack_events"), [7], "record 1: unpack event 7 is not an unpack of it"),
+        (("events", 9, "kind"), "unpack", r"'steps' is 1, but the events end 0 step\(s\)"),
+        (("events", 5, "step"), 1, "event 6: step 0 after step 1; steps are in order"),
     ],
 )
 def test_load_names_what_is_wrong_in_the_body(
