@@ -734,7 +734,7 @@ class ActivationOffloader:
         signature: "" when all train, else which. A plan profiled in eval mode, where BatchNorm
         leaves its running statistics alone, may recompute it; in train mode that would update
         them twice."""
-        modes = [m.training for m in map(_call, self._mode_modules) if m is not None]
+        modes = [m.training for m in (ref() for ref in self._mode_modules) if m is not None]
         if all(modes):
             return ""
         if not any(modes):
@@ -1428,10 +1428,6 @@ def _check_kept(d: torch.Tensor) -> None:
     saved = getattr(d, "_offload_saved_version", None)
     if saved is not None and d._version != saved:
         raise modified_after_save("a saved tensor", d, saved)
-
-
-def _call(ref: weakref.ref) -> Any:
-    return ref()
 
 
 def _has_storage(t: torch.Tensor) -> bool:
