@@ -482,7 +482,7 @@ def _check_indices(trace: Trace) -> None:
     ends = sum(e.kind is EventKind.STEP_END for e in trace.events)
     if ends != trace.steps:
         raise ValueError(f"'steps' is {trace.steps}, but the events end {ends} step(s)")
-    step = 0
+    step, t = 0, -math.inf
     for i, e in enumerate(trace.events):
         if not -1 <= e.record < n_records:
             raise ValueError(
@@ -491,7 +491,11 @@ def _check_indices(trace: Trace) -> None:
             )
         if e.step < step:
             raise ValueError(f"event {i}: step {e.step} after step {step}; steps are in order")
-        step = e.step
+        # One monotonic clock stamps the whole timeline (shuffled times planned as if a module's
+        # backward ended before it began).
+        if e.time_s < t:
+            raise ValueError(f"event {i}: time_s {e.time_s} is before the event before it ({t})")
+        step, t = e.step, e.time_s
     # What records and events say of each other (the recorder writes both): a record's pack
     # event packs it, each of its unpack events unpacks it, after that pack.
     events = trace.events
@@ -512,6 +516,14 @@ def _check_indices(trace: Trace) -> None:
                 raise ValueError(
                     f"record {r.seq}: unpack event {u} comes before its pack_event {r.pack_event}"
                 )
+        # A record's times are its events' times (the planner reads the one, the summary the other).
+        if r.pack_time_s != pack.time_s or any(
+            events[u].time_s != s for u, s in zip(r.unpack_events, r.unpack_times_s, strict=True)
+        ):
+            raise ValueError(
+                f"record {r.seq}: pack_time_s or unpack_times_s differ from the times of its "
+                "pack and unpack events"
+            )
 
 
 def _not_an_event(seq: int, name: str, index: Any, n_events: int) -> str:

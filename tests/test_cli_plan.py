@@ -334,9 +334,17 @@ def test_traces_that_load_but_cannot_be_planned(
         for e in body["events"]:
             e["time_s"] = float("nan")
 
-    def huge_times(body: dict) -> None:  # finite, but a step time of infinity is planned
+    def zigzag_times(body: dict) -> None:  # finite, but out of order
         for i, e in enumerate(body["events"]):
             e["time_s"] = 1e308 * (i % 2)
+
+    def huge_times(body: dict) -> None:  # finite and in order: a step of 1e308 s is planned
+        times = [1e308 * min(i, 1) for i in range(len(body["events"]))]
+        for e, t in zip(body["events"], times, strict=True):
+            e["time_s"] = t
+        for r in body["records"]:
+            r["pack_time_s"] = times[r["pack_event"]]
+            r["unpack_times_s"] = [times[u] for u in r["unpack_events"]]
 
     def huge_sizes(body: dict) -> None:  # under 2**63 each, more than 2**63 together
         for r in body["records"]:
@@ -345,8 +353,10 @@ def test_traces_that_load_but_cannot_be_planned(
     out = str(tmp_path / "plan.json")
     for spoil, code, message in (
         (nan_times, 2, "cannot read trace .* events\\[0\\]: field 'time_s' must be a finite"),
-        # The simulator's own check (a RuntimeError), or JSON's refusal of an infinite time.
-        (huge_times, 2, "cannot plan this trace: RuntimeError: |cannot write the plan to "),
+        # Before the order check it planned, then hit the simulator's own check (a RuntimeError)
+        # or JSON's refusal of an infinite time.
+        (zigzag_times, 2, "cannot read trace .* event 2: time_s 0.0 is before the event before"),
+        (huge_times, 0, "^$"),
         (huge_sizes, 3, "cannot be met"),
     ):
         trace = _spoiled_trace(work, tmp_path, spoil)

@@ -202,6 +202,9 @@ _DELETE = object()
         (("records", 1, "unpack_events"), [7], "record 1: unpack event 7 is not an unpack of it"),
         (("events", 9, "kind"), "unpack", r"'steps' is 1, but the events end 0 step\(s\)"),
         (("events", 5, "step"), 1, "event 6: step 0 after step 1; steps are in order"),
+        (("events", 5, "time_s"), 0.0, r"event 5: time_s 0.0 is before the event before"),
+        (("records", 1, "pack_time_s"), 0.0, "record 1: pack_time_s or unpack_times_s differ"),
+        (("records", 1, "unpack_times_s"), [9.0], "record 1: pack_time_s or unpack_times_s"),
     ],
 )
 def test_load_names_what_is_wrong_in_the_body(
