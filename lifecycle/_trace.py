@@ -406,9 +406,10 @@ class Trace:
         Raises:
             ValueError: another format or schema, or a body that is not a trace's: a missing or
                 malformed field (indices are ints, not bools or floats; byte counts ints in
-                [0, 2**63); times finite numbers; ``dtype`` a torch dtype's name; one unpack
-                time per unpack event), or an index to an event or record that is not there.
-                The message names the record or event and the field.
+                [0, 2**63); times finite numbers, in order; ``dtype`` a torch dtype's name,
+                ``device`` a torch device's; one unpack time per unpack event, each its event's),
+                or an index to an event or record that is not there. The message names the
+                record or event and the field.
         """
         check_header(data, fmt=_FORMAT, version=SCHEMA_VERSION, what="trace")
         missing = [k for k in ("steps", "records", "events") if k not in data]
@@ -420,6 +421,11 @@ class Trace:
         if not isinstance(metadata, Mapping):
             raise ValueError(
                 f"trace field 'metadata' must be a JSON object; got {type(metadata).__name__}"
+            )
+        device = metadata.get("device")
+        if device is not None and not (isinstance(device, str) and _is_device(device)):
+            raise ValueError(
+                f"trace metadata 'device' {device!r} is not a torch device, e.g. 'cpu'"
             )
         with gc_paused():
             records = _items_from_json(data, "records", _record_from_json)
@@ -660,6 +666,8 @@ def _record_from_json(d: Mapping[str, Any]) -> TensorRecord:
         )
     if d["dtype"] not in _dtype_names():
         raise ValueError(f"field 'dtype' {d['dtype']!r} is not a torch dtype, e.g. 'torch.float32'")
+    if not _is_device(d["device"]):
+        raise ValueError(f"field 'device' {d['device']!r} is not a torch device, e.g. 'cuda:0'")
     unpacks, times = d["unpack_events"], d["unpack_times_s"]
     if any(type(u) is not int for u in unpacks):
         raise ValueError(f"field 'unpack_events' must be a list of ints; got {list(unpacks)!r}")
@@ -671,6 +679,17 @@ def _record_from_json(d: Mapping[str, Any]) -> TensorRecord:
             f"({len(unpacks)}); got {list(times)!r}"
         )
     return TensorRecord(**d)
+
+
+@functools.cache
+def _is_device(name: str) -> bool:
+    import torch
+
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 @functools.cache

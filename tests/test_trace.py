@@ -185,6 +185,8 @@ _DELETE = object()
             r"records\[1\]: field 'module' must be a string; got None",
         ),
         (("records", 1, "dtype"), "torch.nonsense", "'torch.nonsense' is not a torch dtype"),
+        (("records", 1, "device"), "gpu0", "field 'device' 'gpu0' is not a torch device"),
+        (("metadata",), {"device": "cuda:x"}, "metadata 'device' 'cuda:x' is not a torch device"),
         (("records", 1, "is_parameter"), "no", "field 'is_parameter' must be true or false"),
         (("records", 1, "shape"), ["a"], "field 'shape' must be a list of ints >= 0"),
         (("records", 1, "stride"), [1, 1], "field 'stride' must be a list of ints as long as"),
