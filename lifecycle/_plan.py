@@ -211,6 +211,16 @@ class Plan:
     signature: str = ""
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        # Counts, not contents (the generated repr printed every entry and key); :meth:`summary`
+        # is the report.
+        return (
+            f"Plan(gpu_budget_bytes={self.gpu_budget_bytes}, tiers={self.tiers}, "
+            f"entries={len(self.entries)}, recompute_calls={len(self.recompute_calls)}, "
+            f"predicted_peak_bytes={self.predicted.peak_bytes}, "
+            f"predicted_step_s={self.predicted.step_s:.6g}, signature={self.signature!r})"
+        )
+
     @property
     def predicted_peak_bytes(self) -> int:
         return self.predicted.peak_bytes

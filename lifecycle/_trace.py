@@ -221,6 +221,15 @@ class Trace:
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_memo"}
 
+    def __repr__(self) -> str:
+        # Counts, not contents: the generated repr printed every record and event (tens of KB
+        # for a small model, in a notebook cell or a log line). :meth:`summary` is the report.
+        device = self.metadata.get("device", "?")
+        return (
+            f"Trace(steps={self.steps}, records={len(self.records)}, events={len(self.events)}, "
+            f"saved_bytes={self.saved_bytes}, device={device!r})"
+        )
+
     def families(self) -> tuple[Family, ...]:
         """Alias families in order of first pack."""
         return self._derived("families", self._families)

@@ -589,6 +589,15 @@ def test_summary_names_the_budget_the_anchors_and_the_placements(
         assert f"{module}[{call}]" in text
 
 
+def test_repr_counts_rather_than_lists(traces: dict[str, Trace]) -> None:
+    p = _mixed_plan(traces["block_stack"])
+    text = repr(p)
+    assert text.startswith(f"Plan(gpu_budget_bytes={p.gpu_budget_bytes}, tiers={p.tiers}, ")
+    assert f"entries={len(p.entries)}, recompute_calls={len(p.recompute_calls)}" in text
+    assert f"predicted_peak_bytes={p.predicted_peak_bytes}" in text
+    assert len(text) < 300 and len(p.entries) > 10
+
+
 # -- arguments --------------------------------------------------------------------------------
 
 

@@ -242,6 +242,17 @@ def test_summary_names_the_facts() -> None:
         assert needle in s
 
 
+def test_repr_counts_rather_than_lists() -> None:
+    """A trace's repr (a notebook cell, a log line) gives counts, not every record and event."""
+    trace = transformer_trace(layers=2, hidden=64, tokens=64)
+    text = repr(trace)
+    assert text == (
+        f"Trace(steps=1, records={len(trace.records)}, events={len(trace.events)}, "
+        f"saved_bytes={trace.saved_bytes}, device={trace.metadata.get('device', '?')!r})"
+    )
+    assert len(text) < 200 and len(trace.records) > 20
+
+
 def test_summary_lists_top_modules_or_none() -> None:
     """``top`` modules by saved bytes, as many as asked for; 0 lists none, as Plan.summary."""
     trace = transformer_trace(layers=2, hidden=64, tokens=64)
