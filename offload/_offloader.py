@@ -1638,6 +1638,9 @@ def activations(
     """The manager for ``model`` with these settings, made once and reused (its host pool and
     files survive across steps); ``with offload.activations(model):`` is one step.
 
+    Each distinct setting keeps its own manager, with its host pool claim and files, until the
+    model is freed or that manager is closed; a closed manager is replaced at the next call.
+
     Example:
         >>> import torch, offload
         >>> model = torch.nn.Linear(256, 256)
