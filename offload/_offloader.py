@@ -605,22 +605,30 @@ class ActivationOffloader:
         )
         pool = share.pool
         tiers: list[storage.Tier] = []
-        for name in cfg.tiers:
-            if name == "cpu":
-                tiers.append(storage.HostTier(pool, copy_engine=self._engine))
-            else:
-                assert cfg.nvme_dir is not None
-                tiers.append(storage.NvmeTier(cfg.nvme_dir, pool=pool, copy_engine=self._engine))
+        try:
+            for name in cfg.tiers:
+                if name == "cpu":
+                    tiers.append(storage.HostTier(pool, copy_engine=self._engine))
+                else:
+                    assert cfg.nvme_dir is not None
+                    tiers.append(
+                        storage.NvmeTier(cfg.nvme_dir, pool=pool, copy_engine=self._engine)
+                    )
+            ex = Executor(
+                device=self.device,
+                tiers=tiers,
+                cpu_budget_bytes=cfg.cpu_budget_bytes,
+                max_inflight_bytes=inflight,
+                prefetch_bytes=inflight,
+                pool=pool,
+                staging_bytes=staging,
+            )
+        except BaseException:
+            # Nothing holds these yet (an nvme_dir removed since the manager was made, say):
+            # each later step would try again and claim room on the shared pool again.
+            _close_all([*tiers, share])
+            raise
         self._tiers = tiers
-        ex = Executor(
-            device=self.device,
-            tiers=tiers,
-            cpu_budget_bytes=cfg.cpu_budget_bytes,
-            max_inflight_bytes=inflight,
-            prefetch_bytes=inflight,
-            pool=pool,
-            staging_bytes=staging,
-        )
         ex.meter = self._meter
         self._resources[:] = [ex, *tiers, share]
         return ex

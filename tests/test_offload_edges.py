@@ -795,6 +795,38 @@ def test_each_manager_gets_its_own_cpu_budget_from_the_shared_pool(monkeypatch) 
     assert pool.reserved_bytes == 0
 
 
+def test_a_step_whose_nvme_tier_cannot_be_made_gives_its_pool_claim_back(
+    tmp_path, monkeypatch
+) -> None:
+    """nvme_dir removed after the manager was made: each step fails building its tiers. The
+    host tier made before it and the claim on the shared pool are given back (each failed step
+    raised the pool's cap by its staging room and kept a claim until close()); once the
+    directory is back, a step runs and its gradients are exact."""
+    monkeypatch.setattr(storage._pool, "_shared_pools", {})
+    monkeypatch.setattr(storage._pool, "_shared_claims", {})
+    want = reference_grads("mlp")
+    case = mlp(seed=0)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    # Another user of the pool (a second pipeline stage, say) holds a claim throughout.
+    other = storage.claim_shared_host_pool(1 << 20, pin_memory=False)
+    pool, claims = other.pool, storage._pool._shared_claims
+    cap = pool.capacity_bytes
+    with manager(case.model, tiers=("cpu", "nvme"), nvme_dir=spill, cpu_budget="4MiB") as mgr:
+        spill.rmdir()
+        for _ in range(3):
+            with pytest.raises(ValueError, match="does not exist"):
+                offloaded_step(case, mgr)
+            assert claims[pool] == [other]
+            assert pool.capacity_bytes == cap
+        assert mgr._executor is None and mgr._resources == []
+        spill.mkdir()
+        assert_bitwise(offloaded_step(case, mgr), want)
+        assert len(claims[pool]) == 2
+    assert claims[pool] == [other] and pool.capacity_bytes == cap
+    other.close()
+
+
 @pytest.mark.parametrize("tiers", [("cpu",), ("nvme",)])
 def test_a_prefetch_without_memory_leaves_the_family_for_its_unpack(
     tiers, tmp_path, monkeypatch
