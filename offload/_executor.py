@@ -63,10 +63,11 @@ class _Member:
     """What pack returns for an offloaded tensor: its family and how to rebuild the view.
 
     Dropping it (autograd freed the saved variable, or the graph died) releases the family's bytes
-    once no member is left.
+    once no member is left. Its family holds it weakly: see ``Executor._release_lost``.
     """
 
     __slots__ = (
+        "__weakref__",
         "bits",
         "dtensor",
         "dtype",
@@ -180,7 +181,9 @@ class Executor:
         self.staging_bytes = staging_bytes
         self._d2h: Any = None
         self._h2d: Any = None
-        self._live: weakref.WeakSet[Family] = weakref.WeakSet()
+        # Families whose bytes are not dropped yet (held here, so that one whose release was cut
+        # short is still found: see _release_lost).
+        self._live: dict[Family, None] = {}
         self.meter: Any = None  # offload._live.SavedBytes while one counts reload buffers
         if self.cuda:
             # Created here, never at import: see "Importing is free".
@@ -200,6 +203,7 @@ class Executor:
     def begin_step(self, index: int) -> StepStats:
         with self.lock:
             self._drain_releases()
+            self._release_lost()
             self.step = _StepState(index, self.pool.host_allocations)
             self._collect_pending()
             return self.step.stats
@@ -238,6 +242,7 @@ class Executor:
     def live_families(self) -> int:
         with self.lock:
             self._drain_releases()
+            self._release_lost()
             return sum(1 for f in self._live if f.life is not Life.FREED)
 
     # -- offload -----------------------------------------------------------------------------
@@ -276,8 +281,10 @@ class Executor:
                 fam = self._new_family(step, t, st, root, view, version, start, end, module, tier)
             else:
                 step.stats.records_deduplicated += 1
+            member = _Member(self, fam, t, dtensor)
             fam.members += 1
-            return _Member(self, fam, t, dtensor)
+            fam.member_refs.append(weakref.ref(member))
+            return member
 
     def share(self, m: _Member) -> _Member | None:
         """Another handle on ``m``'s family, rebuilding the same view (a recipe's use of its
@@ -287,11 +294,13 @@ class Executor:
             fam = m.family
             if fam.life is Life.FREED or fam.error is not None:
                 return None
-            fam.members += 1
             twin = _Member.__new__(_Member)
             for name in _Member.__slots__:
-                setattr(twin, name, getattr(m, name))
+                if name != "__weakref__":
+                    setattr(twin, name, getattr(m, name))
             twin.key, twin.seq = None, -1
+            fam.members += 1
+            fam.member_refs.append(weakref.ref(twin))
             return twin
 
     def _new_family(
@@ -334,7 +343,7 @@ class Executor:
         step.families.append(fam)
         step.by_storage.setdefault(id(st), []).append(fam)
         step.prefetch_next = fam.order
-        self._live.add(fam)
+        self._live[fam] = None
         return fam
 
     def _store(
@@ -865,6 +874,10 @@ class Executor:
         fam.members -= 1
         if fam.members > 0 or fam.life is Life.FREED:
             return
+        self._unowned(fam)
+
+    def _unowned(self, fam: Family) -> None:
+        """``fam``'s last member handle is gone: free its bytes (as soon as rule 4 allows)."""
         if fam.life is Life.COPYING_OUT and fam in self._inflight:
             self._inflight.remove(fam)
             self._inflight_bytes -= fam.nbytes
@@ -893,17 +906,46 @@ class Executor:
         self._drop(fam)
 
     def _drop(self, fam: Family) -> None:
-        if fam.tier is not None and fam.handle is not None:
-            if fam.tier.name == "host":
+        # Safe to run again after an exception cut it short (see _release_lost): each release
+        # is idempotent, and its field is cleared only after it (and after the count it moves).
+        tier, handle = fam.tier, fam.handle
+        if tier is not None and handle is not None:
+            tier.free(handle)
+            if tier.name == "host":
                 self.host_bytes -= fam.nbytes
-            fam.tier.free(fam.handle)
+            fam.handle = None
         if fam.staging is not None:
             fam.staging.release()
+            fam.staging = None
         if fam.spill is not None and not self._queued_write(fam):
             fam.spill.release()  # a spill still being written is released by _poll_writes
             fam.spill = None
-        fam.handle = fam.staging = fam.source = fam.resident = fam.guard = None
+        fam.source = fam.resident = fam.guard = None
         fam.source_event = fam.reload_event = fam.reload = None
+        self._live.pop(fam, None)
+
+    def _release_lost(self) -> None:
+        """Finish releases that an exception cut short.
+
+        A member handle is released from its ``__del__``, which autograd runs while it frees a
+        graph; an exception raised there (a KeyboardInterrupt arriving, a signal handler's) is
+        printed and dropped by Python, and the release stops where it was: the family kept its
+        bytes, counted in ``host_bytes``, until ``close()``. Its member handles are gone,
+        though (the family holds them weakly), so here, at the next step and whenever live
+        families are counted, it is released; a family whose drop was cut short is dropped
+        again. Caller holds the lock.
+        """
+        waiting = {id(f) for f in self._pending_free}
+        for fam in list(self._live):
+            if fam.life is not Life.FREED:
+                if not any(ref() is not None for ref in fam.member_refs):
+                    fam.members = 0
+                    self._unowned(fam)
+            elif id(fam) not in waiting:
+                if self.cuda and not self._events_done(fam):
+                    self._pending_free.append(fam)
+                else:
+                    self._drop(fam)
 
     def _events_done(self, fam: Family) -> bool:
         # Rule 4 covers the I/O future too: an NVMe read still filling the staging region must
@@ -987,6 +1029,7 @@ class Executor:
             self._orphans.clear()  # the tiers wait for their own transfers when they close
             self._orphan_bytes = 0
             self._pending_free, self._pending_regions = [], []
+            self._live.clear()
             self.step = None
 
 

@@ -70,6 +70,7 @@ class Family:
         "guard",
         "handle",
         "life",
+        "member_refs",
         "members",
         "module",
         "nbytes",
@@ -125,6 +126,9 @@ class Family:
         self.step_ref: Any = None if step is None else weakref.ref(step)
         self.life = Life.ON_DEVICE
         self.members = 0  # live packed handles
+        # Weak references to them: the truth when a release was cut short (see
+        # Executor._release_lost).
+        self.member_refs: list[weakref.ref[Any]] = []
         self.unpacked = 0  # unpacks since the last reload
         self.source: torch.Tensor | None = None  # uint8 view of the span, held until copied
         # ``t.detach()`` of the first member, held as long as ``source``: it shares the saved

@@ -614,6 +614,59 @@ def test_exception_in_backward_leaves_nothing_live(engine: str, backward_inside:
         assert_bitwise(offloaded_step(case, mgr), reference_grads("gpt_block"))
 
 
+def _interrupted_once(fn: Any) -> Any:
+    """``fn``, except that its first call raises KeyboardInterrupt (Ctrl-C arriving there)."""
+    calls: list[int] = []
+
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return fn(*args, **kw)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("where", ["release", "free", "tier"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_release_cut_short_by_an_interrupt_is_finished(engine: str, where: str, monkeypatch):
+    """Ctrl-C while backward frees the graph: the KeyboardInterrupt is raised inside a saved
+    tensor's handle's ``__del__`` (Python prints it and drops it) as it releases its family, on
+    entry, before the bytes are freed, or inside the tier's ``free``. That family kept its 32 KiB
+    in the host tier (and in ``host_bytes``, the cpu_budget count) until close(); now the next
+    count of live families finishes the release, and the next steps are exact and leave nothing."""
+    want = [reference_grads("gpt_block", s) for s in range(3)]
+    case = gpt_block(seed=0)
+    dropped: list[type[BaseException] | None] = []  # not the exceptions: their frames hold handles
+    monkeypatch.setattr("sys.unraisablehook", lambda u: dropped.append(u.exc_type))
+    with manager(case.model, engine) as mgr:
+        assert_bitwise(offloaded_step(case, mgr, 0), want[0])
+        ex = mgr._executor
+        host = mgr._tiers[0]
+        case.model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = case.loss(case.batch(1))
+        if where == "tier":
+            monkeypatch.setattr(host, "free", _interrupted_once(host.free))
+        else:
+            name = "release" if where == "release" else "_free"
+            monkeypatch.setattr(type(ex), name, _interrupted_once(getattr(type(ex), name)))
+        loss.backward()
+        monkeypatch.undo()
+        assert dropped == [KeyboardInterrupt]
+        assert_bitwise(case.grads(), want[1])
+        del loss
+        gc.collect()
+        assert_nothing_live(mgr)
+        drain(mgr)
+        assert host.used_bytes == 0
+        assert_bitwise(offloaded_step(case, mgr, 2), want[2])
+        gc.collect()
+        assert_nothing_live(mgr)
+        drain(mgr)
+        assert host.used_bytes == 0
+
+
 # -- paused(), foreign hooks, reading saved tensors outside backward -----------------------------
 
 
