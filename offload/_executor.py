@@ -117,6 +117,7 @@ class _StepState:
         self.stats = StepStats(steps=1)
         self.started_s = time.perf_counter()
         self.failed = False
+        self.counted = False  # its stats are in the manager's totals (see Executor.count_step)
         self.backward_seen = False  # its backward's end is queued (stats.step_s)
 
 
@@ -171,8 +172,11 @@ class Executor:
         # each with its bytes. They still read their sources and count toward the in-flight
         # bound until they end: uncounted, they piled up with their sources, without bound, when
         # the tier was slower than the steps.
-        self._orphans: deque[tuple[storage.Transfer, int]] = deque()
+        self._orphans: deque[tuple[storage.Transfer, Family, str]] = deque()  # + the tier
         self._orphan_bytes = 0
+        # Counts moved after their step was folded into the manager's totals (a write that failed
+        # late, see _recount): the manager adds these to its totals (take_late).
+        self.late = StepStats()
         self._ahead_bytes = 0  # see _mark_ahead
         # GPU + NVMe: records whose file write runs from pinned staging, oldest first, each with
         # its write's handle (kept here: freeing the family clears ``fam.handle``).
@@ -232,6 +236,20 @@ class Executor:
             # Earlier steps' copies stay in flight (their graphs may still run backward).
             self._inflight = deque(f for f in self._inflight if f.life is Life.COPYING_OUT)
             self._inflight_bytes = sum(f.nbytes for f in self._inflight)
+
+    def count_step(self) -> None:
+        """The manager added the current step's stats to its totals: a count moved later goes to
+        ``late`` (see ``_recount``)."""
+        with self.lock:
+            if self.step is not None:
+                self.step.counted = True
+
+    def take_late(self) -> StepStats:
+        """Counts moved since the last call for steps already in the manager's totals (see
+        ``_recount``), for those totals; they start again from zero."""
+        with self.lock:
+            late, self.late = self.late, StepStats()
+            return late
 
     def device_saved_bytes(self) -> int:
         """Saved bytes this executor holds on the device now, roughly: sources of copies out
@@ -492,7 +510,9 @@ class Executor:
                 self._inflight_bytes -= fam.nbytes
                 self._retire(fam)
             while self._orphans and self._orphans[0][0].done():
-                self._orphan_bytes -= self._orphans.popleft()[1]
+                written, fam, tier = self._orphans.popleft()
+                self._orphan_bytes -= fam.nbytes
+                self._forget_failed_write(fam, written, tier)
             self._poll_writes()
             self._collect_pending()
 
@@ -503,6 +523,8 @@ class Executor:
             fam, handle = self._writing.popleft()
             self._writing_bytes -= fam.nbytes
             region, fam.spill = fam.spill, None
+            if fam.life is Life.FREED:
+                self._forget_failed_write(fam, handle.written, "nvme")
             if fam.life is Life.FREED or region is None:
                 if region is not None:
                     self._release_after(region, fam.reload_event)
@@ -518,9 +540,9 @@ class Executor:
             if host is not None and self.host_bytes + fam.nbytes <= self.cpu_budget_bytes:
                 fam.tier, fam.handle = host, host.write(region, fam.nbytes)
                 self.host_bytes += fam.nbytes
-                _recount(fam, "nvme", "host")
+                self._recount(fam, "nvme", "host")
             else:
-                _recount(fam, "nvme", None)
+                self._recount(fam, "nvme", None)
                 log.warning(
                     "offload: writing %d bytes of %s to NVMe failed (%s); they stay in pinned memory",
                     fam.nbytes,
@@ -571,11 +593,11 @@ class Executor:
             if tier.name == "host":
                 # _drop gives these back; without this, host_bytes went negative.
                 self.host_bytes += fam.nbytes
-            _recount(fam, failed, tier.name)
+            self._recount(fam, failed, tier.name)
             fam.source = None
             fam.to(Life.OFF_DEVICE)
             return
-        _recount(fam, failed, None)
+        self._recount(fam, failed, None)
         fam.error = None
         log.warning(
             "offload: storing %d bytes of %s failed (%s); they stay on %s",
@@ -890,8 +912,10 @@ class Executor:
                     self._writing.append((fam, fam.handle))
                     self._writing_bytes += fam.nbytes
                 elif not self.cuda:
-                    self._orphans.append((fam.handle.written, fam.nbytes))
+                    self._orphans.append((fam.handle.written, fam, fam.tier.name))
                     self._orphan_bytes += fam.nbytes
+            elif fam.handle is not None:
+                self._forget_failed_write(fam, fam.handle.written, fam.tier.name)
         self._free(fam)
 
     def _free(self, fam: Family) -> None:
@@ -997,6 +1021,8 @@ class Executor:
             if fam.life is not Life.FREED:
                 fam.error = OffloadError(why)
                 self._wait_transfers(fam)
+                if fam.life is Life.COPYING_OUT and fam.handle is not None:
+                    self._forget_failed_write(fam, fam.handle.written, fam.tier.name)
                 self._free(fam)
 
     def _wait_transfers(self, fam: Family) -> None:
@@ -1004,6 +1030,27 @@ class Executor:
             if t is not None:
                 with contextlib.suppress(storage.StorageError):
                     t.wait()
+
+    def _forget_failed_write(self, fam: Family, written: storage.Transfer, tier: str) -> None:
+        """A write of ``fam`` into ``tier`` that ended after its family was let go (freed, or
+        being freed): if it failed, its bytes were never stored there, though counted so."""
+        if written.done() and written.exception(timeout=0) is not None:
+            self._recount(fam, tier, None)
+
+    def _recount(self, fam: Family, failed: str, now: str | None) -> None:
+        """A write into tier ``failed`` failed after pack returned (and counted it there), and
+        the record went to tier ``now`` instead (``None``: nowhere, it stayed where it was or
+        was no longer needed): move its count, in its step's stats until the manager added
+        those to its totals (at the next step), then in ``late``, which it adds next."""
+        step = fam.step_ref() if fam.step_ref is not None else None
+        s = step.stats if step is not None and not step.counted else self.late
+        for name, sign in ((failed, -1), (now, 1)):
+            if name == "host":
+                s.bytes_offloaded_cpu += sign * fam.nbytes
+                s.records_offloaded_cpu += sign
+            elif name == "nvme":
+                s.bytes_offloaded_nvme += sign * fam.nbytes
+                s.records_offloaded_nvme += sign
 
     def close(self) -> None:
         """Release every family's bytes (later unpacks raise) and wait for copies in flight."""
@@ -1031,19 +1078,3 @@ class Executor:
             self._pending_free, self._pending_regions = [], []
             self._live.clear()
             self.step = None
-
-
-def _recount(fam: Family, failed: str, now: str | None) -> None:
-    """A write failed after pack returned and the record went to tier ``now`` instead (``None``:
-    it stayed where it was): move its count in its step's stats (if that step is still held)."""
-    step = fam.step_ref() if fam.step_ref is not None else None
-    if step is None:
-        return
-    s = step.stats
-    for name, sign in ((failed, -1), (now, 1)):
-        if name == "host":
-            s.bytes_offloaded_cpu += sign * fam.nbytes
-            s.records_offloaded_cpu += sign
-        elif name == "nvme":
-            s.bytes_offloaded_nvme += sign * fam.nbytes
-            s.records_offloaded_nvme += sign

@@ -382,6 +382,8 @@ class ActivationOffloader:
         (its backward counts once it ran)."""
         with self._lock:
             last = self._snapshot_last()
+            if self._executor is not None:
+                self._done.add(self._executor.take_late())
             total = dataclasses.replace(self._done, _leads=list(self._done._leads))
             if last.steps and not self._step_added:  # added at close already
                 total.add(last)
@@ -691,10 +693,17 @@ class ActivationOffloader:
 
     def _account_last(self) -> None:
         # A step's counters grow until its backward ends, which may be after its block; they are
-        # folded into the running total when the next step starts (or at close).
+        # folded into the running total when the next step starts (or at close). A count moved
+        # after that (a write that failed late) comes in the executor's ``late``.
+        ex = self._executor
         if self._step_stats is not None and not self._step_added:
-            self._done.add(self._snapshot_last())
-            self._step_added = True
+            with ex.lock if ex is not None else contextlib.nullcontext():
+                self._done.add(self._snapshot_last())
+                self._step_added = True
+                if ex is not None:
+                    ex.count_step()
+        if ex is not None:
+            self._done.add(ex.take_late())
 
     # -- budget mode (NOTE [ Budget mode ] in _planned.py) -------------------------------------
 

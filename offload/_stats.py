@@ -22,7 +22,10 @@ class StepStats:
             device, packed during backward, paused).
         records_deduplicated: saved tensors that shared an already-stored alias family.
         records_offloaded_cpu / records_offloaded_nvme: alias families stored in each tier.
-        bytes_offloaded_cpu / bytes_offloaded_nvme: bytes stored in each tier.
+        bytes_offloaded_cpu / bytes_offloaded_nvme: bytes stored in each tier. A record is
+            counted when its write starts; if the write fails later, the count moves to the
+            tier that took the record instead, or goes (in ``total`` alone once a later step
+            has begun).
         bytes_recomputed: bytes rebuilt by recomputation instead of stored (planner; 0 here).
         records_rebuilt / bytes_rebuilt: saved tensors not stored but rebuilt at unpack:
             autocast weight casts from their parameter, and GELU / SiLU / norm outputs

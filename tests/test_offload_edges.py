@@ -1181,6 +1181,71 @@ def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monke
         assert_nothing_live(mgr)
 
 
+@pytest.mark.parametrize("tiers", [("nvme",), ("nvme", "cpu")])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nvme_writes_that_fail_late_are_not_counted_as_nvme_bytes(
+    engine: str, tiers, tmp_path, monkeypatch
+) -> None:
+    """Every file write fails (EIO), each only once a gate opens: the NVMe bytes of a record
+    count only if its write succeeded. Step 1: backward uses the sources still held and releases
+    the records while their writes run; they fail after. Steps 2 and 3: two forwards, then the
+    writes fail during step 3, and step 2's records go to the next tier (or stay) after step 2
+    was added to the totals. A failed record counted as NVMe bytes (in ``last`` of step 1, or
+    in the totals for step 2) whenever its failure came after its release or its step."""
+    want = [reference_grads("gpt_block", s) for s in range(4)]
+    case = gpt_block(seed=0)
+    with manager(case.model, engine, tiers=tiers, nvme_dir=tmp_path) as mgr:
+        assert_bitwise(offloaded_step(case, mgr, 0), want[0])
+        drain(mgr)
+        mgr._executor.poll()
+        stored = mgr.stats.last.bytes_offloaded_nvme
+        assert stored > 0
+        gate = threading.Event()
+
+        def broken(*args: Any, **kw: Any) -> None:
+            gate.wait(timeout=30)
+            raise OSError(5, os.strerror(5))
+
+        monkeypatch.setattr(mgr._tiers[0]._file, "write", broken)
+
+        def fail_the_writes() -> None:
+            gate.set()
+            drain(mgr)
+            mgr._executor.poll()
+            gate.clear()
+
+        case.model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = case.loss(case.batch(1))
+        loss.backward()
+        assert_bitwise(case.grads(), want[1])
+        del loss
+        fail_the_writes()
+        assert_nothing_live(mgr)
+        last = mgr.stats.last
+        assert last.bytes_offloaded_nvme == last.records_offloaded_nvme == 0
+        assert last.bytes_offloaded_cpu == 0  # released before they failed: nothing to move
+        before = mgr.stats.total
+
+        losses = []
+        for s in (2, 3):
+            with mgr:
+                losses.append(case.loss(case.batch(s)))
+        fail_the_writes()
+        for s, loss in zip((2, 3), losses, strict=True):
+            case.model.zero_grad(set_to_none=True)
+            loss.backward()
+            assert_bitwise(case.grads(), want[s])
+        del loss, losses
+        gc.collect()
+        assert_nothing_live(mgr)
+        total = mgr.stats.total
+        assert total.bytes_offloaded_nvme == before.bytes_offloaded_nvme == stored
+        assert total.records_offloaded_nvme == before.records_offloaded_nvme
+        moved = total.bytes_offloaded_cpu - before.bytes_offloaded_cpu
+        assert moved == (2 * stored if "cpu" in tiers else 0)
+
+
 def test_spill_to_nvme_when_the_pool_is_as_big_as_cpu_budget(tmp_path, monkeypatch) -> None:
     """The first manager of a process sizes the shared pool at its ``cpu_budget``."""
     budget = 64 << 10
