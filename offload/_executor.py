@@ -177,6 +177,7 @@ class Executor:
         # Counts moved after their step was folded into the manager's totals (a write that failed
         # late, see _recount): the manager adds these to its totals (take_late).
         self.late = StepStats()
+        self._failed_tiers: set[str] = set()  # tiers a late write failure was logged for
         self._ahead_bytes = 0  # see _mark_ahead
         # GPU + NVMe: records whose file write runs from pinned staging, oldest first, each with
         # its write's handle (kept here: freeing the family clears ``fam.handle``).
@@ -541,14 +542,10 @@ class Executor:
                 fam.tier, fam.handle = host, host.write(region, fam.nbytes)
                 self.host_bytes += fam.nbytes
                 self._recount(fam, "nvme", "host")
+                self._say_write_failed("nvme", fam, error, "went to the host tier")
             else:
                 self._recount(fam, "nvme", None)
-                log.warning(
-                    "offload: writing %d bytes of %s to NVMe failed (%s); they stay in pinned memory",
-                    fam.nbytes,
-                    fam.module or "<root>",
-                    error,
-                )
+                self._say_write_failed("nvme", fam, error, "stay in pinned memory")
                 fam.tier = fam.handle = None
                 fam.spill = region  # the record's only copy now
 
@@ -594,19 +591,34 @@ class Executor:
                 # _drop gives these back; without this, host_bytes went negative.
                 self.host_bytes += fam.nbytes
             self._recount(fam, failed, tier.name)
+            self._say_write_failed(failed, fam, error, f"went to the {tier.name} tier")
             fam.source = None
             fam.to(Life.OFF_DEVICE)
             return
         self._recount(fam, failed, None)
         fam.error = None
-        log.warning(
-            "offload: storing %d bytes of %s failed (%s); they stay on %s",
+        self._say_write_failed(failed, fam, error, f"stay on {self.device}")
+        fam.tier = fam.handle = None
+
+    def _say_write_failed(self, tier: str, fam: Family, error: BaseException, now: str) -> None:
+        """Log that a write into ``tier`` failed after pack returned, and where the record is
+        ``now``: a warning the first time for each tier, then at debug level (a full disk fails
+        every record of every step, and a warning each buried the log). ``stats.fallbacks``
+        counts them all."""
+        first = tier not in self._failed_tiers
+        self._failed_tiers.add(tier)
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "offload: writing %d bytes of %s to the %s tier failed (%s); they %s%s",
             fam.nbytes,
             fam.module or "<root>",
+            tier,
             error,
-            self.device,
+            now,
+            "; later failures of this tier are counted in stats.fallbacks and not logged again"
+            if first
+            else "",
         )
-        fam.tier = fam.handle = None
 
     # -- reload ------------------------------------------------------------------------------
 

@@ -39,7 +39,9 @@ class StepStats:
             ``total``: over the last ``LEAD_WINDOW`` prefetches, so that a long run's stats
             neither grow nor slow down).
         backpressure_waits: packs that waited for older copies (``max_inflight_bytes``).
-        fallbacks: records that went to a later tier because an earlier one was full or failed.
+        fallbacks: records that went to a later tier because an earlier one was full or failed,
+            or stayed where they were when a write failed after pack and no later tier had
+            room (only the first such failure of each tier is logged as a warning).
         host_allocations: new host pool slabs allocated during the step.
         peak_allocated_bytes / peak_reserved_bytes: CUDA allocator peaks over the step (0 on CPU).
             Under a pipeline attachment, whose microbatch steps overlap, the manager does not

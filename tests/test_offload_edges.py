@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import gc
+import logging
 import os
 import threading
 import time
@@ -1244,6 +1246,47 @@ def test_nvme_writes_that_fail_late_are_not_counted_as_nvme_bytes(
         assert total.records_offloaded_nvme == before.records_offloaded_nvme
         moved = total.bytes_offloaded_cpu - before.bytes_offloaded_cpu
         assert moved == (2 * stored if "cpu" in tiers else 0)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_full_disk_is_logged_once_per_tier_and_counted_in_fallbacks(
+    engine: str, tmp_path, monkeypatch, caplog
+) -> None:
+    """Every NVMe write fails with ENOSPC after pack returned; the host tier (64 KiB) takes
+    some of the records and the others stay on the device. Each record that stayed was a
+    warning (24 in these 4 steps); now the first failure is one warning that says where later
+    ones are counted (``fallbacks``), and the rest go to the debug level. Gradients stay exact."""
+    want = [reference_grads("gpt_block", s) for s in range(4)]
+    case = gpt_block(seed=0)
+    caplog.set_level(logging.DEBUG, logger="offload")
+    with manager(
+        case.model, engine, tiers=("nvme", "cpu"), nvme_dir=tmp_path, cpu_budget="64KiB"
+    ) as mgr:
+        for s in range(4):
+            case.model.zero_grad(set_to_none=True)
+            with mgr:
+                if s == 0:
+
+                    def full(*args: Any, **kw: Any) -> None:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+                    monkeypatch.setattr(mgr._tiers[0]._file, "write", full)
+                loss = case.loss(case.batch(s))
+            # Every failure is seen while its record lives (one seen after backward released
+            # the record is no fallback, and says nothing).
+            drain(mgr)
+            mgr._executor.poll()
+            loss.backward()
+            assert_bitwise(case.grads(), want[s])
+            del loss
+        failed = [r for r in caplog.records if "No space left on device" in r.getMessage()]
+        warned = [r for r in failed if r.levelno == logging.WARNING]
+        assert len(warned) == 1
+        assert "to the nvme tier failed" in warned[0].getMessage()
+        assert "counted in stats.fallbacks" in warned[0].getMessage()
+        assert len(failed) == mgr.stats.total.fallbacks > 4  # the others at the debug level
+        gc.collect()
+        assert_nothing_live(mgr)
 
 
 def test_spill_to_nvme_when_the_pool_is_as_big_as_cpu_budget(tmp_path, monkeypatch) -> None:
