@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +70,8 @@ def profile(
     rec = Recorder(clock=clock, memory_probe=memory_probe)
     with rec.attach(model), rec.hooks():
         for _ in range(steps):
-            rec.begin_step()
+            # step_fn runs on this thread: other threads' module calls meanwhile are not its.
+            rec.begin_step(thread=threading.get_ident())
             try:
                 step_fn()
             finally:

@@ -65,6 +65,20 @@ def in_backward() -> bool:
     return _current_graph_task_id is not None and _current_graph_task_id() != -1
 
 
+def foreign_call(thread: int | None) -> bool:
+    """Whether a module call now belongs to no step run on ``thread`` (a ``threading.get_ident()``;
+    ``None``: every thread's calls are the step's).
+
+    Another thread's module call outside a backward (an evaluation or data thread calling a
+    submodule of the model while a step runs) is not the step's: counted, it shifted the step's
+    call indices, and so its record keys. Calls from inside a backward count on any thread: on
+    CUDA backward (checkpoint recomputation, among others) runs on autograd's device thread.
+    """
+    if thread is None:
+        return False
+    return threading.get_ident() != thread and not in_backward()
+
+
 class StepBoundary(str, enum.Enum):
     """How the recorder finds the end of a step."""
 
@@ -222,6 +236,7 @@ class Recorder:
         self._call_counts: dict[str, int] = {}
         self._outside_packs = 0
         self._graph_task: int | None = None
+        self._thread: int | None = None  # the step's thread (see begin_step)
         # Parameters and buffers, by storage (see NOTE [ Alias families ] for why Python objects).
         self._params = ParameterStorages()
         self._param_refs = self._params.by_id  # read on the hot path without a call
@@ -255,12 +270,21 @@ class Recorder:
         """Call ``fn(steps_recorded, was_warmup)`` after each step ends (the CLI shows progress)."""
         self._on_step_end.append(fn)
 
-    def begin_step(self) -> None:
-        """Start recording a step; a no-op while one is being recorded or once done."""
+    def begin_step(self, *, thread: int | None = None) -> None:
+        """Start recording a step; a no-op while one is being recorded or once done.
+
+        Args:
+            thread: the ``threading.get_ident()`` of the thread that runs the step's forward:
+                module calls from other threads outside a backward (an evaluation or data
+                thread calling a submodule meanwhile) are not the step's and are not recorded.
+                ``None``: every thread's calls are. Under ``boundary="backward"`` the steps begun
+                after this one keep it.
+        """
         with self._lock:
             if self._recording or self.done:
                 return
             self._recording = True
+            self._thread = thread
             self._stack.clear()
             self._call_counts.clear()
             self._outside_packs = 0
@@ -303,7 +327,7 @@ class Recorder:
         for fn in callbacks:
             fn(self._steps_done, warmup)
         if self._boundary is StepBoundary.BACKWARD:
-            self.begin_step()
+            self.begin_step(thread=self._thread)
 
     def discard_partial_step(self) -> None:
         """Throw away a step still being recorded (the script raised in the middle of it)."""
@@ -484,6 +508,8 @@ class Recorder:
     # -- module hooks ------------------------------------------------------------------------
 
     def _global_pre_hook(self, module: nn.Module, args: Any) -> None:
+        if foreign_call(self._thread):
+            return  # another thread's module: not named after what this thread runs
         if module not in self._names:
             if not self._stack:
                 root = type(module).__name__
@@ -501,7 +527,7 @@ class Recorder:
         self._forward_pre_hook(module, args)
 
     def _forward_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if not self._recording:
+        if not self._recording or foreign_call(self._thread):
             return
         name = self._names.get(module, type(module).__name__)
         # A compiled module is a leaf (no hooks inside): it answers for its whole subtree.
@@ -530,7 +556,7 @@ class Recorder:
                 break
 
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._recording:
+        if not self._recording or foreign_call(self._thread):
             return
         with self._lock:
             if not self._stack:

@@ -7,6 +7,7 @@ import contextlib
 import os
 import runpy
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -177,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     stop = nn.modules.module.register_module_forward_pre_hook(stop_when_done)
-    rec.begin_step()
+    # The saved-tensor hooks below are this thread's: so are the steps (module calls of the
+    # script's other threads are not recorded).
+    rec.begin_step(thread=threading.get_ident())
     try:
         with rec.attach_global(), rec.hooks():
             runpy.run_path(script, run_name="__main__")

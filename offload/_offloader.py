@@ -28,6 +28,7 @@ import lifecycle
 import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
 from lifecycle._inert import ModuleHook
+from lifecycle._recorder import foreign_call
 from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
@@ -336,6 +337,9 @@ class ActivationOffloader:
         self._done = StepStats()  # steps before the last one
         self._step_index = 0
         self._in_step = False
+        # The thread that entered the running step (its forward's): other threads' module calls
+        # outside a backward are not the step's (see lifecycle's foreign_call).
+        self._step_thread: int | None = None
         self._paused = 0
         self._closed = False
         self._lock = threading.RLock()
@@ -454,6 +458,13 @@ class ActivationOffloader:
             if self._closed:
                 raise OffloadError("this ActivationOffloader is closed; make a new one")
             if self._in_step:
+                if self._step_thread != threading.get_ident():
+                    raise OffloadError(
+                        "a step of this manager is running on another thread; a manager runs "
+                        "one step at a time, entered and run on one thread. Give each thread "
+                        "that trains its own model and manager, or run this thread's forward "
+                        "outside `with mgr:` (its module calls are not counted as the step's)"
+                    )
                 raise OffloadError("a step of this manager is already running; steps do not nest")
             rnd = self._round
             continuing = rnd is not None and rnd.steps > 0
@@ -509,6 +520,7 @@ class ActivationOffloader:
                 self._pack_fn, self._unpack_fn
             )
             self._hooks_cm.__enter__()
+            self._step_thread = threading.get_ident()
             self._in_step = True
             return self
 
@@ -805,7 +817,7 @@ class ActivationOffloader:
             ):
                 # The first planned step of a profiled signature: recorded for its timings.
                 self._refine_next.discard(sig)
-                self._profiler.begin()
+                self._profiler.begin(self._step_thread)
                 self._profiling = sig
             return
         if sig in self._infeasible or sig in self._profiled:
@@ -830,7 +842,7 @@ class ActivationOffloader:
                 "before the next step, or plan offline and pass plan=",
             )
             return
-        self._profiler.begin()
+        self._profiler.begin(self._step_thread)
         self._profiling = sig
 
     def _drop_unfinished_profile(self) -> None:
@@ -1039,6 +1051,8 @@ class ActivationOffloader:
         active = self._active
         if active is None or not self._in_step or not self._stack or not torch.is_grad_enabled():
             return None
+        if foreign_call(self._step_thread):
+            return None  # another thread's call: as it is (no stack entry of its own is on top)
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
             return None  # a recomputation or double backward runs it: as it is
         top = self._stack[-1]
@@ -1475,7 +1489,7 @@ class _ForwardPre(ModuleHook):
     def __call__(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         # ``kwargs``: the root's hook is registered with them (they are part of the signature).
         mgr = self.mgr()
-        if mgr is None or not mgr._in_step:
+        if mgr is None or not mgr._in_step or foreign_call(mgr._step_thread):
             return
         # Calls are numbered as lifecycle.Recorder numbers them: every call of the step.
         call = mgr._calls.get(self.name, 0)
@@ -1506,6 +1520,8 @@ class _ForwardPost(ModuleHook):
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         mgr = self.mgr()
         if mgr is None or not mgr._in_step or mgr._paused or not mgr._stack:
+            return
+        if foreign_call(mgr._step_thread):
             return
         name, _, own, call, _ = mgr._stack.pop()
         mgr._norms.note(module, output)

@@ -204,8 +204,10 @@ class Profiler:
     def recording(self) -> bool:
         return self.recorder.recording
 
-    def begin(self) -> None:
-        self.recorder.begin_step()
+    def begin(self, thread: int | None) -> None:
+        """Record a step whose forward runs on ``thread`` (module calls of other threads outside a
+        backward are not the step's; ``None``: every thread's are)."""
+        self.recorder.begin_step(thread=thread)
 
     def end(self) -> int:
         """End the step being recorded; returns its index in :meth:`trace`."""

@@ -262,6 +262,66 @@ def test_a_forward_without_grad_at_a_new_signature_is_not_profiled() -> None:
         mgr.close()
 
 
+class Aside(nn.Module):
+    """An identity that first runs ``aside`` (when set): work done in the middle of a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aside: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.aside is not None:
+            self.aside()
+        return x
+
+
+def test_another_threads_module_calls_are_not_the_steps() -> None:
+    """An evaluation thread calls a submodule of the model while the profiled step runs. Before,
+    the manager's hooks and its recorder counted that call as the step's: the profile held two
+    calls of the module, the step's own as call 1, and every planned step (where nobody else
+    calls it) then had 1 of its 6 packs unplanned. Now the other thread's call is its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Aside(), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Tanh())
+    batches = [torch.randn(32, 64, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    want = []
+    for x in batches:
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        want.append([p.grad.clone() for p in model.parameters()])
+    seen: list[torch.Tensor] = []
+
+    def evaluate() -> None:
+        with torch.no_grad():
+            seen.append(model[3](torch.ones(4, 128)))
+
+    def on_another_thread() -> None:
+        t = threading.Thread(target=evaluate)
+        t.start()
+        t.join()
+
+    mgr = offload.ActivationOffloader(model, gpu_budget="40KiB", hardware=FAST, min_offload_bytes=0)
+    try:
+        for s, x in enumerate(batches):
+            model[0].aside = on_another_thread if s == 0 else None  # the profiled step only
+            model.zero_grad(set_to_none=True)
+            with mgr:
+                loss = model(x).pow(2).sum()
+            loss.backward()
+            assert mgr._calls == {name: 1 for name, _ in model.named_modules()}
+            assert all(
+                torch.equal(p.grad, w) for p, w in zip(model.parameters(), want[s], strict=True)
+            )
+            if s:
+                assert mgr.stats.last.predicted_peak_bytes > 0  # planned
+                assert mgr.stats.last.unplanned_records == 0
+        trace = mgr._profiler.trace()
+        starts = [e.module for e in trace.events if e.kind.name == "FORWARD_START" and not e.step]
+        assert starts == ["", "0", "1", "2", "3", "4"]
+    finally:
+        mgr.close()
+    assert len(seen) == 1 and torch.equal(seen[0], model[3](torch.ones(4, 128)))
+
+
 class Blocks(nn.Module):
     def __init__(self, n: int = 6, width: int = 128) -> None:
         super().__init__()

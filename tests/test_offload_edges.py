@@ -510,6 +510,60 @@ def test_activation_checkpointing(use_reentrant: bool, backward_inside: bool) ->
     assert torch.equal(x.grad, want_x)
 
 
+def on_another_thread(fn: Any) -> None:
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_module_calls_of_a_backward_on_another_thread_count(use_reentrant: bool) -> None:
+    """Module calls from other threads are not the step's, except from inside a backward (on
+    CUDA backward runs on autograd's device thread): a checkpointed block recomputed by a
+    backward run on another thread inside the step counts as when the step's thread runs it."""
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    calls, grads = [], []
+    for elsewhere in (False, True):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = CheckpointedBlocks(use_reentrant)
+        with manager(model) as mgr:
+            with mgr:
+                loss = model(x).pow(2).sum()
+                forward_calls = dict(mgr._calls)
+                on_another_thread(loss.backward) if elsewhere else loss.backward()
+                calls.append(dict(mgr._calls))
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert calls[1] == calls[0] != forward_calls  # the recomputation's calls are counted
+    assert_bitwise(grads[1], grads[0])
+
+
+def test_a_second_thread_entering_a_running_step_is_told_why() -> None:
+    """``with mgr:`` on another thread while a step runs: an error that says so (before, it
+    said steps do not nest), and the running step goes on unharmed."""
+    want = reference_grads("mlp")
+    case = mlp(seed=0)
+    errors: list[BaseException] = []
+
+    def enter() -> None:
+        try:
+            with mgr:
+                pass
+        except offload.OffloadError as e:
+            errors.append(e)
+
+    with manager(case.model) as mgr:
+        case.model.zero_grad(set_to_none=True)
+        with mgr:
+            on_another_thread(enter)
+            loss = case.loss(case.batch())
+        loss.backward()
+        assert mgr.stats.last.bytes_offloaded_cpu > 0
+        assert_bitwise(case.grads(), want)
+    (error,) = errors
+    assert "running on another thread" in str(error) and "one step at a time" in str(error)
+
+
 # -- steps: accumulation, interleaving, exceptions -----------------------------------------------
 
 

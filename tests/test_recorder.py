@@ -8,6 +8,9 @@ arithmetic.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import pytest
 import torch
 from models import ALL_MODELS, ModelCase, checkpointed, gpt_block, lstm, mlp, views_model
@@ -245,6 +248,67 @@ def test_checkpoint_region_shows_only_its_inputs() -> None:
             m.checkpointed = ()
     full = record_case(case)
     assert len(plain.records) < len(full.records)
+
+
+class Aside(nn.Module):
+    """An identity that first runs ``aside`` (when set): work done in the middle of a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aside: Callable[[], None] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.aside is not None:
+            self.aside()
+        return x
+
+
+def on_another_thread(fn: Callable[[], object]) -> None:
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def forward_starts(trace: Trace) -> list[tuple[str, int]]:
+    return [(e.module, e.call_index) for e in trace.events if e.kind is EventKind.FORWARD_START]
+
+
+def test_another_threads_module_calls_are_not_the_steps() -> None:
+    """An evaluation or data thread calling a submodule while a step runs: the recorder listens
+    to the step's thread only, so the step's trace is the one it has alone (before, that call
+    was recorded too and the step's own call of the module became call 1)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Aside(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    x = torch.randn(8, 16)
+    alone = offload.profile(lambda: model(x).sum().backward(), model, warmup_steps=0)
+    aside = model[1](torch.randn(4, 16, requires_grad=True))
+    model[0].aside = lambda: on_another_thread(
+        lambda: model[1](torch.randn(4, 16, requires_grad=True)).sum()
+    )
+    trace = offload.profile(lambda: model(x).sum().backward(), model, warmup_steps=0)
+    assert forward_starts(trace) == forward_starts(alone)
+    assert [r.key for r in trace.records] == [r.key for r in alone.records]
+    assert [(e.kind, e.module) for e in trace.events] == [(e.kind, e.module) for e in alone.events]
+    assert aside.shape == (4, 32)
+
+
+def test_a_backward_on_another_thread_is_still_the_steps() -> None:
+    """Calls from inside a backward count on any thread (on CUDA backward runs on autograd's
+    device thread): a checkpointed block's recomputation, run by a backward started on another
+    thread, is recorded as when the step's thread runs it."""
+    same = record_case(checkpointed(seed=0))
+    case = checkpointed(seed=0)
+
+    def step() -> None:
+        loss = case.loss(case.batch())
+        on_another_thread(loss.backward)
+
+    trace = offload.profile(step, case.model, warmup_steps=0)
+    assert forward_starts(trace) == forward_starts(same)
+    assert len(forward_starts(same)) > len({m for m, _ in forward_starts(same)})  # recomputed
+    assert [(r.key, r.in_backward) for r in trace.records] == [
+        (r.key, r.in_backward) for r in same.records
+    ]
 
 
 def test_warmup_steps_are_discarded_and_steps_recorded() -> None:
