@@ -73,8 +73,13 @@ def foreign_call(thread: int | None) -> bool:
     submodule of the model while a step runs) is not the step's: counted, it shifted the step's
     call indices, and so its record keys. Calls from inside a backward count on any thread: on
     CUDA backward (checkpoint recomputation, among others) runs on autograd's device thread.
+
+    While dynamo traces (a model compiled after the hooks were attached), neither is asked: it
+    cannot trace ``threading.get_ident()`` or the graph task id (``fullgraph=True`` fails on
+    either, and without it each is a graph break), and the compiled code runs on the thread
+    that calls it.
     """
-    if thread is None:
+    if thread is None or torch.compiler.is_compiling():
         return False
     return threading.get_ident() != thread and not in_backward()
 

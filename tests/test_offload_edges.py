@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 import lifecycle
 import offload
 import storage
+from lifecycle._recorder import foreign_call
 from offload._family import Life
 
 ENGINES = ("sync", "deferred")
@@ -443,6 +445,36 @@ def test_module_compile_method_is_a_leaf() -> None:
     model = three_blocks("method")
     with manager(model):
         assert inner_hooks(model[1]) == 2  # its own pre and post hook, none inside
+
+
+def test_the_thread_check_of_module_hooks_stays_out_of_dynamo() -> None:
+    """A model compiled after its manager was made runs the manager's and its recorder's module
+    hooks under dynamo. Their check that a call comes from the step's thread is skipped there:
+    dynamo cannot trace ``threading.get_ident()`` (26 of this step's 40 graph breaks were there, and
+    under ``fullgraph=True`` the check alone fails to compile)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = three_blocks()
+    hardware = lifecycle.HardwareModel.cpu_only(
+        copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
+    )
+    with manager(model, gpu_budget="64KiB", hardware=hardware) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # compiled after the manager was made
+        compiled = torch.compile(model, backend="eager")
+        with mgr:
+            loss = compiled(torch.randn(32, 64)).sum()
+            assert mgr._profiler.recording
+        loss.backward()
+        assert mgr._calls == {name: 1 for name, _ in model.named_modules()}
+    breaks = [r for r in counters["graph_break"] if "get_ident" in r or "graph_task" in r]
+    assert not breaks
+    ident = threading.get_ident()
+    check = torch.compile(
+        lambda x: x if foreign_call(ident) else 2 * x, backend="eager", fullgraph=True
+    )
+    assert torch.equal(check(torch.ones(2)), torch.full((2,), 2.0))
 
 
 def test_keep_a_module_type() -> None:
