@@ -317,8 +317,9 @@ class ActivationOffloader:
         self._overlap_skips: dict[str, int] = {}  # steps not profiled for it, per signature
         self._last_signature: str | None = None
         self._active: ActivePlan | None = None
-        # Module name -> (module, its RecomputeForward), both weakly.
-        self._recompute: dict[str, tuple[weakref.ref[nn.Module], weakref.ref[Any]]] = {}
+        # Module name -> (module, its RecomputeForward), both weakly, and whether the forward it
+        # wraps was the module's own attribute (set on the instance: close() puts it back).
+        self._recompute: dict[str, tuple[weakref.ref[nn.Module], weakref.ref[Any], bool]] = {}
         # Per step: calls per module and packs outside any module (record keys), and the
         # profiler's numbers of packs returned as plain tensors.
         self._calls: dict[str, int] = {}
@@ -1038,10 +1039,11 @@ class ActivationOffloader:
             mod = modules.get(name)
             if mod is None:
                 continue
+            own = "forward" in mod.__dict__  # ``module.forward = ...`` by the user (or a tool)
             wrapper = RecomputeForward(self, name, mod.forward)
             mod.forward = wrapper  # type: ignore[method-assign]
             # Weakly (the finalizer holds this dict): the model's lifetime is its owner's.
-            self._recompute[name] = (weakref.ref(mod), weakref.ref(wrapper))
+            self._recompute[name] = (weakref.ref(mod), weakref.ref(wrapper), own)
 
     def _uninstall_recompute(self) -> None:
         _uninstall_forwards(self._recompute)
@@ -1646,12 +1648,19 @@ def _close_all(resources: list[Any]) -> None:
             r.close()
 
 
-def _uninstall_forwards(installed: dict[str, tuple[weakref.ref[Any], weakref.ref[Any]]]) -> None:
-    """Give modules their own forward back where a RecomputeForward still stands in for it."""
-    for mod_ref, wrapper_ref in installed.values():
+def _uninstall_forwards(
+    installed: dict[str, tuple[weakref.ref[Any], weakref.ref[Any], bool]],
+) -> None:
+    """Give modules their own forward back where a RecomputeForward still stands in for it: the
+    one set on the instance if there was one (dropping it ran the class's forward instead), else
+    the class's."""
+    for mod_ref, wrapper_ref, own in installed.values():
         mod, wrapper = mod_ref(), wrapper_ref()
         if mod is not None and wrapper is not None and mod.__dict__.get("forward") is wrapper:
-            del mod.forward
+            if own:
+                mod.forward = wrapper.forward
+            else:
+                del mod.forward
     installed.clear()
 
 

@@ -377,6 +377,46 @@ def test_recompute_under_a_slow_link_is_bitwise_and_restores_forward() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+@pytest.mark.parametrize("how", ["close", "collected"])
+def test_a_forward_set_on_the_instance_is_given_back(how: str) -> None:
+    """A module whose ``forward`` the user set on the instance (``module.forward = ...``), then
+    wrapped by a plan's recomputation: close() (or the garbage collector's) gives that forward
+    back. Before, it was deleted, so the class's forward ran: after close(), 2 of the 6 blocks'
+    own forwards still ran (the 4 a plan had wrapped lost theirs)."""
+    model, x, want = _blocks_case()
+    trace = offload.profile(lambda: model(x).pow(2).sum().backward(), model, warmup_steps=0)
+    model.zero_grad(set_to_none=True)
+    ran: list[int] = []
+    mine = []
+    for i, block in enumerate(model.blocks):
+
+        def forward(inp: torch.Tensor, _block: Any = block, _i: int = i) -> torch.Tensor:
+            ran.append(_i)
+            return type(_block).forward(_block, inp)
+
+        block.forward = forward
+        mine.append(forward)
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=trace.peak_saved_bytes // 2, hardware=SLOW, min_offload_bytes=0
+    )
+    _run_steps(model, x, mgr, 2)
+    for g, w in zip((p.grad for p in model.parameters()), want, strict=True):
+        assert torch.equal(g, w)
+    wrapped = [b.__dict__["forward"] is not f for b, f in zip(model.blocks, mine, strict=True)]
+    assert any(wrapped)
+    if how == "close":
+        mgr.close()
+    else:
+        ref = weakref.ref(mgr)
+        del mgr
+        gc.collect()
+        assert ref() is None
+    assert [b.__dict__.get("forward") for b in model.blocks] == mine
+    ran.clear()
+    model(x)
+    assert ran == list(range(len(model.blocks)))
+
+
 def _run_steps(model: nn.Module, x: torch.Tensor, mgr: Any, steps: int) -> None:
     """``steps`` steps of ``_blocks_case``'s model under ``mgr`` (the second one planned, with
     recomputation under SLOW)."""
