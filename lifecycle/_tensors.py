@@ -62,12 +62,16 @@ def params_and_buffers(module: nn.Module) -> Iterable[torch.Tensor]:
 
 def is_compiled(mod: nn.Module) -> bool:
     """Whether ``mod`` runs compiled: ``torch.compile(mod)`` wraps it in an OptimizedModule;
-    ``mod.compile()`` sets a compiled call."""
+    ``mod.compile()`` sets a compiled call; ``mod.forward = torch.compile(mod.forward)`` sets a
+    compiled forward on the instance (dynamo marks what it wraps ``_torchdynamo_orig_callable``;
+    hooks inside it split its graph as they do any other's)."""
     # Only look for OptimizedModule when dynamo was imported (importing it costs seconds).
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", ()) if eval_frame else ()
-    return bool(optimized and isinstance(mod, optimized)) or bool(
-        getattr(mod, "_compiled_call_impl", None)
+    return (
+        bool(optimized and isinstance(mod, optimized))
+        or bool(getattr(mod, "_compiled_call_impl", None))
+        or hasattr(mod.__dict__.get("forward"), "_torchdynamo_orig_callable")
     )
 
 

@@ -33,6 +33,7 @@ from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
     activation_output,
+    is_compiled,
     local_tensor,
     named_modules_stop_at_compiled,
     tensors_in,
@@ -362,6 +363,7 @@ class ActivationOffloader:
         ]
         self._pack_fn, self._unpack_fn = self._pack, self._unpack
         self._hidden_from_compile = False
+        self._traced = False  # dynamo traced a module hook (see _ForwardPre, _warn_traced)
         # Each step resets the device's peak counters (stats.peak_allocated_bytes is per step);
         # not under a pipeline, whose steps overlap (see PipelineAttachment).
         self._reset_peaks = True
@@ -467,6 +469,7 @@ class ActivationOffloader:
                         "outside `with mgr:` (its module calls are not counted as the step's)"
                     )
                 raise OffloadError("a step of this manager is already running; steps do not nest")
+            self._warn_traced()  # a compiled call outside steps (evaluation) traced the hooks
             rnd = self._round
             continuing = rnd is not None and rnd.steps > 0
             if self._budget_bytes is not None and not continuing:
@@ -539,6 +542,16 @@ class ActivationOffloader:
             if exc_type is not None:
                 if isinstance(exc, torch.OutOfMemoryError):
                     _add_note(exc, self._oom_note())
+                unsupported = getattr(sys.modules.get("torch._dynamo.exc"), "Unsupported", ())
+                if unsupported and isinstance(exc, unsupported):
+                    # fullgraph=True on a model compiled after the manager fails at the hooks
+                    # before anything runs that _warn_traced could tell from.
+                    _add_note(
+                        exc,
+                        "offload: if the model was compiled after its ActivationOffloader was "
+                        "made, dynamo traced the manager's module hooks, which it cannot compile: "
+                        "compile first, then make the manager on the compiled model",
+                    )
                 # The traceback keeps the graph (and every packed handle) alive: release now.
                 self._executor.fail_step()
                 if self._profiling is not None and self._profiler is not None:
@@ -547,6 +560,7 @@ class ActivationOffloader:
             else:
                 self._executor.poll()
             self._stack.clear()
+            self._warn_traced()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -660,7 +674,7 @@ class ActivationOffloader:
     def _install_module_hooks(self, model: nn.Module) -> list[Any]:
         handles = []
         for name, mod in named_modules_stop_at_compiled(model):
-            pre = _ForwardPre(self, name, self._keeps(name, mod))
+            pre = _ForwardPre(self, name, self._keeps(name, mod), is_compiled(mod))
             handles.append(mod.register_forward_pre_hook(pre, with_kwargs=name == ""))
             handles.append(mod.register_forward_hook(_ForwardPost(self)))
         return handles
@@ -682,10 +696,25 @@ class ActivationOffloader:
             self._pack_fn = torch.compiler.disable(self._pack)
             self._unpack_fn = torch.compiler.disable(self._unpack)
 
-    def _warn_once(self, key: str, msg: str) -> None:
+    def _warn_once(self, key: str, msg: str, stacklevel: int = 3) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(f"offload: {msg}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"offload: {msg}", RuntimeWarning, stacklevel=stacklevel)
+
+    def _warn_traced(self) -> None:
+        """From ``__enter__`` / ``__exit__`` (eager code): warn once that the model was compiled
+        after the manager was made (DESIGN.md: a compiled module is a leaf; no hooks inside)."""
+        if self._traced:
+            self._warn_once(
+                "compiled",
+                "the model (or a submodule of it, or a function that calls it) was compiled with "
+                "torch.compile after this ActivationOffloader was made, so dynamo traces the "
+                "manager's module hooks: it cannot compile them, the compiled graph breaks at "
+                "every module (many small graphs, slower steps) and fullgraph=True fails inside a "
+                "step. Compile first, then make the manager on the compiled model: a compiled "
+                "module is a leaf (no hooks inside it) whose saved tensors still move.",
+                stacklevel=4,
+            )
 
     def _snapshot_last(self) -> StepStats:
         s = self._step_stats
@@ -1483,15 +1512,25 @@ def _add_note(exc: BaseException, note: str) -> None:
 
 
 class _ForwardPre(ModuleHook):
-    __slots__ = ("kept", "mgr", "name")
+    __slots__ = ("compiled", "kept", "mgr", "name")
 
-    def __init__(self, mgr: ActivationOffloader, name: str, kept: bool) -> None:
+    def __init__(self, mgr: ActivationOffloader, name: str, kept: bool, compiled: bool) -> None:
         self.mgr, self.name, self.kept = weakref.ref(mgr), name, kept
+        # A compiled leaf's own hooks may run under dynamo (``mod.compile()`` compiles the call
+        # that runs them); no other's should.
+        self.compiled = compiled
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         # ``kwargs``: the root's hook is registered with them (they are part of the signature).
         mgr = self.mgr()
-        if mgr is None or not mgr._in_step or foreign_call(mgr._step_thread):
+        if mgr is None:
+            return
+        if torch.compiler.is_compiling() and not self.compiled:
+            # Dynamo traces this hook: the model was compiled after the manager was made. An
+            # attribute store is all dynamo replays here without a graph break (fullgraph=True
+            # stays possible outside steps); the warning comes from eager code (_warn_traced).
+            mgr._traced = True
+        if not mgr._in_step or foreign_call(mgr._step_thread):
             return
         # Calls are numbered as lifecycle.Recorder numbers them: every call of the step.
         call = mgr._calls.get(self.name, 0)

@@ -447,6 +447,44 @@ def test_module_compile_method_is_a_leaf() -> None:
         assert inner_hooks(model[1]) == 2  # its own pre and post hook, none inside
 
 
+def test_a_model_compiled_after_its_manager_warns_once() -> None:
+    """torch.compile on a model after its manager was made traces the manager's module hooks,
+    which dynamo cannot compile: 23 graph breaks in one step of these 3 blocks (none when
+    compiled first). One RuntimeWarning says so and what to do (there was none); gradients stay
+    exact. Compiled first (a submodule, ``.compile()``, or a compiled ``forward``, which was not
+    a leaf before and took the same 23 breaks), nothing is said."""
+    want = run_blocks(three_blocks())
+    model = three_blocks()
+    with manager(model) as mgr:
+        compiled = torch.compile(model, backend="eager")
+        with pytest.warns(RuntimeWarning, match="compiled with torch.compile after") as record:
+            got = run_blocks(compiled, mgr)
+        assert mgr.stats.last.bytes_offloaded_cpu > 0
+    assert len(record) == 1 and "Compile first" in str(record[0].message)
+    assert record[0].filename == __file__  # the with statement's line
+    assert_bitwise(plain_names(got), want)
+    # Under fullgraph=True the first hook fails to compile, before anything runs: a note says why.
+    torch._dynamo.reset()  # no cached graphs, no recompilation limit reached (it runs eager then)
+    model = three_blocks()
+    with manager(model) as mgr, pytest.raises(Exception) as failed:
+        with mgr:
+            torch.compile(model, backend="eager", fullgraph=True)(torch.randn(32, 64))
+    if hasattr(failed.value, "add_note"):  # Python >= 3.11
+        assert "compile first" in "".join(getattr(failed.value, "__notes__", ()))
+    for mode in ("wrap", "method", "forward"):
+        model = three_blocks(mode if mode != "forward" else None)
+        if mode == "forward":
+            model[1].forward = torch.compile(model[1].forward, backend="eager")
+        with manager(model) as mgr, warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            assert inner_hooks(getattr(model[1], "_orig_mod", model[1])) == (mode != "wrap") * 2
+            assert_bitwise(plain_names(run_blocks(model, mgr)), want)
+
+
+def plain_names(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n.replace("_orig_mod.", ""): g for n, g in grads.items()}
+
+
 def test_the_thread_check_of_module_hooks_stays_out_of_dynamo() -> None:
     """A model compiled after its manager was made runs the manager's and its recorder's module
     hooks under dynamo. Their check that a call comes from the step's thread is skipped there:
