@@ -174,8 +174,9 @@ class ActivationOffloader:
             (with ``"nvme"`` in ``tiers``: every record goes there). With ``"nvme"``, the pool
             also holds pinned staging for NVMe copies (2 x ``max_inflight_bytes``) beyond it.
         nvme_dir: an existing directory on a fast disk that this process can create files in
-            (checked here); required with ``"nvme"``. The manager works in a private
-            subdirectory (0700) with unlinked files (0600).
+            (checked here); required with ``"nvme"``, ignored without it (a RuntimeWarning
+            says so). The manager works in a private subdirectory (0700) with unlinked files
+            (0600).
         min_offload_bytes: smaller saved tensors stay where they are.
         plan: a :class:`Plan` (or a path to one) to use instead of profiling: for its signature,
             or for the first signature met when it has none. Its budget is the default
@@ -244,9 +245,20 @@ class ActivationOffloader:
                 f"nvme_dir must be a directory path (str or os.PathLike) or None; got "
                 f"{type(nvme_dir).__name__}"
             )
+        tiers = tuple(tiers)
+        if nvme_dir is not None and "nvme" not in tiers:
+            # Not an error (a script's settings may name a spill directory it does not always
+            # use), but said: nothing goes there, and the directory is not checked.
+            warnings.warn(
+                f"offload: nvme_dir={os.fspath(nvme_dir)!r} is ignored: 'nvme' is not in "
+                f"tiers={tiers!r}; add 'nvme' to tiers to spill there, or leave nvme_dir out",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            nvme_dir = None
         keep_names, keep_types = _keep_arg(keep)
         self.config = OffloadConfig(
-            tiers=tuple(tiers),
+            tiers=tiers,
             cpu_budget_bytes=storage.default_cpu_budget_bytes()
             if cpu_budget is None
             else parse_bytes(cpu_budget, name="cpu_budget"),

@@ -549,6 +549,25 @@ def test_bad_arguments(kwargs, exc, match) -> None:
         offload.ActivationOffloader(nn.Linear(2, 2), **kwargs)
 
 
+@pytest.mark.parametrize("where", ["a directory", "nowhere"])
+def test_nvme_dir_without_nvme_in_tiers_is_ignored_with_a_warning(where: str, tmp_path) -> None:
+    """``nvme_dir`` while ``"nvme"`` is not in ``tiers``: nothing ever goes there. Before, that
+    passed silently (and a directory that does not exist raised NvmeDirError, for an argument
+    never used); now a RuntimeWarning names both arguments and the directory is not checked."""
+    nvme_dir = tmp_path if where == "a directory" else "/definitely/not/here"
+    case = mlp(seed=0)
+    ignored = r"nvme_dir=.* is ignored: 'nvme' is not in tiers="
+    with pytest.warns(RuntimeWarning, match=ignored) as w:
+        mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0, nvme_dir=nvme_dir)
+    assert len(w) == 1 and w[0].filename == __file__ and "('cpu',)" in str(w[0].message)
+    try:
+        assert mgr.config.nvme_dir is None
+        step(case, mgr)
+        assert mgr.stats.last.bytes_offloaded_cpu > 0 == mgr.stats.last.bytes_offloaded_nvme
+    finally:
+        mgr.close()
+
+
 def test_cpu_budget_zero_with_nvme_sends_everything_to_nvme(tmp_path) -> None:
     """0 means no host room (it used to mean the default): with 'nvme' in tiers, every record
     goes there."""
