@@ -621,8 +621,11 @@ class ActivationOffloader:
                 self._profiler = None
 
     def __repr__(self) -> str:
+        mode = "min-memory" if self._budget_bytes is None else f"gpu_budget={self._budget_bytes}"
         state = "closed" if self._closed else f"{self._step_index} steps"
-        return f"ActivationOffloader(device={self.device}, tiers={self.config.tiers}, {state})"
+        return (
+            f"ActivationOffloader(device={self.device}, {mode}, tiers={self.config.tiers}, {state})"
+        )
 
     # -- setup ---------------------------------------------------------------------------------
 

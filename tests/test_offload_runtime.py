@@ -597,6 +597,21 @@ def test_an_nvme_dir_this_process_cannot_write_fails_at_construction(tmp_path) -
         ro.chmod(0o700)
 
 
+def test_repr_shows_the_mode() -> None:
+    """The mode is the first thing to know about a manager; repr did not say it."""
+    plain = offload.ActivationOffloader(nn.Linear(2, 2))
+    budgeted = offload.ActivationOffloader(nn.Linear(2, 2), gpu_budget="1MiB")
+    try:
+        assert repr(plain) == "ActivationOffloader(device=cpu, min-memory, tiers=('cpu',), 0 steps)"
+        assert repr(budgeted) == (
+            "ActivationOffloader(device=cpu, gpu_budget=1048576, tiers=('cpu',), 0 steps)"
+        )
+    finally:
+        plain.close()
+        budgeted.close()
+    assert repr(budgeted).endswith("gpu_budget=1048576, tiers=('cpu',), closed)")
+
+
 def test_model_must_be_a_module() -> None:
     with pytest.raises(TypeError, match="model"):
         offload.ActivationOffloader(object())  # type: ignore[arg-type]
