@@ -165,8 +165,8 @@ class ActivationOffloader:
 
     Args:
         model: the module whose forward runs inside the steps.
-        gpu_budget: device memory a step may use, everything included (int bytes, ``"12GiB"``,
-            or ``"85%"`` of the device's memory); ``None``: min-memory mode.
+        gpu_budget: device memory a step may use, everything included (int bytes > 0,
+            ``"12GiB"``, or ``"85%"`` of the device's memory); ``None``: min-memory mode.
         tiers: where bytes may go, in spill and fallback order: ``("cpu",)``, ``("nvme",)``,
             ``("cpu", "nvme")``, ``("nvme", "cpu")``.
         cpu_budget: the most bytes this manager keeps in host memory (int or "8GiB"); ``None``
@@ -280,6 +280,13 @@ class ActivationOffloader:
         if gpu_budget is None and user_plan is not None:
             gpu_budget = user_plan.gpu_budget_bytes
         self._budget_bytes = None if gpu_budget is None else resolve_budget(gpu_budget, self.device)
+        if self._budget_bytes == 0:
+            # No step fits in no memory: refused here, not by the plan after the profiling step.
+            raise ValueError(
+                f"gpu_budget={gpu_budget!r} is 0 bytes, which no step fits in; give the device "
+                "memory a step may use (int bytes > 0, a size such as '12GiB', or '85%' of a "
+                "CUDA device's memory), or None for min-memory mode"
+            )
         self._user_plan = user_plan
         if user_plan is not None:
             names = {n for n, _ in named_modules_stop_at_compiled(model)} - {""}

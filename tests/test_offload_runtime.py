@@ -534,6 +534,9 @@ def test_steps_do_not_nest() -> None:
         ({"gpu_budget": "85%"}, ValueError, "gpu_budget"),
         ({"gpu_budget": "lots"}, ValueError, "gpu_budget"),
         ({"gpu_budget": -1}, ValueError, "gpu_budget"),
+        # 0 was taken, and the step after the profiling one raised BudgetInfeasibleError.
+        ({"gpu_budget": 0}, ValueError, r"gpu_budget=0 is 0 bytes.*None for min-memory mode"),
+        ({"gpu_budget": "0GiB"}, ValueError, r"gpu_budget='0GiB' is 0 bytes.*int bytes > 0"),
         ({"plan": object()}, TypeError, "plan"),
         ({"hardware": 3}, TypeError, "hardware"),
         ({"hardware": "/definitely/not/here.json"}, FileNotFoundError, "not/here"),
