@@ -26,7 +26,7 @@ from lifecycle._plan import BudgetInfeasibleError, Plan
 from lifecycle._planner import plan
 from lifecycle._simulate import Placement, Simulation, _step_index, offload_all, simulate
 from lifecycle._trace import Event, EventKind, Trace
-from lifecycle._units import parse_bytes
+from lifecycle._units import check_count, parse_bytes
 
 Action = tuple[str, int]  # ("F" | "B", microbatch)
 
@@ -40,9 +40,8 @@ def schedule_1f1b(stages: int, microbatches: int) -> list[list[Action]]:
         >>> [" ".join(f"{k}{m}" for k, m in a) for a in schedule_1f1b(2, 4)]
         ['F0 F1 B0 F2 B1 F3 B2 B3', 'F0 B0 F1 B1 F2 B2 F3 B3']
     """
-    for name, value in (("stages", stages), ("microbatches", microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+    check_count(stages, name="stages", minimum=1)
+    check_count(microbatches, name="microbatches", minimum=1)
     out = []
     for s in range(stages):
         warmup = min(stages - s, microbatches)
@@ -113,7 +112,11 @@ def pipeline_trace(
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a lifecycle.Trace; got {type(trace).__name__}")
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise TypeError(
+            f"stage must be an int (a stage index); got {type(stage).__name__} {stage!r}"
+        )
+    if not 0 <= stage < stages:
         raise ValueError(f"stage must be an int in [0, {stages - 1}]; got {stage!r}")
     actions = schedule_1f1b(stages, microbatches)
     index = _step_index(trace, step)  # in [-steps, steps - 1], as lifecycle.plan takes it

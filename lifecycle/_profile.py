@@ -11,6 +11,7 @@ from torch import nn
 from lifecycle._clock import Clock
 from lifecycle._recorder import MemoryProbe, Recorder
 from lifecycle._trace import Trace
+from lifecycle._units import check_count
 
 
 def profile(
@@ -44,7 +45,8 @@ def profile(
         A :class:`Trace`.
 
     Raises:
-        TypeError: ``step_fn`` is not callable or ``model`` is not an ``nn.Module``.
+        TypeError: ``step_fn`` is not callable, ``model`` is not an ``nn.Module``, or
+            ``warmup_steps`` / ``steps`` is not an int (a float or a bool).
         ValueError: ``warmup_steps < 0`` or ``steps < 1``.
 
     Example:
@@ -61,10 +63,8 @@ def profile(
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0; got {warmup_steps!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1; got {steps!r}")
+    check_count(warmup_steps, name="warmup_steps", minimum=0)
+    check_count(steps, name="steps", minimum=1)
     for _ in range(warmup_steps):
         step_fn()
     rec = Recorder(clock=clock, memory_probe=memory_probe)

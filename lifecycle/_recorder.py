@@ -49,6 +49,7 @@ from lifecycle._tensors import (
     tensors_in,
 )
 from lifecycle._trace import Event, EventKind, TensorRecord, Trace
+from lifecycle._units import check_count
 
 MemoryProbe = Callable[[], int]
 # Nodes whose outputs may be rebuilt from another record (activation_output): the activations'
@@ -199,10 +200,8 @@ class Recorder:
             self._boundary = StepBoundary(boundary)
         except ValueError:
             raise ValueError(f"boundary must be 'manual' or 'backward'; got {boundary!r}") from None
-        if not isinstance(max_steps, int) or max_steps < 0:
-            raise ValueError(f"max_steps must be an int >= 0; got {max_steps!r}")
-        if not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0; got {warmup_steps!r}")
+        check_count(max_steps, name="max_steps", minimum=0)
+        check_count(warmup_steps, name="warmup_steps", minimum=0)
         self._warmup_left = warmup_steps
         self._pause_gc = bool(pause_gc)
         self._gc_paused = False

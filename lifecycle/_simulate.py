@@ -261,7 +261,8 @@ def simulate(
         A :class:`Simulation`.
 
     Raises:
-        TypeError: ``trace`` is not a :class:`Trace` or ``hardware`` not a :class:`HardwareModel`.
+        TypeError: ``trace`` is not a :class:`Trace`, ``hardware`` not a :class:`HardwareModel`,
+            or ``step`` not an int.
         ValueError: ``step`` is out of range; a placement names a family not in the step, moves or
             recomputes a parameter or a family packed in backward, has a ``reload_event`` outside
             the family's life, recomputes a family that no module's forward encloses, or rebuilds
@@ -518,7 +519,7 @@ def _step_index(trace: Trace, step: int) -> int:
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a lifecycle.Trace; got {type(trace).__name__}")
     if isinstance(step, bool) or not isinstance(step, int):
-        raise ValueError(f"step must be an int; got {step!r}")
+        raise TypeError(f"step must be an int (a step index); got {type(step).__name__} {step!r}")
     if trace.steps < 1:
         raise ValueError("the trace has no recorded step")
     if not -trace.steps <= step < trace.steps:

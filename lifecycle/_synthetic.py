@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from lifecycle._trace import Event, EventKind, TensorRecord, Trace
+from lifecycle._units import check_count
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ def transformer_trace(
         base_bytes: memory in use at the step's start (weights, optimizer state).
 
     Raises:
+        TypeError: a size, ``dtype_bytes`` or ``base_bytes`` that is not an int (a float, a
+            bool); the message names it.
         ValueError: an argument out of its range (the message names it): the sizes and
             ``dtype_bytes`` are ints >= 1, ``base_bytes`` an int >= 0, the rates finite and > 0.
 
@@ -94,10 +97,8 @@ def transformer_trace(
     if seq_len is not None:
         counts.append(("seq_len", seq_len))
     for name, value in counts:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
-    if isinstance(base_bytes, bool) or not isinstance(base_bytes, int) or base_bytes < 0:
-        raise ValueError(f"base_bytes must be an int >= 0; got {base_bytes!r}")
+        check_count(value, name=name, minimum=1)
+    check_count(base_bytes, name="base_bytes", minimum=0)
     for name, rate in (("flops_per_s", flops_per_s), ("memory_bytes_per_s", memory_bytes_per_s)):
         # Every op's time is a size divided by a rate: 0 divides by zero, a negative rate runs
         # time backwards, and an infinite one makes ops take no time.

@@ -113,3 +113,18 @@ def format_bytes(n: float) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def check_count(value: object, *, name: str, minimum: int = 0) -> int:
+    """An int argument (a count of steps, stages, threads ...) of at least ``minimum``.
+
+    Raises:
+        TypeError: ``value`` is not an int: a float (``1.5``, or ``2.0``, which is no count
+            either), a str, or a bool (an int to Python, never meant as a count).
+        ValueError: ``value < minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}; got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+    return value

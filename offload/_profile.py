@@ -33,7 +33,8 @@ def profile(
         A :class:`Trace`.
 
     Raises:
-        TypeError: ``step_fn`` is not callable or ``model`` is not an ``nn.Module``.
+        TypeError: ``step_fn`` is not callable, ``model`` is not an ``nn.Module``, or
+            ``warmup_steps`` / ``steps`` is not an int (a float or a bool).
         ValueError: ``warmup_steps < 0`` or ``steps < 1``.
 
     Example:

@@ -14,7 +14,7 @@ import numpy as np
 
 from storage._errors import StorageFullError
 from storage._file import SpillFile, storage_error
-from storage._units import ALIGNMENT_BYTES, IO_THREADS, format_bytes, round_up
+from storage._units import ALIGNMENT_BYTES, IO_THREADS, check_count, format_bytes, round_up
 
 # A probe takes at most 1 / _FREE_SPACE_DIVISOR of the directory's free space: measuring a disk
 # must not fill it (other ranks, or the job itself, may be writing there).
@@ -56,8 +56,8 @@ def measure_disk_bandwidth(
         system"``).
 
     Raises:
-        ValueError: ``nbytes`` or ``threads`` is not a positive int, or ``directory`` is not a
-            directory.
+        TypeError: ``nbytes`` or ``threads`` is not an int (a float, a bool).
+        ValueError: ``nbytes`` or ``threads`` is below 1, or ``directory`` is not a directory.
         StorageFullError: the directory has too little free space for even a 4 KiB probe, or
             the file space could not be reserved.
         OSError: a write or read failed (EIO, ...).
@@ -70,10 +70,8 @@ def measure_disk_bandwidth(
         >>> r["direct_io"] == (r["direct_io_note"] is None)
         True
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-        raise ValueError(f"nbytes must be a positive int; got {nbytes!r}")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be an int >= 1; got {threads!r}")
+    check_count(nbytes, name="nbytes", minimum=1)
+    check_count(threads, name="threads", minimum=1)
     where = os.fspath(directory)
     requested = round_up(nbytes)
     spill = SpillFile(directory, direct_io=direct_io)  # ValueError if it is no directory

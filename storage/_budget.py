@@ -12,6 +12,8 @@ import dataclasses
 import os
 from collections.abc import Callable
 
+from storage._units import check_count
+
 # The share of a node resource all ranks together take by default is 1 / _SHARE_DIVISOR: the
 # rest is left to the framework, the data loader and the page cache.
 _SHARE_DIVISOR = 2
@@ -89,7 +91,8 @@ def rank_share_bytes(node_bytes: int, local_ranks: int | None = None) -> int:
         local_ranks: ranks sharing it; ``None`` means :func:`local_world_size`.
 
     Raises:
-        ValueError: ``local_ranks`` is not a positive integer.
+        TypeError: ``local_ranks`` is not an int (a float, a bool).
+        ValueError: ``local_ranks`` is below 1.
 
     Example:
         >>> rank_share_bytes(64 << 30, local_ranks=4) == 8 << 30
@@ -97,8 +100,7 @@ def rank_share_bytes(node_bytes: int, local_ranks: int | None = None) -> int:
     """
     if local_ranks is None:
         local_ranks = local_world_size()
-    if isinstance(local_ranks, bool) or not isinstance(local_ranks, int) or local_ranks < 1:
-        raise ValueError(f"local_ranks must be a positive int; got {local_ranks!r}")
+    check_count(local_ranks, name="local_ranks", minimum=1)
     return max(0, int(node_bytes)) // _SHARE_DIVISOR // local_ranks
 
 

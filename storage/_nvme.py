@@ -32,6 +32,7 @@ from storage._units import (
     ALIGNMENT_BYTES,
     CHECKSUM_CHUNK_BYTES,
     IO_THREADS,
+    check_count,
     format_bytes,
     round_up,
 )
@@ -109,8 +110,7 @@ class NvmeTier(Tier):
         super().__init__()
         if backend not in ("posix", "kvikio"):
             raise ValueError(f"backend must be 'posix' or 'kvikio'; got {backend!r}")
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise ValueError(f"io_threads must be an int >= 1; got {io_threads!r}")
+        check_count(io_threads, name="io_threads", minimum=1)
         for arg, value in (("capacity_bytes", capacity_bytes), ("growth_bytes", growth_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{arg} must be an int number of bytes; got {type(value).__name__}")

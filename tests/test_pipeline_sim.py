@@ -86,6 +86,15 @@ def test_bad_arguments() -> None:
         pipeline_trace(_one(), stage=4, stages=4, microbatches=8)
     with pytest.raises(TypeError, match="trace"):
         pipeline_trace("x", stage=0, stages=2, microbatches=2)  # type: ignore[arg-type]
+    # Another type than int is a TypeError naming the argument (a ValueError before).
+    with pytest.raises(TypeError, match=r"stages must be an int >= 1; got float 2\.0"):
+        schedule_1f1b(2.0, 4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="microbatches must be an int >= 1; got bool"):
+        schedule_1f1b(2, True)
+    with pytest.raises(TypeError, match="stage must be an int"):
+        pipeline_trace(_one(), stage=0.0, stages=2, microbatches=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="step must be an int"):
+        predict_1f1b(_one(), IDEAL, stages=2, microbatches=2, step=0.0)  # type: ignore[arg-type]
     # A step the trace does not have, as lifecycle.plan refuses it (not wrapped around).
     for step in (1, -2):
         with pytest.raises(ValueError, match=r"step must be in \[-1, 0\] .*got " + str(step)):

@@ -785,6 +785,17 @@ def test_transformer_trace_names_a_bad_argument(change: dict, named: str) -> Non
         transformer_trace(layers=1, hidden=8, tokens=4, **change)
 
 
+@pytest.mark.parametrize(
+    "change", [{"layers": 1.5}, {"hidden": 8.0}, {"dtype_bytes": True}, {"base_bytes": 0.0}]
+)
+def test_transformer_trace_counts_of_another_type_are_type_errors(change: dict) -> None:
+    """A float or a bool where a count goes is a TypeError naming it (it was a ValueError)."""
+    (named,) = change
+    kw = {"layers": 1, "hidden": 8, "tokens": 4, **change}
+    with pytest.raises(TypeError, match=f"^{named} must be an int >= [01]; got"):
+        transformer_trace(**kw)
+
+
 def test_swiglu_trace_saves_what_a_llama_layer_saves() -> None:
     """``transformer_trace(mlp="swiglu")``: per layer 15 records in 11 families, 16·h + 8·f
     bytes per token (bf16), the SiLU output linked to the gate output the SiLU saved and both

@@ -435,6 +435,19 @@ def test_bad_arguments() -> None:
         offload.profile(lambda: None, nn.Linear(2, 2), warmup_steps=-1)
     with pytest.raises(ValueError, match="steps"):
         offload.profile(lambda: None, nn.Linear(2, 2), steps=0)
+    # Another type than int is a TypeError naming the argument (a ValueError before; and
+    # Recorder took max_steps=True as 1).
+    for kw, named in (
+        ({"warmup_steps": 1.5}, "warmup_steps must be an int >= 0; got float 1.5"),
+        ({"warmup_steps": True}, "warmup_steps must be an int >= 0; got bool True"),
+        ({"steps": 2.0}, "steps must be an int >= 1; got float 2.0"),
+    ):
+        with pytest.raises(TypeError, match=named):
+            offload.profile(lambda: None, nn.Linear(2, 2), **kw)
+    with pytest.raises(TypeError, match="max_steps must be an int >= 0; got bool"):
+        Recorder(max_steps=True)
+    with pytest.raises(TypeError, match="warmup_steps must be an int >= 0; got float"):
+        Recorder(warmup_steps=0.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="boundary"):
         Recorder(boundary="sometimes")
     with pytest.raises(TypeError, match="clock"):

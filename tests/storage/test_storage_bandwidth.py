@@ -55,5 +55,9 @@ def test_measure_disk_bandwidth_rejects_bad_arguments(tmp_path):
         measure_disk_bandwidth(tmp_path, nbytes=0)
     with pytest.raises(ValueError, match="threads"):
         measure_disk_bandwidth(tmp_path, nbytes=4096, threads=0)
+    with pytest.raises(TypeError, match="nbytes must be an int >= 1; got float"):
+        measure_disk_bandwidth(tmp_path, nbytes=4096.0)
+    with pytest.raises(TypeError, match="threads must be an int >= 1; got bool"):
+        measure_disk_bandwidth(tmp_path, nbytes=4096, threads=True)
     with pytest.raises(ValueError, match="not a directory"):
         measure_disk_bandwidth(tmp_path / "missing", nbytes=4096)

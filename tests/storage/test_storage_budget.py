@@ -144,8 +144,11 @@ def test_rank_share_is_half_split_over_local_ranks():
     assert rank_share_bytes(7, 2) == 1  # rounded down, in integers (no float rounding)
     assert rank_share_bytes((1 << 62) + 2, 1) == (1 << 61) + 1
     assert rank_share_bytes(-5, 1) == 0
-    for bad in (0, -1, 1.5, True):
+    for bad in (0, -1):
         with pytest.raises(ValueError, match="local_ranks"):
+            rank_share_bytes(GiB, bad)
+    for bad in (1.5, 2.0, True):  # no int: a TypeError (it was a ValueError)
+        with pytest.raises(TypeError, match="local_ranks must be an int >= 1; got"):
             rank_share_bytes(GiB, bad)
 
 

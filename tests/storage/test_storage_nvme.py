@@ -532,6 +532,9 @@ def test_bad_arguments(tmp_path, pool):
         NvmeTier(tmp_path, capacity_bytes=MiB, backend="gds")
     with pytest.raises(ValueError, match="io_threads"):
         NvmeTier(tmp_path, capacity_bytes=MiB, io_threads=0)
+    for bad in (2.0, True):
+        with pytest.raises(TypeError, match="io_threads must be an int >= 1; got"):
+            NvmeTier(tmp_path, capacity_bytes=MiB, io_threads=bad)
     with NvmeTier(tmp_path, capacity_bytes=MiB, pool=pool) as tier:
         with pytest.raises(TypeError, match=r"HostRegion or a torch\.Tensor"):
             tier.write(b"bytes")  # type: ignore[arg-type]
