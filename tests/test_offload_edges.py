@@ -49,6 +49,11 @@ def manager(model: nn.Module, engine: str = "sync", **kw: Any) -> Iterator[Any]:
             eng.close()
 
 
+def nvme_kw(tiers: tuple[str, ...], tmp_path: Any) -> dict[str, Any]:
+    """``nvme_dir=`` where ``tiers`` uses it (given without "nvme", it is ignored with a warning)."""
+    return {"nvme_dir": tmp_path} if "nvme" in tiers else {}
+
+
 def local_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
@@ -320,7 +325,7 @@ def test_unsafe_chunk_pieces_changed_in_place_are_stored_apart(
     assert len(pieces) == 3 and len({r.storage_nbytes for r in pieces}) == 1
     assert len({r.family for r in pieces}) == 3  # the recorder keeps them apart too
     model.zero_grad(set_to_none=True)
-    with manager(model, engine, tiers=tiers, nvme_dir=tmp_path) as mgr:
+    with manager(model, engine, tiers=tiers, **nvme_kw(tiers, tmp_path)) as mgr:
         with mgr:
             loss = model(x).sum()
         loss.backward()
@@ -905,7 +910,7 @@ def test_sparse_and_nested_saved_tensors_stay_where_they_are(
     model(x).backward()
     want = local_grads(model)
     model.zero_grad(set_to_none=True)
-    with manager(model, tiers=tiers, nvme_dir=tmp_path) as mgr:
+    with manager(model, tiers=tiers, **nvme_kw(tiers, tmp_path)) as mgr:
         with mgr:
             loss = model(x)
         loss.backward()
@@ -1029,7 +1034,7 @@ def test_a_prefetch_without_memory_leaves_the_family_for_its_unpack(
         return real(*args, **kw)
 
     monkeypatch.setattr(executor_module, "aligned_buffer", short_for_prefetches)
-    with manager(case.model, tiers=tiers, nvme_dir=tmp_path) as mgr:
+    with manager(case.model, tiers=tiers, **nvme_kw(tiers, tmp_path)) as mgr:
         case.model.zero_grad(set_to_none=True)
         with mgr:
             loss = case.loss(case.batch(0))
