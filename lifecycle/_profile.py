@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from lifecycle._clock import Clock
 from lifecycle._recorder import MemoryProbe, Recorder
-from lifecycle._trace import Trace
+from lifecycle._trace import EventKind, Trace
 from lifecycle._units import check_count
 
 
@@ -44,6 +45,10 @@ def profile(
     Returns:
         A :class:`Trace`.
 
+    Warns:
+        RuntimeWarning: the recorded steps saved no tensor for backward, or ran no backward
+            (a ``step_fn`` that only runs forward): the trace is returned all the same.
+
     Raises:
         TypeError: ``step_fn`` is not callable, ``model`` is not an ``nn.Module``, or
             ``warmup_steps`` / ``steps`` is not an int (a float or a bool).
@@ -57,6 +62,30 @@ def profile(
         >>> sorted({r.module for r in trace.activation_records})
         ['0', '1', '2']
     """
+    trace = record_steps(
+        step_fn,
+        model,
+        warmup_steps=warmup_steps,
+        steps=steps,
+        clock=clock,
+        memory_probe=memory_probe,
+        metadata=metadata,
+    )
+    warn_if_unused(trace, stacklevel=2)
+    return trace
+
+
+def record_steps(
+    step_fn: Callable[[], Any],
+    model: nn.Module,
+    *,
+    warmup_steps: int,
+    steps: int,
+    clock: Clock | None,
+    memory_probe: MemoryProbe | None,
+    metadata: dict[str, Any] | None,
+) -> Trace:
+    """:func:`profile` without its warnings (their callers' line differs)."""
     if not callable(step_fn):
         raise TypeError(
             f"step_fn must be a callable running forward and backward; got {type(step_fn).__name__}"
@@ -77,3 +106,29 @@ def profile(
             finally:
                 rec.end_step()
     return rec.trace({"warmup_steps": warmup_steps, **(metadata or {})})
+
+
+def warn_if_unused(trace: Trace, *, stacklevel: int) -> None:
+    """Warn (``RuntimeWarning``, at the caller's ``stacklevel``) when the recorded steps saved
+    nothing for backward, or ran no backward: a plan from such a trace keeps or moves tensors no
+    backward reads, and the mistake (a ``step_fn`` that only runs forward, or runs under
+    ``no_grad``) is easier to see here than in a plan."""
+    saved = sum(1 for r in trace.records if not r.is_parameter)
+    if not trace.records:
+        why = (
+            "saved no tensor for backward (did step_fn call the model, with grad enabled?); "
+            "the trace is empty"
+        )
+    elif not any(e.kind is EventKind.UNPACK for e in trace.events):
+        why = (
+            f"ran no backward: none of the {len(trace.records)} saved tensors ({saved} "
+            "activations) was used. step_fn must run forward and backward, e.g. "
+            "lambda: model(x).sum().backward()"
+        )
+    else:
+        return
+    warnings.warn(
+        f"profile: the {trace.steps} recorded step(s) {why}",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )

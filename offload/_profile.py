@@ -7,8 +7,8 @@ from typing import Any
 
 from torch import nn
 
-import lifecycle
 from lifecycle import Trace
+from lifecycle._profile import record_steps, warn_if_unused
 from offload._device import clock_and_probe, compute_device
 
 
@@ -32,6 +32,10 @@ def profile(
     Returns:
         A :class:`Trace`.
 
+    Warns:
+        RuntimeWarning: the recorded steps saved no tensor for backward, or ran no backward
+            (a ``step_fn`` that only runs forward): the trace is returned all the same.
+
     Raises:
         TypeError: ``step_fn`` is not callable, ``model`` is not an ``nn.Module``, or
             ``warmup_steps`` / ``steps`` is not an int (a float or a bool).
@@ -48,7 +52,7 @@ def profile(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     clock, probe, label = clock_and_probe(compute_device(model))
-    return lifecycle.profile(
+    trace = record_steps(
         step_fn,
         model,
         warmup_steps=warmup_steps,
@@ -57,3 +61,5 @@ def profile(
         memory_probe=probe,
         metadata={"device": label, "source": "offload.profile"},
     )
+    warn_if_unused(trace, stacklevel=2)
+    return trace

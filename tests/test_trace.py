@@ -7,12 +7,14 @@ import errno
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 from models import gpt_block, views_model
 from torch import nn
 
+import lifecycle
 import offload
 from lifecycle import (
     SCHEMA_VERSION,
@@ -400,3 +402,28 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path, file_size
         assert e.value.errno == errno.EFBIG
         assert target.read_text() == "old"
         assert sorted(f.name for f in tmp_path.iterdir()) == sorted(written)  # no *.tmpPID
+
+
+def test_profile_warns_when_the_steps_run_no_backward_or_save_nothing() -> None:
+    """A step_fn that only runs forward, or runs it without grad, gives a trace no plan can use:
+    said at the caller's line (the trace comes back all the same)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    x = torch.randn(4, 8)
+
+    def forward_only() -> None:
+        model(x).sum()
+
+    def no_grad() -> None:
+        with torch.no_grad():
+            model(x).sum()
+
+    for profile in (offload.profile, lifecycle.profile):
+        with pytest.warns(RuntimeWarning, match="ran no backward: none of the") as caught:
+            trace = profile(forward_only, model, warmup_steps=0)
+        assert caught[0].filename == __file__ and trace.records
+        with pytest.warns(RuntimeWarning, match="saved no tensor for backward") as caught:
+            trace = profile(no_grad, model, warmup_steps=0)
+        assert caught[0].filename == __file__ and not trace.records
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            profile(lambda: model(x).sum().backward(), model, warmup_steps=0)
