@@ -197,14 +197,15 @@ class NormOutputs:
         # while the entry lives.
         self._by_node: dict[int, tuple[weakref.ref[torch.Tensor], NormArgs, int]] = {}
 
-    def note(self, module: nn.Module, output: Any) -> None:
-        """From a forward hook: ``output`` of ``module``, if it is a norm module's own output."""
+    def note(self, module: nn.Module, output: Any) -> NormArgs | None:
+        """From a forward hook: ``output`` of ``module``, if it is a norm module's own output;
+        the arguments noted with it, or None."""
         node = NORM_MODULES.get(type(module))
         if node is None or type(output) is not torch.Tensor:
-            return
+            return None
         fn = output.grad_fn
         if fn is None or type(fn).__name__ != node:
-            return
+            return None
         key, table = id(fn), self._by_node
 
         def forget(ref: weakref.ref[torch.Tensor]) -> None:
@@ -213,6 +214,13 @@ class NormOutputs:
 
         args = NormArgs(cast("nn.LayerNorm | nn.RMSNorm", module))  # its type was checked
         table[key] = (weakref.ref(output, forget), args, output._version)
+        return args
+
+    def forget(self, output: torch.Tensor) -> None:
+        """Drop ``output``'s entry (its arguments cannot rebuild it)."""
+        fn = output.grad_fn
+        if fn is not None:
+            self._by_node.pop(id(fn), None)
 
     def output_of(self, fn: Any) -> tuple[torch.Tensor, NormArgs] | None:
         """The noted output whose autograd node is ``fn``, unchanged since, and its arguments."""

@@ -60,7 +60,13 @@ from offload._planned import (
     signature_of,
 )
 from offload._planning import resolve_budget, resolve_hardware
-from offload._recipe import ActivationRecipe, SharedRebuild, WeightCast, weight_cast
+from offload._recipe import (
+    ActivationRecipe,
+    SharedRebuild,
+    WeightCast,
+    hold_norm_weights,
+    weight_cast,
+)
 from offload._stats import OffloadStats, StepStats
 
 log = logging.getLogger("offload")
@@ -1587,7 +1593,9 @@ class _ForwardPost(ModuleHook):
         if foreign_call(mgr._step_thread):
             return
         name, _, own, call, _ = mgr._stack.pop()
-        mgr._norms.note(module, output)
+        noted = mgr._norms.note(module, output)
+        if noted is not None:
+            hold_norm_weights(mgr._norms, noted, output, mgr._params)
         ex = mgr._executor
         if ex is None or ex.step is None or not torch.is_grad_enabled():
             return

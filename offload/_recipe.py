@@ -37,10 +37,20 @@ NOTE [ Activation recipes ]
     torch decomposes that op into elementwise nodes (the last one saves the normalised tensor,
     not the input), so there its outputs are stored. The tests give the op CPU kernels (torch's
     own decompositions, registered for the test) to run the real ``FusedRmsNormBackward0`` on
-    CPU. (A norm made an FSDP2 unit of its own has another type, ``FSDPLayerNorm`` say, and
-    could have its weight resharded before the Linear's backward; inside a larger unit, that unit's
-    pre-backward unshard precedes the Linear's backward.) The weight and bias versions are
-    checked at unpack (changed in place, they would give another output: ``OffloadError``).
+    CPU. (A norm made an FSDP2 unit of its own has another type, ``FSDPLayerNorm`` say: not
+    noted.) A norm's weight and bias are read again at the rebuild, so they must still hold
+    their forward's bytes then: the model's own parameters do (their versions are checked at
+    unpack: changed in place, they would give another output, ``OffloadError``). A weight that
+    is no registered parameter storage at the step's start was swapped in for the forward
+    only: FSDP2's unsharded parameter, whose storage ``reshard_after_forward`` frees when the
+    norm's unit ends its forward and fills again only at that unit's pre-backward. Where the
+    output's saver sits in a later unit (a post-norm block ends with its norm, and the next
+    block's first Linear saves the output), the saver's backward came first and found the
+    storage freed ("data is not allocated yet") or, with a prefetch, allocated but not yet
+    filled. The forward hook that notes such a norm output therefore copies its weight and bias
+    (``hold_norm_weights``: a norm's weights, a few KiB against the output's rows x width,
+    aligned as the originals, see NOTE [ Alias handling ]); a weight already freed when the
+    output is noted leaves the output unnoted (stored).
     Under autocast a norm runs in float32 and the Linear saves a bf16 cast of its output
     (``ToCopyBackward0`` whose only input is the noted node): the recipe rebuilds the output and
     casts it again (the same ``_to_copy``). A chain (a LayerNorm of a GELU output) rebuilds the
@@ -68,8 +78,15 @@ from typing import Any
 
 import torch
 
-from lifecycle._tensors import Activation, ParameterStorages, parameter_cast
+from lifecycle._tensors import (
+    Activation,
+    NormArgs,
+    NormOutputs,
+    ParameterStorages,
+    parameter_cast,
+)
 from offload._errors import OffloadError
+from offload._family import aligned_buffer
 
 
 class WeightCast:
@@ -225,4 +242,39 @@ class ActivationRecipe:
                     out = torch.nn.functional.rms_norm(parent, args.shape, args.weight, args.eps)
             if self.cast is not None:
                 out = out.to(self.cast)
+        return out
+
+
+def hold_norm_weights(
+    norms: NormOutputs, args: NormArgs, out: torch.Tensor, params: ParameterStorages
+) -> None:
+    """A norm output was just noted with ``args``: where its weight or bias is no registered
+    parameter storage (FSDP2's unsharded parameter, freed after its unit's forward), the
+    rebuild gets a copy of it, taken now; one already freed unnotes the output (see NOTE
+    [ Activation recipes ])."""
+    for name in ("weight", "bias"):
+        w = getattr(args, name)
+        if w is None:
+            continue
+        if type(w) is not torch.Tensor and type(w) is not torch.nn.Parameter:
+            continue  # a DTensor weight makes a DTensor output: never noted
+        if params.registered(w):
+            continue
+        if w.untyped_storage().nbytes() == 0:
+            norms.forget(out)
+            return
+        setattr(args, name, _aligned_copy(w))
+        setattr(args, f"{name}_version", getattr(args, name)._version)
+
+
+def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose address is congruent to ``t``'s modulo ALIGN_BYTES (kernels choose
+    code paths by alignment; NOTE [ Alias handling ])."""
+    with torch.no_grad():
+        if not t.is_contiguous():
+            return t.detach().clone()
+        nbytes = t.numel() * t.element_size()
+        raw, off = aligned_buffer(nbytes, t.data_ptr(), t.device)
+        out = raw[off : off + nbytes].view(t.dtype).view(t.shape)
+        out.copy_(t)
         return out

@@ -582,3 +582,72 @@ def test_fsdp2_gradients_bitwise_unsharded_views_stay_prefetch_runs(ranks: RankP
         # The norms sit inside their block's FSDP unit (the final one in the root's), whose
         # unshard precedes their savers' backward.
         assert r["min_memory"]["records_rebuilt"] == [13] * STEPS, r["min_memory"]
+
+
+class PostNormBlock(nn.Module):
+    """A post-norm block (BERT's layout): it ends with its LayerNorm, whose output the next
+    block's first Linear saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN)
+        self.w2 = nn.Linear(HIDDEN, DIM)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.w2(F.relu(self.w1(x))))
+
+
+def fsdp_post_norm(mesh: Any) -> nn.Module:
+    """Three post-norm blocks and a head, ``fully_shard`` per block (resharded after forward)
+    and on the root; each norm's weight and bias made distinct."""
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(PostNormBlock() for _ in range(3)), nn.Linear(DIM, DIM))
+    with torch.no_grad():
+        for i, block in enumerate(model[:3]):
+            block.norm.weight.add_(0.5 * (i + 1))
+            block.norm.bias.add_(0.25 * (i + 1))
+    for block in model[:3]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fsdp_post_norm_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def inputs(step: int) -> torch.Tensor:
+        return batch(step, rank)
+
+    reference = fsdp_post_norm(mesh)
+    want = run_steps(reference, inputs)
+    model = fsdp_post_norm(mesh)
+    try:
+        with manager(model, rank) as mgr:
+            got = run_steps(model, inputs, mgr)
+    except Exception:
+        return {"error": traceback.format_exc(limit=-3)}
+    params = [
+        n
+        for (n, p), q in zip(model.named_parameters(), reference.parameters(), strict=True)
+        if not torch.equal(p._local_tensor, q._local_tensor)
+    ]
+    return compare(got, want) | {"want_comms": want.comms, "error": None, "params": params}
+
+
+def test_fsdp2_post_norm_output_saved_by_the_next_unit(ranks: RankPool) -> None:
+    """Block i's norm output is saved by block i+1's first Linear, whose backward runs before
+    block i's unshard: the norm weight FSDP2 freed after block i's forward is not read there
+    (the rebuild uses a copy taken at the norm's forward); gradients and parameters after SGD
+    are bitwise the reference's, and the norm outputs are still rebuilt, not stored."""
+    for rank, r in enumerate(ranks.run(_fsdp_post_norm_worker)):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        check(rank, "min_memory", r, r["want_comms"])
+        assert r["params"] == [], f"rank {rank}: parameters differ after SGD: {r['params']}"
+        # Blocks 2 and 3 save the previous block's norm output (w1), the head the last one's.
+        assert r["records_rebuilt"] == [3] * STEPS, r["records_rebuilt"]
