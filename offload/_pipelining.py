@@ -15,6 +15,9 @@ NOTE [ Pipelining ]
         the end before it. Bytes are released when the graph of m dies (after B, or after W).
     Everything else is the manager's own: the schedule's first-step shape inference and the last
     stage's loss run outside any F and are not offloaded, and each rank's manager is its own.
+    A forward-only run (``schedule.eval()``: the stage's ``has_backward`` is False, its B
+    chunks return at once) offloads its F chunks in min-memory mode as any other; in budget
+    mode its chunks run as they are (see below).
 
     Budget mode (``gpu_budget``, or ``plan=``): a round is one pass of the schedule over the
     stage's ``chunks`` microbatches, from the forward of the first to the last backward (B, or
@@ -30,7 +33,10 @@ NOTE [ Pipelining ]
     plan. One manager per stage: a rank with several stages (interleaved, zero-bubble V) gives at
     most one of them a budget, since a budget bounds the whole device and the other stages'
     memory is taken as the fixed part of the profile (which holds only while they run in
-    min-memory mode).
+    min-memory mode). Forward-only chunks (``schedule.eval()``) are no part of any round: no
+    backward comes to end one or to use a plan, and a stage whose first run is forward-only
+    does not know its microbatch count yet (``stage.chunks`` is set with the backward's
+    set-up; a round begun there raised). They run as they are, neither offloaded nor profiled.
 """
 
 from __future__ import annotations
@@ -160,6 +166,11 @@ class PipelineAttachment:
 
     def _forward(self, stage: Any, original: Callable[..., Any], mb: int, *a: Any, **k: Any) -> Any:
         mgr = self._mgr
+        if self._budgeted and not getattr(stage, "has_backward", True):
+            # Forward only (``schedule.eval()``): no backward chunk comes to end a round or to
+            # use a plan, and a stage first run this way does not know its microbatch count
+            # yet. The chunk runs as it is (NOTE [ Pipelining ]).
+            return original(mb, *a, **k)
         if self._budgeted and mgr._round is None:
             self._begin_round(stage)
         try:
@@ -176,6 +187,8 @@ class PipelineAttachment:
     def _backward(
         self, stage: Any, original: Callable[..., Any], mb: int, *a: Any, **k: Any
     ) -> Any:
+        if self._budgeted and not getattr(stage, "has_backward", True):
+            return original(mb, *a, **k)  # forward only: the stage skips it (see _forward)
         key = (stage.stage_index, mb)
         self._prefetch(key, restart=False)
         full = k.get("full_backward", a[1] if len(a) > 1 else True)

@@ -565,3 +565,86 @@ def test_pipeline_example_rejects_a_bad_budget(value: str) -> None:
         timeout=TIMEOUT_S,
     )
     assert done.returncode == 2 and "--gpu-budget" in done.stderr, done.stderr
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Two gloo ranks for the tests below (``distributed_util.RankPool``)."""
+    from distributed_util import RankPool
+
+    with RankPool(tmp_path_factory.mktemp("ranks")) as pool:
+        yield pool
+
+
+def _eval_then_train(rank: int, world_size: int, offloaded: bool) -> dict:
+    """A budgeted 1F1B stage whose first schedule call is ``schedule.eval()`` (forward only),
+    then three training steps with SGD: the eval outputs, each step's gradients, the final
+    parameters and (offloaded) the manager's plan and step count."""
+    from torch.distributed import pipelining as pp
+
+    import offload
+
+    module = _stage_module(rank)
+    stage = pp.PipelineStage(module, rank, world_size, torch.device("cpu"))
+    loss_fn = lambda out, target: (out - target).pow(2).mean()  # noqa: E731
+    schedule = pp.Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    mgr = None
+    if offloaded:
+        mgr = offload.ActivationOffloader(
+            module, min_offload_bytes=0, gpu_budget=BUDGET_BYTES, hardware=_hardware("fast")
+        )
+        mgr.attach(stage)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(MICROBATCHES * ROWS, WIDTH, generator=gen)
+    y = torch.randn(MICROBATCHES * ROWS, WIDTH, generator=gen)
+    out = schedule.eval(x) if rank == 0 else schedule.eval(target=y, losses=[])
+    result: dict = {"eval": None if out is None else out.detach().clone(), "grads": []}
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        schedule.step(x) if rank == 0 else schedule.step(target=y)
+        result["grads"].append([p.grad.clone() for p in module.parameters()])
+        opt.step()
+    result["params"] = [p.detach().clone() for p in module.parameters()]
+    if mgr is not None:
+        plan = mgr.plan
+        result["signature"] = None if plan is None else plan.signature
+        result["steps"] = mgr.stats.total.steps
+        result["unplanned"] = mgr.stats.last.unplanned_records
+        mgr.close()
+    return result
+
+
+def _eval_first_worker(rank: int, world_size: int) -> dict:
+    want = _eval_then_train(rank, world_size, offloaded=False)
+    try:
+        got = _eval_then_train(rank, world_size, offloaded=True)
+    except Exception:  # both ranks fail at their first chunk: report it, keep the ranks
+        return {"error": traceback.format_exc(limit=-3)}
+    same = lambda a, b: all(torch.equal(u, v) for u, v in zip(a, b, strict=True))  # noqa: E731
+    return {
+        "error": None,
+        "eval": (got["eval"] is None and want["eval"] is None)
+        or torch.equal(got["eval"], want["eval"]),
+        "grads": [same(g, w) for g, w in zip(got["grads"], want["grads"], strict=True)],
+        "params": same(got["params"], want["params"]),
+        "signature": got["signature"],
+        "steps": got["steps"],
+        "unplanned": got["unplanned"],
+    }
+
+
+def test_budgeted_stage_runs_eval_before_training(ranks) -> None:
+    """``schedule.eval()`` before any training step on a budgeted stage: its forward-only
+    chunks run as they are (a stage first run forward-only does not know its microbatch count;
+    a round begun there raised), and the training rounds after it are profiled, planned and
+    bitwise the reference's, parameters after SGD included."""
+    for rank, r in enumerate(ranks.run(_eval_first_worker)):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        assert r["eval"], f"rank {rank}: eval outputs differ"
+        assert r["grads"] == [True] * 3, f"rank {rank}: gradients differ: {r['grads']}"
+        assert r["params"], f"rank {rank}: parameters differ after SGD"
+        assert r["signature"].endswith(f"(pipeline stage {rank}, {MICROBATCHES} microbatches)")
+        # The training rounds' forward chunks only; the last round ran its plan, every record
+        # planned.
+        assert r["steps"] == 3 * MICROBATCHES and r["unplanned"] == 0, r
