@@ -237,6 +237,7 @@ class Recorder:
         self._family_info: dict[Any, tuple[int, int]] = {}
         self._next_family = 0
         self._stack: list[_Call] = []
+        self._backward_calls: list[_Call] = []  # see _backward_call
         self._call_counts: dict[str, int] = {}
         self._outside_packs = 0
         self._graph_task: int | None = None
@@ -290,6 +291,7 @@ class Recorder:
             self._recording = True
             self._thread = thread
             self._stack.clear()
+            self._backward_calls.clear()
             self._call_counts.clear()
             self._outside_packs = 0
             self._family_ref.clear()
@@ -317,6 +319,7 @@ class Recorder:
                 return
             self._recording = False
             self._stack.clear()
+            self._backward_calls.clear()
             if self._warmup_left:
                 self._warmup_left -= 1
                 self._discard_current()
@@ -339,6 +342,7 @@ class Recorder:
             if self._recording:
                 self._recording = False
                 self._stack.clear()
+                self._backward_calls.clear()
                 self._discard_current()
             self._resume_gc()
 
@@ -550,7 +554,10 @@ class Recorder:
                 call.buffers = tuple((b, b._version) for b in buffers if b is not None)
             self._stack.append(call)
             self._event(EventKind.FORWARD_START, name, idx)
-            if in_backward() or not torch.is_grad_enabled():
+            if in_backward():
+                self._backward_call(call)
+                return
+            if not torch.is_grad_enabled():
                 return
         call.inputs = {id(t): t.grad_fn for t in tensors_in(args)}
         # The gradient of the first differentiable input marks the end of the module's backward.
@@ -558,6 +565,21 @@ class Recorder:
             if t.requires_grad and t.grad_fn is not None:
                 call.end_hook = t.register_hook(_BackwardEnd(self, name, idx))
                 break
+
+    def _backward_call(self, call: _Call) -> None:
+        """``call`` is a module call a backward runs (checkpoint's recomputation), which
+        non-reentrant checkpoint may stop before the call's forward hook: its entry would stay
+        on the stack, and the step's later packs would be named after it. The end of the
+        backward drops such entries (their spans keep no FORWARD_END: the call never ended)."""
+        if not self._backward_calls:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_calls)
+        self._backward_calls.append(call)
+
+    def _end_backward_calls(self) -> None:
+        with self._lock:
+            stale = {id(c) for c in self._backward_calls}
+            self._backward_calls.clear()
+            self._stack[:] = [c for c in self._stack if id(c) not in stale]
 
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._recording or foreign_call(self._thread):

@@ -376,6 +376,7 @@ class ActivationOffloader:
         self._step_added = True
         # [module path, kept, families this call packed itself (offloaded ones, in pack order)]
         self._stack: list[list[Any]] = []
+        self._backward_entries: list[list[Any]] = []  # see _backward_call
         self._warned: set[str] = set()
         self._params = ParameterStorages()
         self._module_handles = self._install_module_hooks(model)
@@ -522,6 +523,7 @@ class ActivationOffloader:
             # raised before its final callback (it would hold that step's state).
             self._task_ends.clear()
             self._stack.clear()
+            self._backward_entries.clear()
             if continuing:
                 assert rnd is not None
                 self._continue_round(rnd)
@@ -585,6 +587,7 @@ class ActivationOffloader:
             else:
                 self._executor.poll()
             self._stack.clear()
+            self._backward_entries.clear()
             self._warn_traced()
 
     @contextlib.contextmanager
@@ -1105,6 +1108,22 @@ class ActivationOffloader:
     def _uninstall_recompute(self) -> None:
         _uninstall_forwards(self._recompute)
 
+    def _backward_call(self, entry: list[Any]) -> None:
+        """``entry`` was pushed by a module call a backward runs (checkpoint's recomputation).
+        Non-reentrant checkpoint stops recomputing once it has what backward needs, so that
+        call's forward hook may never come: its entry would stay on the stack, and the step's
+        later packs (a forward after a backward in one ``with mgr:`` block) would be named
+        after it, and kept with it if it was kept. The end of the backward drops such
+        entries."""
+        if not self._backward_entries:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_calls)
+        self._backward_entries.append(entry)
+
+    def _end_backward_calls(self) -> None:
+        stale = {id(e) for e in self._backward_entries}
+        self._backward_entries.clear()
+        self._stack[:] = [e for e in self._stack if id(e) not in stale]
+
     def _recompute_this(self, name: str) -> tuple[str, int] | None:
         """Called by a RecomputeForward: the (module, call) to checkpoint now, or None."""
         active = self._active
@@ -1553,7 +1572,8 @@ class _ForwardPre(ModuleHook):
         mgr = self.mgr()
         if mgr is None:
             return
-        if torch.compiler.is_compiling() and not self.compiled:
+        compiling = torch.compiler.is_compiling()
+        if compiling and not self.compiled:
             # Dynamo traces this hook: the model was compiled after the manager was made. An
             # attribute store is all dynamo replays here without a graph break (fullgraph=True
             # stays possible outside steps); the warning comes from eager code (_warn_traced).
@@ -1575,7 +1595,11 @@ class _ForwardPre(ModuleHook):
         ):
             mgr._begin_signature(args, kwargs)
         # [module path, kept, families this call packed itself, call index, packs so far]
-        mgr._stack.append([self.name, self.kept or outer_kept, [], call, 0])
+        entry: list[Any] = [self.name, self.kept or outer_kept, [], call, 0]
+        mgr._stack.append(entry)
+        # (Dynamo cannot trace the graph task id, and traces no backward.)
+        if not compiling and _current_graph_task_id is not None and _current_graph_task_id() != -1:
+            mgr._backward_call(entry)
         if mgr._executor is not None:
             mgr._executor.poll()
 

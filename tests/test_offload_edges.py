@@ -1801,3 +1801,34 @@ def test_budget_mode_rebuilds_activation_outputs_as_planned() -> None:
         rebuilt_by_budget[budget] = mgr.stats.last.records_rebuilt
         mgr.close()
     assert rebuilt_by_budget["1MiB"] == 0 and rebuilt_by_budget["400KiB"] == 3
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_calls_a_checkpoint_recomputation_leaves_unfinished_end_with_its_backward(engine: str):
+    """Non-reentrant checkpoint stops recomputing once backward has what it needs, so the
+    recomputed calls' forward hooks never come. Their stack entries stayed, and a second
+    forward in the same ``with mgr:`` block ran under them: kept whole under a kept module
+    (0 bytes offloaded by the second forward and backward, 24,576 by the first). Now the end of
+    the backward drops them; both pairs offload alike, gradients bitwise."""
+    from models import Checkpointed
+
+    def two_pairs(model: nn.Module, x: torch.Tensor, mgr: Any | None) -> list[int]:
+        moved: list[int] = []
+        for _ in range(2):
+            model(x).pow(2).sum().backward()
+            if mgr is not None:
+                assert mgr._stack == []
+                moved.append(mgr.stats.last.bytes_offloaded_cpu - sum(moved))
+        return moved
+
+    torch.manual_seed(0)
+    model = Checkpointed(checkpointed=(0, 1, 2))
+    x = torch.randn(32, 64, requires_grad=True)
+    two_pairs(model, x, None)
+    want = local_grads(model)
+    model.zero_grad(set_to_none=True)
+    with manager(model, engine, min_offload_bytes=0, keep=["blocks.0"]) as mgr:
+        with mgr:
+            moved = two_pairs(model, x, mgr)
+        assert moved[0] > 0 and moved[1] == moved[0], moved
+        assert_bitwise(local_grads(model), want)

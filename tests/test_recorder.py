@@ -250,6 +250,27 @@ def test_checkpoint_region_shows_only_its_inputs() -> None:
     assert len(plain.records) < len(full.records)
 
 
+def test_calls_a_checkpoint_recomputation_leaves_unfinished_end_with_its_backward() -> None:
+    """Non-reentrant checkpoint stops recomputing early, so recomputed calls never end; their
+    stack entries stayed, and a second forward in the step had its packs outside any module
+    named after one of them ('blocks.0.fc2', call 1). Now both pairs' loss packs are
+    '<outside>'."""
+    from models import Checkpointed
+
+    torch.manual_seed(0)
+    model = Checkpointed(checkpointed=(0, 1, 2))
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def two_pairs() -> None:
+        for _ in range(2):
+            model(x).pow(2).sum().backward()
+
+    trace = offload.profile(two_pairs, model, warmup_steps=0)
+    outside = [r for r in trace.records if r.module == "<outside>"]
+    assert [r.ordinal for r in outside] == [0, 1]
+    assert not any(r.module.startswith("blocks") and r.call_index == 1 for r in trace.records)
+
+
 class Aside(nn.Module):
     """An identity that first runs ``aside`` (when set): work done in the middle of a forward."""
 
