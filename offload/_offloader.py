@@ -259,7 +259,7 @@ class ActivationOffloader:
                 f"offload: nvme_dir={os.fspath(nvme_dir)!r} is ignored: 'nvme' is not in "
                 f"tiers={tiers!r}; add 'nvme' to tiers to spill there, or leave nvme_dir out",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=_user_stacklevel(),
             )
             nvme_dir = None
         keep_names, keep_types = _keep_arg(keep)
@@ -314,7 +314,7 @@ class ActivationOffloader:
                     "them moved or recomputed, so the budget may not hold. Let the manager "
                     "profile and plan (no plan=) to have keep= counted.",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=_user_stacklevel(),
                 )
         self._hardware_arg = hardware
         # A path is read now: a bad file should fail here, not at the first plan.
@@ -1545,6 +1545,20 @@ def _has_storage(t: torch.Tensor) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def _user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, from the function calling this, of the first frame
+    outside this package: the user's line, whether they made the manager or
+    :func:`activations` made it for them."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    level, frame = 1, sys._getframe(1)
+    while (
+        frame.f_back is not None
+        and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here
+    ):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _add_note(exc: BaseException, note: str) -> None:

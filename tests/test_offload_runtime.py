@@ -569,6 +569,11 @@ def test_nvme_dir_without_nvme_in_tiers_is_ignored_with_a_warning(where: str, tm
         assert mgr.stats.last.bytes_offloaded_cpu > 0 == mgr.stats.last.bytes_offloaded_nvme
     finally:
         mgr.close()
+    # Made by offload.activations, the warning names the user's line too (it named
+    # offload/_offloader.py).
+    with pytest.warns(RuntimeWarning, match=ignored) as w:
+        offload.activations(case.model, nvme_dir=nvme_dir).close()
+    assert len(w) == 1 and w[0].filename == __file__
 
 
 def test_cpu_budget_zero_with_nvme_sends_everything_to_nvme(tmp_path) -> None:
