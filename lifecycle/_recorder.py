@@ -41,6 +41,7 @@ from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
     activation_output,
+    dtensor_spec,
     is_compiled,
     is_parameter,
     local_tensor,
@@ -53,8 +54,8 @@ from lifecycle._units import check_count
 
 MemoryProbe = Callable[[], int]
 # Nodes whose outputs may be rebuilt from another record (activation_output): the activations'
-# own, and autocast's casts (of a norm output, for one).
-_LINKABLE = frozenset(ACTIVATION_NODES) | {"ToCopyBackward0"}
+# own, autocast's casts (of a norm output, for one), and ``DTensor.from_local`` of a plain one.
+_LINKABLE = frozenset(ACTIVATION_NODES) | {"ToCopyBackward0", "_FromTorchTensorBackward"}
 
 LIVE_SAVED_BYTES = "live_saved_bytes"
 OUTSIDE = "<outside>"  # the module path of packs made while no module runs (a functional loss)
@@ -690,6 +691,8 @@ class Recorder:
         seq = self._seq_of.get(id(packed), -1)
         rows, at = self._records, seq * _NF
         if seq < 0 or seq >= self._n_records or rows[at + _R_STEP] != self._steps_done:
+            return -1
+        if dtensor_spec(packed) != found.spec:  # a DTensor function's input: one alike
             return -1
         # The recipe runs the function on the input as it is: a dense tensor of the same shape
         # and dtype (see offload's ActivationRecipe).

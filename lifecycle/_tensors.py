@@ -175,13 +175,37 @@ class NormArgs:
         self.eps = module.eps  # an RMSNorm's may be None (the dtype's own)
         self.weight = module.weight
         self.bias = getattr(module, "bias", None)
-        self.weight_version = -1 if self.weight is None else self.weight._version
-        self.bias_version = -1 if self.bias is None else self.bias._version
+        self.weight_version = tensor_versions(self.weight)
+        self.bias_version = tensor_versions(self.bias)
 
     def unchanged(self) -> bool:
-        return (self.weight is None or self.weight._version == self.weight_version) and (
-            self.bias is None or self.bias._version == self.bias_version
+        return tensor_versions(self.weight) == self.weight_version and (
+            tensor_versions(self.bias) == self.bias_version
         )
+
+
+def tensor_versions(t: torch.Tensor | None) -> tuple[int, int]:
+    """``t``'s version and its local shard's (-1 for None): an in-place change of a DTensor
+    counts on the DTensor, one made through its ``_local_tensor`` on the shard only."""
+    if t is None:
+        return (-1, -1)
+    local = t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
+    return (t._version, local._version)
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``DTensor`` (a subclass included), without importing
+    ``torch.distributed`` (which costs seconds)."""
+    tt = type(t)
+    if tt is torch.Tensor or not hasattr(t, "_local_tensor"):
+        return False
+    dt = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dt is not None and isinstance(t, dt)
+
+
+def dtensor_spec(t: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(mesh, placements)`` of a DTensor ``t``, else None."""
+    return (t.device_mesh, tuple(t.placements)) if is_dtensor(t) else None
 
 
 class NormOutputs:
@@ -195,13 +219,13 @@ class NormOutputs:
         # id(output's grad_fn) -> (weak output, its arguments, its version when noted). Autograd
         # nodes take no weak references; the output holds its node, so the id is not reused
         # while the entry lives.
-        self._by_node: dict[int, tuple[weakref.ref[torch.Tensor], NormArgs, int]] = {}
+        self._by_node: dict[int, tuple[weakref.ref[torch.Tensor], NormArgs, tuple[int, int]]] = {}
 
     def note(self, module: nn.Module, output: Any) -> NormArgs | None:
         """From a forward hook: ``output`` of ``module``, if it is a norm module's own output;
         the arguments noted with it, or None."""
         node = NORM_MODULES.get(type(module))
-        if node is None or type(output) is not torch.Tensor:
+        if node is None or (type(output) is not torch.Tensor and not is_dtensor(output)):
             return None
         fn = output.grad_fn
         if fn is None or type(fn).__name__ != node:
@@ -213,7 +237,7 @@ class NormOutputs:
                 del table[key]
 
         args = NormArgs(cast("nn.LayerNorm | nn.RMSNorm", module))  # its type was checked
-        table[key] = (weakref.ref(output, forget), args, output._version)
+        table[key] = (weakref.ref(output, forget), args, tensor_versions(output))
         return args
 
     def forget(self, output: torch.Tensor) -> None:
@@ -228,7 +252,7 @@ class NormOutputs:
         if got is None:
             return None
         out = got[0]()
-        if out is None or out.grad_fn is not fn or out._version != got[2]:
+        if out is None or out.grad_fn is not fn or tensor_versions(out) != got[2]:
             return None
         return out, got[1]
 
@@ -242,8 +266,17 @@ class Activation(NamedTuple):
     kind: str  # "gelu", "silu", "layer_norm" or "rms_norm"
     args: Any  # GELU's ``approximate``, a norm's NormArgs, or ""
     packed: Any  # what the pack of the function's input returned (read raw)
-    out: torch.Tensor  # the function's output (its input's shape and dtype)
+    out: torch.Tensor  # the function's output (its input's shape and dtype; a DTensor's shard)
     saved: torch.Tensor  # the storage the saved tensor views: ``out``, or autocast's cast of it
+    # The saved tensor's bytes as a plain tensor (a view of ``saved``'s storage): the tensor
+    # itself, or a DTensor's local shard. The rebuild is viewed as it is.
+    local: torch.Tensor
+    # ``(mesh, placements)`` of the DTensor the function ran on, whose input must be a DTensor
+    # alike (``dtensor_spec`` of the input); None: it ran on plain tensors (a plain input).
+    spec: tuple[Any, tuple[Any, ...]] | None = None
+    # ``(mesh, placements, shape, stride)`` when the saved tensor is a DTensor: the rebuilt
+    # ``local`` view is wrapped so (``DTensor.from_local(..., run_check=False)``), else None.
+    wrap: tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]] | None = None
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -257,9 +290,84 @@ def _dense(t: torch.Tensor) -> bool:
 def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Activation | None:
     """What ``t`` is if it is, or views, a GELU / SiLU output, a LayerNorm / RMSNorm output that
     ``norms`` noted, or autocast's dtype cast of such a norm output (NOTE [ Activation recipes ]
-    in ``offload/_recipe.py``), else None."""
-    if type(t) is not torch.Tensor:
+    in ``offload/_recipe.py``), else None. A DTensor counts where its local shard is the
+    function of its input's local shard (NOTE [ DTensor activation recipes ] there): the
+    function ran on DTensors, or on the plain tensor ``DTensor.from_local`` wrapped."""
+    if type(t) is torch.Tensor:
+        return _plain_activation_output(t, norms)
+    if not is_dtensor(t):
         return None
+    local = t._local_tensor  # type: ignore[attr-defined]
+    if type(local) is not torch.Tensor:
+        return None  # an AsyncCollectiveTensor: a collective's result, no function's
+    dt = t._base if t._base is not None else t  # Linear saves a 2-D view of a 3-D input
+    fn: Any = dt.grad_fn
+    found: Activation | None
+    if type(fn).__name__ == "_FromTorchTensorBackward":
+        # ``from_local`` of a plain tensor (ColwiseParallel's replicated input, RowwiseParallel's
+        # sharded one): its shard is a view (``view_as``) of that tensor.
+        src = dt._local_tensor._base  # type: ignore[attr-defined]
+        found = None if type(src) is not torch.Tensor else _plain_activation_output(src, norms)
+    else:
+        found = _dtensor_function_output(dt, fn, norms)
+    if found is None:
+        return None
+    # The shard the saved DTensor views is the output's (its own view was made below autograd,
+    # without a base: the storage tells).
+    st, saved_st = local.untyped_storage(), found.saved.untyped_storage()
+    if st.data_ptr() != saved_st.data_ptr() or st.nbytes() != saved_st.nbytes():
+        return None
+    wrap = (t.device_mesh, tuple(t.placements), t.shape, t.stride())  # type: ignore[attr-defined]
+    return found._replace(local=local, wrap=wrap)
+
+
+def _dtensor_function_output(dt: torch.Tensor, fn: Any, norms: NormOutputs | None) -> Any:
+    """The :class:`Activation` for ``dt``, a DTensor whose autograd node ``fn`` is a GELU /
+    SiLU / noted norm's that ran on DTensors, where its shard is the function of its input's
+    shard alone; else None."""
+    kind = ACTIVATION_NODES.get(type(fn).__name__)
+    if kind is None:
+        return None
+    out = dt._local_tensor  # type: ignore[attr-defined]
+    spec = dtensor_spec(dt)
+    if type(out) is not torch.Tensor or spec is None or not _dense(out):
+        return None
+    # A Partial output holds partial sums: no function's output. (A Partial input gives a
+    # Replicate output, after the all-reduce: the callers find the placements differ.)
+    if not all(p.is_shard() or p.is_replicate() for p in spec[1]):
+        return None
+    args: Any = ""
+    if kind in ("gelu", "silu"):
+        if dt._version != 0 or out._version != 0:
+            return None  # changed in place since (see _plain_activation_output)
+        if kind == "gelu":
+            args = str(getattr(fn, "_saved_approximate", "none"))
+    else:
+        noted = norms.output_of(fn) if norms is not None else None
+        if noted is None or noted[0] is not dt:
+            return None
+        args = noted[1]
+        # Per shard equals global only where no normalised dim is sharded, and the weight and
+        # bias are whole on every rank.
+        first = dt.ndim - len(args.shape)
+        if any(p.is_shard() and p.dim % dt.ndim >= first for p in spec[1]):
+            return None
+        for w in (args.weight, args.bias):
+            wspec = None if w is None else dtensor_spec(w)
+            if w is not None and (
+                wspec is None
+                or wspec[0] != spec[0]
+                or not all(p.is_replicate() for p in wspec[1])
+                or type(w._local_tensor) is not torch.Tensor
+            ):
+                return None
+    packed = getattr(getattr(fn, _SAVED_INPUT[kind], None), "data", None)
+    if packed is None:
+        return None
+    return Activation(kind, args, packed, out, out, out, spec)
+
+
+def _plain_activation_output(t: torch.Tensor, norms: NormOutputs | None) -> Activation | None:
     saved = t._base if t._base is not None else t
     out = saved
     fn: Any = saved.grad_fn
@@ -274,7 +382,7 @@ def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Acti
         if len(nxt) != 1 or nxt[0][0] is None:
             return None
         noted = norms.output_of(nxt[0][0])
-        if noted is None:
+        if noted is None or type(noted[0]) is not torch.Tensor:
             return None
         out, fn = noted[0], nxt[0][0]
         name = type(fn).__name__
@@ -302,7 +410,7 @@ def activation_output(t: torch.Tensor, norms: NormOutputs | None = None) -> Acti
     packed = getattr(getattr(fn, _SAVED_INPUT[kind], None), "data", None)
     if packed is None:
         return None
-    return Activation(kind, args, packed, out, saved)
+    return Activation(kind, args, packed, out, saved, t)
 
 
 def parameter_cast(

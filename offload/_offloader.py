@@ -1318,20 +1318,24 @@ class ActivationOffloader:
             return None
         parent, out = found.packed, found.out
         if isinstance(parent, _Member):
-            if parent.executor is not ex or not _same_layout(parent, out):
+            if (
+                parent.executor is not ex
+                or not _same_layout(parent, out)
+                or _member_spec(parent) != found.spec
+            ):
                 return None
             held: Any = ex.share(parent)
             if held is None:
                 return None
             link = parent.seq
-        elif key is not None and self._kept_input(parent, out):
+        elif key is not None and found.spec is None and self._kept_input(parent, out):
             held = parent
             link = self._kept_seq.get(id(parent), -1)
         else:
             return None
         step = ex.step if key is not None else None  # whose trigger table the key is in
         shared = self._shared_rebuild(found.saved)
-        recipe = ActivationRecipe(found, held, t, key=key, step=step, shared=shared)
+        recipe = ActivationRecipe(found, held, key=key, step=step, shared=shared)
         stats.records_rebuilt += 1
         if shared.members == 1:  # the output's bytes, once however many packs save it
             stats.bytes_rebuilt += recipe.nbytes
@@ -1388,6 +1392,7 @@ class ActivationOffloader:
             or parent.executor is not ex
             or parent.seq < 0
             or not _same_layout(parent, out)
+            or _member_spec(parent) != found.spec
             or parent.offset_bytes != 0
             or parent.family.span_start != 0
             or parent.family.nbytes != out.numel() * out.element_size()
@@ -1503,6 +1508,12 @@ def _same_layout(parent: _Member, out: torch.Tensor) -> bool:
         and parent.dtype == out.dtype
         and parent.stride == _contiguous_strides(parent.size)
     )
+
+
+def _member_spec(parent: _Member) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(mesh, placements)`` of the DTensor ``parent`` was offloaded from, else None (as
+    ``lifecycle._tensors.dtensor_spec``)."""
+    return None if parent.dtensor is None else (parent.dtensor[0], tuple(parent.dtensor[1]))
 
 
 def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ NOTE [ Activation recipes ]
     function again, computed at unpack on the compute stream with autocast off, as the forward
     ran it (the same kernel on the same bytes: bitwise). The recipe holds a second handle on the
     input's family (``Executor.share``), so one reload serves both unpacks. Checked at pack: a
-    plain tensor whose own or whose base's ``grad_fn`` is ``GeluBackward0`` / ``SiluBackward0``
+    plain tensor (a DTensor: NOTE [ DTensor activation recipes ]) whose own or whose base's ``grad_fn`` is ``GeluBackward0`` / ``SiluBackward0``
     / ``NativeLayerNormBackward0`` / ``FusedRmsNormBackward0`` whose saved input (read raw, as
     its pack returned it, without unpacking) is a handle of this manager, both dense and
     contiguous with the same shape and dtype.
@@ -69,6 +69,32 @@ NOTE [ Activation recipes ]
     activation's backward, which comes after this unpack; its version is checked at unpack (an
     in-place change would rebuild another output). When the conditions fail, the record is
     stored as an unplanned one.
+
+NOTE [ DTensor activation recipes ]
+    Under tensor parallelism the saved tensor reaches pack as a DTensor. Its local shard is
+    rebuilt where it is exactly the function of the local shard of an input the same step
+    stored, and unpack wraps the rebuilt shard as the executor wraps a reloaded one
+    (``DTensor.from_local(local, mesh, placements, run_check=False, shape=, stride=)``: no
+    collective). Two ways qualify (``lifecycle._tensors.activation_output``):
+    - ``from_local`` of a plain output (ColwiseParallel's replicated input, RowwiseParallel's
+      sharded one, wrapping a norm or activation output computed on plain tensors): the shard
+      is a view of that output, found through the wrapper's ``view_as``; the input is the
+      plain tensor the function's node saved. Any placements: the bytes are re-wrapped as
+      they were.
+    - the function ran on DTensors (its node is the DTensor's own): the input the node saved
+      must be a DTensor of the same mesh and placements (a Partial input comes back Replicate
+      after DTensor's all-reduce: differing placements, stored), none of them Partial; GELU and
+      SiLU are elementwise, so each shard is the function of the input's shard; a norm only
+      where no normalised dim is sharded (``Shard`` on a batch or sequence dim, or Replicate)
+      and its weight and bias are Replicate DTensors of that mesh, whose shards the rebuild
+      uses. Versions are checked on the DTensor and its shard (an in-place change counts on
+      the one it went through).
+    Left out (stored): a norm output that sequence parallel all-gathers before the Linear
+    saves it (the saved tensor is the gathered one: no function of this rank's input without
+    the collective), and a plain ``to_local()`` of a DTensor output (SequenceParallel's
+    ``use_local_output=True``), whose DTensor's version counter the plain view does not see.
+    Budget mode links them in traces alike (``TensorRecord.rebuild_from``; the recorder checks
+    the input's placements as above); a DTensor input the plan kept is not used (stored).
 """
 
 from __future__ import annotations
@@ -83,7 +109,9 @@ from lifecycle._tensors import (
     NormArgs,
     NormOutputs,
     ParameterStorages,
+    is_dtensor,
     parameter_cast,
+    tensor_versions,
 )
 from offload._errors import OffloadError
 from offload._family import aligned_buffer
@@ -161,6 +189,7 @@ class ActivationRecipe:
     __slots__ = (
         "args",
         "cast",
+        "dtensor",
         "key",
         "kind",
         "nbytes",
@@ -178,7 +207,6 @@ class ActivationRecipe:
         self,
         found: Activation,
         parent: Any,
-        t: torch.Tensor,
         *,
         key: tuple[str, int, int] | None = None,
         step: Any = None,
@@ -188,7 +216,12 @@ class ActivationRecipe:
         self.shared = SharedRebuild() if shared is None else shared
         # Autocast's cast of the output (a LayerNorm's, in float32) is what was saved.
         self.cast = found.saved.dtype if found.saved is not found.out else None
-        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+        # The saved tensor's bytes (a DTensor's shard), and how to wrap them again (see NOTE
+        # [ DTensor activation recipes ]).
+        local = found.local
+        self.size, self.stride = tuple(local.shape), local.stride()
+        self.offset = local.storage_offset()
+        self.dtensor = found.wrap
         self.nbytes = found.saved.untyped_storage().nbytes()
         self.version = parent._version if isinstance(parent, torch.Tensor) else -1
         self.key = key
@@ -213,13 +246,24 @@ class ActivationRecipe:
         return parent
 
     def view(self, out: torch.Tensor) -> torch.Tensor:
-        """The saved tensor, a view of the rebuilt output ``out``."""
-        return out.as_strided(self.size, self.stride, self.offset)
+        """The saved tensor, a view of the rebuilt output ``out`` (a shard of it, wrapped as
+        the DTensor it was: the executor's wrapping, NOTE [ DTensor activation recipes ])."""
+        local = out.as_strided(self.size, self.stride, self.offset)
+        if self.dtensor is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.dtensor
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
 
     def rebuild(self, parent: torch.Tensor) -> torch.Tensor:
-        """The output again (whole: see :meth:`view`) from its input ``parent`` (unpacked from
-        ``self.parent``, or :meth:`kept_input`)."""
+        """The output again (whole: see :meth:`view`; a DTensor's shard) from its input
+        ``parent`` (unpacked from ``self.parent``, or :meth:`kept_input`)."""
         kind, args = self.kind, self.args
+        if is_dtensor(parent):  # the function ran on DTensors: on their shards alone
+            parent = parent._local_tensor  # type: ignore[attr-defined]
         # As the forward ran it, whatever autocast state this backward runs in.
         with torch.no_grad(), torch.autocast(parent.device.type, enabled=False):
             if kind == "gelu":
@@ -234,12 +278,11 @@ class ActivationRecipe:
                         "offload rebuilds that output from its input at backward, so the "
                         "weights must not change in between (step the optimizer after backward)"
                     )
+                weight, bias = _local(args.weight), _local(args.bias)
                 if kind == "layer_norm":
-                    out = torch.nn.functional.layer_norm(
-                        parent, args.shape, args.weight, args.bias, args.eps
-                    )
+                    out = torch.nn.functional.layer_norm(parent, args.shape, weight, bias, args.eps)
                 else:
-                    out = torch.nn.functional.rms_norm(parent, args.shape, args.weight, args.eps)
+                    out = torch.nn.functional.rms_norm(parent, args.shape, weight, args.eps)
             if self.cast is not None:
                 out = out.to(self.cast)
         return out
@@ -257,14 +300,24 @@ def hold_norm_weights(
         if w is None:
             continue
         if type(w) is not torch.Tensor and type(w) is not torch.nn.Parameter:
-            continue  # a DTensor weight makes a DTensor output: never noted
+            # A DTensor weight (tensor parallel): its shard must be the model's own; FSDP2's
+            # unsharded one (2-D meshes) is not copied: the output is stored.
+            if not is_dtensor(w) or not params.registered(w._local_tensor):
+                norms.forget(out)
+                return
+            continue
         if params.registered(w):
             continue
         if w.untyped_storage().nbytes() == 0:
             norms.forget(out)
             return
         setattr(args, name, _aligned_copy(w))
-        setattr(args, f"{name}_version", getattr(args, name)._version)
+        setattr(args, f"{name}_version", tensor_versions(getattr(args, name)))
+
+
+def _local(w: torch.Tensor | None) -> torch.Tensor | None:
+    """A norm's weight or bias as the rebuild uses it: a DTensor's (replicated) shard."""
+    return w._local_tensor if w is not None and is_dtensor(w) else w  # type: ignore[attr-defined]
 
 
 def _aligned_copy(t: torch.Tensor) -> torch.Tensor:

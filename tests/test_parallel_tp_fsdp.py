@@ -403,6 +403,13 @@ def test_tensor_parallel_gradients_bitwise_and_no_added_collectives(
         for mode in modes:
             where = check(rank, mode, r[mode], want_comms)
             assert r[mode]["dtensor_offloads"] > 0, f"{where}: no DTensor shard was offloaded"
+        # Rebuilt, not stored (NOTE [ DTensor activation recipes ]): per block the SiLU output
+        # and, without sequence parallel, the two norm outputs that q, k, v and w1, w3 save
+        # (``from_local`` of the plain norm output: 5 DTensors), and the final norm's output.
+        # With sequence parallel the Linears save the all-gathered norm outputs (no function of
+        # this rank's input) and the final norm's output is stored (see the NOTE).
+        rebuilt = 2 if sequence_parallel else 13
+        assert r["min_memory"]["records_rebuilt"] == [rebuilt] * STEPS, r["min_memory"]
 
 
 def test_tensor_parallel_recompute_adds_no_collectives(ranks: RankPool) -> None:
@@ -651,3 +658,111 @@ def test_fsdp2_post_norm_output_saved_by_the_next_unit(ranks: RankPool) -> None:
         assert r["params"] == [], f"rank {rank}: parameters differ after SGD: {r['params']}"
         # Blocks 2 and 3 save the previous block's norm output (w1), the head the last one's.
         assert r["records_rebuilt"] == [3] * STEPS, r["records_rebuilt"]
+
+
+class DTensorBlock(nn.Module):
+    """A block whose norm and activation run on DTensors (sequence parallel; column-wise
+    outputs kept DTensors) and whose DTensor outputs are saved as they are: the activation
+    output (a hidden shard, ``Shard(2)``) by the product with ``w3``'s output, the norm output
+    (a sequence shard, ``Shard(1)``) by the product with ``w2``'s."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.w1 = nn.Linear(DIM, HIDDEN)
+        self.w3 = nn.Linear(DIM, HIDDEN)
+        self.act = act
+        self.w2 = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + 0.05 * (h * self.w2(self.act(self.w1(h)) * self.w3(h)))
+
+
+class DTensorBlocks(nn.Module):
+    """Two :class:`DTensorBlock` (GELU, then SiLU) on a sequence-sharded input."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.blocks = nn.Sequential(
+            DTensorBlock(nn.GELU(approximate="tanh")), DTensorBlock(nn.SiLU())
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        x = DTensor.from_local(x, self.mesh, (Shard(1),), run_check=False)
+        return self.blocks(x).to_local()
+
+
+def tp_dtensor_blocks(mesh: Any) -> nn.Module:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = DTensorBlocks(mesh)
+    colwise = ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
+    for block in model.blocks:
+        plan = {
+            "norm": SequenceParallel(use_local_output=False),
+            "w1": colwise,
+            "w3": colwise,
+            "w2": RowwiseParallel(
+                input_layouts=Shard(2), output_layouts=Shard(1), use_local_output=False
+            ),
+        }
+        parallelize_module(block, mesh, plan)
+    return model
+
+
+def _tp_rebuild_worker(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def inputs(step: int) -> torch.Tensor:
+        x = batch(step)
+        return x if name == "tp" else x.chunk(world_size, dim=1)[rank].contiguous()
+
+    def build() -> nn.Module:
+        return tp_transformer(mesh, False) if name == "tp" else tp_dtensor_blocks(mesh)
+
+    want = run_steps(build(), inputs)
+    result: dict[str, Any] = {"want_comms": want.comms}
+    for mode in ("min_memory", "budget"):
+        model = build()
+        trace = offload.profile(
+            lambda m=model: m(inputs(0)).pow(2).sum().backward(), model, warmup_steps=0
+        )
+        model.zero_grad(set_to_none=True)
+        # A link this slow makes the planner rebuild what it can rather than copy it.
+        kw = {"gpu_budget": trace.peak_saved_bytes // 2, "hardware": HARDWARE["slow"]}
+        with manager(model, rank, **(kw if mode == "budget" else {})) as mgr:
+            result[mode] = compare(run_steps(model, inputs, mgr), want)
+        result[mode]["links"] = sum(r.rebuild_from >= 0 for r in trace.records)
+    return result
+
+
+@pytest.mark.parametrize("name", ["tp", "dtensor"])
+def test_tensor_parallel_activation_outputs_rebuilt(ranks: RankPool, name: str) -> None:
+    """DTensor activation and norm outputs are rebuilt from their inputs at unpack (NOTE
+    [ DTensor activation recipes ]), in min-memory mode and where a plan says so, with
+    gradients bitwise the reference's and no collective added; ``offload.profile`` links the
+    same records (``rebuild_from``) as the manager rebuilds. ``tp``: the transformer, whose
+    norm outputs reach the Linears through ``from_local`` (13 per step, see the test above).
+    ``dtensor``: :class:`DTensorBlocks`, whose GELU, SiLU and norms run on DTensors and save
+    DTensors (4 per step)."""
+    for rank, r in enumerate(ranks.run(_tp_rebuild_worker, name)):
+        for mode in ("min_memory", "budget"):
+            got = r[mode]
+            where = check(rank, mode, got, r["want_comms"])
+            assert got["links"] == (13 if name == "tp" else 4), f"{where}: {got['links']} links"
+        assert r["min_memory"]["records_rebuilt"] == [r["min_memory"]["links"]] * STEPS, r
+        assert all(n > 0 for n in r["budget"]["records_rebuilt"][1:]), r["budget"]
