@@ -152,7 +152,10 @@ class TPBlock(nn.Module):
         super().__init__()
         self.ln = nn.LayerNorm(d)
         self.w1 = nn.Linear(d, hidden)
-        self.act = nn.GELU()
+        # A ReLU, whose output is stored (a GELU's sharded output is rebuilt, and the LayerNorm
+        # output that w1 saves too: tests/test_parallel_tp_fsdp.py), so DTensors reach the
+        # executor.
+        self.act = nn.ReLU()
         self.w2 = nn.Linear(hidden, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
