@@ -349,6 +349,7 @@ class ActivationOffloader:
         # Per step: calls per module and packs outside any module (record keys), and the
         # profiler's numbers of packs returned as plain tensors.
         self._calls: dict[str, int] = {}
+        self._signature_begun = False  # this step's (or pipeline round's): see _ForwardPre
         self._outside_packs = 0
         self._kept_seq: dict[int, int] = {}
         # Under a plan that rebuilds: what this step's kept packs returned, by id (a rebuilt
@@ -529,6 +530,7 @@ class ActivationOffloader:
                 self._continue_round(rnd)
             else:
                 self._calls.clear()
+                self._signature_begun = False
                 self._outside_packs = 0
                 self._kept_seq.clear()
                 self._kept_refs.clear()
@@ -1605,19 +1607,22 @@ class _ForwardPre(ModuleHook):
             mgr._traced = True
         if not mgr._in_step or foreign_call(mgr._step_thread):
             return
-        # Calls are numbered as lifecycle.Recorder numbers them: every call of the step.
+        budget = mgr._budget_bytes is not None and mgr._executor is not None
+        grad = torch.is_grad_enabled()
+        # Calls are numbered as lifecycle.Recorder numbers them: every call of the step from
+        # its signature's start (the recorder begins there). Under a budget the step's
+        # signature is that of the root's first call with grad: calls without grad before it
+        # (a teacher's or an EMA target's forward through the same model) save nothing and
+        # are not counted, so that the training forward after them is the one profiled and
+        # planned, with the same record keys in every step.
         call = mgr._calls.get(self.name, 0)
-        mgr._calls[self.name] = call + 1
+        if not budget or mgr._signature_begun or grad:
+            mgr._calls[self.name] = call + 1
         if mgr._paused:
             return
         outer_kept = bool(mgr._stack) and mgr._stack[-1][1]
-        if (
-            not mgr._stack
-            and self.name == ""
-            and call == 0
-            and mgr._budget_bytes is not None
-            and mgr._executor is not None
-        ):
+        if budget and grad and not mgr._stack and self.name == "" and not mgr._signature_begun:
+            mgr._signature_begun = True
             mgr._begin_signature(args, kwargs)
         # [module path, kept, families this call packed itself, call index, packs so far]
         entry: list[Any] = [self.name, self.kept or outer_kept, [], call, 0]

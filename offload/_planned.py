@@ -6,7 +6,8 @@ lookup tables a plan becomes at execution (by record key, see DESIGN.md "Keys an
 
 NOTE [ Budget mode ]
     A step's signature is the shapes and dtypes of the root module's tensor arguments, known at
-    the root's forward pre-hook. The first step of a new signature runs in min-memory mode (every
+    the root's forward pre-hook, at its first call with grad in the step (calls without grad
+    before it save nothing and are not counted in the record keys). The first step of a new signature runs in min-memory mode (every
     eligible saved tensor leaves, so a model that does not fit can still be profiled) while a
     :class:`lifecycle.Recorder` records it through the manager's own hooks (only the innermost
     saved-tensor hooks fire, so the recorder cannot use its own). When that step's backward has

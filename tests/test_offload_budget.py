@@ -262,6 +262,45 @@ def test_a_forward_without_grad_at_a_new_signature_is_not_profiled() -> None:
         mgr.close()
 
 
+def test_a_forward_without_grad_before_the_training_forward_leaves_the_step_planned() -> None:
+    """Each step first runs the model under no_grad (a teacher's or an EMA target's forward
+    through the same model), then trains on another batch. The step's signature is the training
+    forward's: it is profiled, planned and executed with every key matched, held bytes within
+    the budget, gradients bitwise. Before, the no_grad call (the root's first of the step) gave
+    the signature: no step was ever profiled, every one ran in min-memory mode."""
+    from offload._live import SavedBytes
+
+    model, batches = _mlp_and_batches(4)
+    teacher_in = [
+        torch.randn(8, 64, generator=torch.Generator().manual_seed(9 + i)) for i in range(4)
+    ]
+
+    def step(mgr: offload.ActivationOffloader | None, i: int) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            with torch.no_grad():
+                target = model(teacher_in[i]).mean()
+            loss = (model(batches[i]) - target).pow(2).sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    mgr = offload.ActivationOffloader(model, gpu_budget="24KiB", hardware=FAST, min_offload_bytes=0)
+    try:
+        for i in range(4):
+            with SavedBytes.on(mgr) as saved:
+                got = step(mgr, i)
+            for g, w in zip(got, step(None, i), strict=True):
+                assert torch.equal(g, w)
+        plan = mgr.plan
+        assert list(mgr.plans) == ["float32[32,64]"] and plan is not None
+        last = mgr.stats.last
+        assert last.predicted_peak_bytes == plan.predicted_peak_bytes > 0
+        assert last.unplanned_records == 0
+        assert 0 < saved.peak_planned <= plan.predicted_peak_bytes <= 24 << 10
+    finally:
+        mgr.close()
+
+
 class Aside(nn.Module):
     """An identity that first runs ``aside`` (when set): work done in the middle of a forward."""
 
