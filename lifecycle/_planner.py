@@ -11,7 +11,9 @@ NOTE [ Planner ]
     The space. Following "The physics" in DESIGN.md, a point is (m, lead, k):
       * ``m``: how many blocks (a transformer's layers: see :func:`_blocks`) run under
         checkpoint, latest in forward first (their activations are the shortest-lived, so
-        offloading them buys the least); ``m`` takes the values of a fixed ladder;
+        offloading them buys the least); ``m`` takes the values of a fixed ladder. A
+        recomputed block's first family (its input, which checkpoint saves again and the
+        executor keeps) is kept: neither offloaded nor rebuilt;
       * ``lead``: reloads start as late as the link allows (1.0: each ends right before its first
         unpack, on a FIFO H2D link in the order backward needs them) or at the first unpack (0.0:
         the least memory, every reload a stall);
@@ -766,12 +768,14 @@ class _Column:
         self.recompute_s = model.recompute_s[m]
         self.rebuilt = np.zeros(0, np.int64)
         if rebuild:
-            self.rebuilt, rebuild_s = model.rebuilt(rec)
+            self.rebuilt, rebuild_s = model.rebuilt(m)
             self.recompute_s += rebuild_s
         fams = model.views[rebuild][3]
-        if len(rec):
+        gone = model.recomputed_inputs(m)
+        if len(rec) or len(gone):
             keep = np.ones(len(v.fid), bool)
             keep[rec] = False
+            keep[gone] = False  # kept by checkpoint: see recomputed_inputs
             fams = fams[keep[fams]]
         self.fams = fams  # family positions, pack order
         n = len(fams)
@@ -895,6 +899,11 @@ class _Model:
         hi = np.maximum(np.searchsorted(first_pack, self.blocks.end, side="right"), lo)
         self._movable_by_pack = movable
         self._unit_lo, self._unit_hi = lo, hi  # ranges of movable_by_pack, per block
+        # Each block's first family (-1: none packed inside it). Under checkpoint it is saved
+        # again as the call's input, which the executor keeps on the device: with its block
+        # recomputed it is neither moved nor rebuilt (see recomputed_inputs).
+        inside = lo - 1 < np.searchsorted(first_pack, self.blocks.end, side="right")
+        self._unit_input = np.where(inside, movable[np.minimum(lo - 1, len(movable) - 1)], -1)
         self.recompute_s = [0.0, *itertools.accumulate(reversed(self.blocks.duration_s))]
         self.pack_order = order[v.candidate[order]]
         unpacked = np.flatnonzero(v.fu >= 0)
@@ -954,15 +963,19 @@ class _Model:
             return 0.0
         got = self._rebuild_times.get(m)
         if got is None:
-            got = self._rebuild_times[m] = self.rebuilt(self.recomputed(m)[0])[1]
+            got = self._rebuild_times[m] = self.rebuilt(m)[1]
         return got
 
-    def rebuilt(self, recomputed: np.ndarray) -> tuple[np.ndarray, float]:
-        """The families rebuilt beside ``recomputed`` ones (neither they nor their inputs
-        recomputed), and the seconds their rebuilds take."""
+    def rebuilt(self, m: int) -> tuple[np.ndarray, float]:
+        """The families rebuilt with the last ``m`` blocks recomputed (neither they nor their
+        inputs recomputed, nor they a recomputed block's input), and the seconds their rebuilds
+        take."""
         gone = np.zeros(len(self.v.fid), bool)
-        gone[recomputed] = True
+        gone[self.recomputed(m)[0]] = True
         ok = ~gone[self.outputs] & ~gone[self.inputs]
+        gone[:] = False
+        gone[self.recomputed_inputs(m)] = True
+        ok &= ~gone[self.outputs]
         return self.outputs[ok], float(self.rebuild_s[ok].sum())
 
     # -- columns ---------------------------------------------------------------------------
@@ -990,6 +1003,17 @@ class _Model:
             got = self._movable_by_pack[index], np.repeat(np.arange(m, dtype=np.int64), sizes)
         self._recomputed[m] = got
         return got
+
+    def recomputed_inputs(self, m: int) -> np.ndarray:
+        """The first family of each of the last ``m`` blocks: the block's input, which
+        non-reentrant checkpoint saves again as the call's input and the executor keeps (its
+        packs under the recomputed call's key). Kept in the plan too: moved or rebuilt there, a
+        plan held that many bytes fewer than its step (a recomputed block whose input the plan
+        sent to the host: 16 KiB over the predicted peak)."""
+        if m == 0:
+            return np.zeros(0, np.int64)
+        inputs = self._unit_input[len(self.blocks) - m :]
+        return inputs[inputs >= 0]
 
     def base_memory(self, m: int) -> np.ndarray:
         """Device bytes per frame with ``m`` blocks checkpointed and nothing offloaded."""
@@ -1026,7 +1050,7 @@ class _Model:
         free0, done0 = self._free_prefix[(slack, rebuild)]
         if m == 0:
             return free0
-        rec, _ = self.recomputed(m)
+        rec = np.concatenate([self.recomputed(m)[0], self.recomputed_inputs(m)])
         cut = len(fams)
         if len(rec):
             cut = int(np.searchsorted(self.v.fp[order], self.v.fp[rec].min()))

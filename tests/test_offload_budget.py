@@ -619,6 +619,49 @@ def test_blocks_with_running_statistics_are_not_recomputed_and_stay_exact(
         mgr.close()
 
 
+def test_a_recomputed_blocks_input_is_kept_in_the_plan_as_in_the_step() -> None:
+    """Non-reentrant checkpoint saves a recomputed block's input again, as a pack of the block's
+    call, which the manager keeps on the device. The planner took the block's first family
+    (that input) out of the recomputed ones but left it an offload candidate: with keep= inside
+    two late blocks, the plan sent recomputed blocks' inputs to the host on paper, and the
+    planned steps held 394,240 saved bytes against a predicted 295,936 (budget 364,646). Now
+    those inputs are kept in the plan too: what the steps hold is what the plan predicts."""
+    from offload._live import SavedBytes
+
+    model, x, _ = _blocks_case()
+    peak = offload.profile(
+        lambda: model(x).pow(2).sum().backward(), model, warmup_steps=0
+    ).peak_saved_bytes
+    budget = int(0.3 * peak)
+    want = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        want.append([p.grad.clone() for p in model.parameters()])
+    keep = ("blocks.4.0", "blocks.5.2")
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=budget, hardware=SLOW, min_offload_bytes=0, keep=keep
+    )
+    try:
+        held = []
+        for w in want:
+            model.zero_grad(set_to_none=True)
+            with SavedBytes.on(mgr) as saved:
+                with mgr:
+                    loss = model(x).pow(2).sum()
+                loss.backward()
+            for p, g in zip(model.parameters(), w, strict=True):
+                assert torch.equal(p.grad, g)
+            held.append((saved.peak_planned, mgr.stats.last.predicted_peak_bytes))
+        plan = mgr.plan
+        assert plan is not None and plan.metadata["refined"] and plan.recompute_calls
+        assert mgr.stats.last.unplanned_records == 0
+        for got, predicted in held[2:]:  # the refined plan's steps
+            assert 0 < got <= predicted <= budget, held
+    finally:
+        mgr.close()
+
+
 def test_recomputed_blocks_drop_their_saved_tensors() -> None:
     """What the plan recomputes is not saved: the executed step packs fewer tensors."""
     model, x, _ = _blocks_case()

@@ -341,8 +341,13 @@ def test_nvme_takes_the_longest_lived_families_when_the_host_is_short(
     on_host = _host_peak(trace, roomy, CPU)
     assert on_host > 0
 
-    cap = on_host // 2
-    p = _plan(trace, budget, FAST_DISK, tiers=("cpu", "nvme"), cpu_budget=cap)
+    # Half the host room, or less: with half, gpt4x4096's plan rebuilds its GELU outputs
+    # instead of spilling (the roomy plan stores them on the host; a recomputed block's input
+    # stays on the device, so the roomy plans differ from those made before that was so).
+    for cap in (on_host // 2, on_host // 4, on_host // 8):
+        p = _plan(trace, budget, FAST_DISK, tiers=("cpu", "nvme"), cpu_budget=cap)
+        if p.bytes_by_placement()["nvme"]:
+            break
     nvme = [families[e.family] for e in p.entries if e.placement is NVME]
     cpu = [families[e.family] for e in p.entries if e.placement is CPU]
     assert nvme and cpu
