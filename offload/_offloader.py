@@ -1096,6 +1096,14 @@ class ActivationOffloader:
         model = self._model_ref()
         if model is None or not active.recompute_modules:
             return
+        # torch.utils.checkpoint.checkpoint imports torch._dynamo at its first call (its
+        # disable-dynamo wrapper). That import leaves reference cycles through the frames it
+        # runs under, up to the model's forward; run inside the first planned step, which the
+        # recorder times with the cyclic GC off (NOTE [ Refinement ]), they held the forward's
+        # locals (saved tensors autograd had released) until the step ended. Here, before the
+        # recorder begins, the frames are the step's caller's and the root call's.
+        import torch._dynamo  # noqa: F401
+
         modules = dict(named_modules_stop_at_compiled(model))
         for name in active.recompute_modules - self._recompute.keys():
             mod = modules.get(name)
