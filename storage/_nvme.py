@@ -25,7 +25,9 @@ from storage._transfer import (
     chain,
     check_waitable,
     gather,
+    in_gc_pass,
     mark_worker_thread,
+    track_gc_passes,
     wait_for,
 )
 from storage._units import (
@@ -463,6 +465,7 @@ class NvmeTier(Tier):
             if self._executor is None:
                 if self._stopped:
                     raise StorageError("the nvme tier is closed")
+                track_gc_passes()
                 self._executor = ThreadPoolExecutor(
                     self._io_threads,
                     thread_name_prefix="storage-io",
@@ -475,7 +478,9 @@ class NvmeTier(Tier):
             executor, self._executor = self._executor, None
             self._stopped = True
         if executor is not None:
-            executor.shutdown(wait=True)
+            # No transfer is in flight: the workers are idle. Not joined inside a GC pass, where
+            # joining can wait on this thread itself (NOTE [ Closing inside a GC pass ]).
+            executor.shutdown(wait=not in_gc_pass())
         if self._own_engine:
             self._engine.close()
         if self._kvikio is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import random
 import threading
@@ -160,6 +161,7 @@ class CopyEngine:
             return run_now(fn)
         with self._worker_lock:
             if self._worker is None:
+                track_gc_passes()
                 self._worker = ThreadPoolExecutor(
                     1, thread_name_prefix="storage-copy", initializer=mark_worker_thread
                 )
@@ -222,7 +224,8 @@ class CopyEngine:
 
         def stop() -> None:
             try:
-                worker.shutdown()
+                # See NOTE [ Closing inside a GC pass ]: the queued copies still run.
+                worker.shutdown(wait=not in_gc_pass())
             finally:
                 done.set()
 
@@ -231,6 +234,39 @@ class CopyEngine:
 
 
 _worker_state = threading.local()
+
+# NOTE [ Closing inside a GC pass ]
+# A tier's owner dropped without close() (a manager in a reference cycle) is closed by its
+# finalizer, which a GC pass runs on whatever thread happened to allocate: also a thread that is
+# just starting (``Thread._bootstrap_inner`` allocates while it holds threading's lock of thread
+# states, ``_shutdown_locks_lock``, in Python <= 3.12). Joining a thread takes that lock again, so
+# a close that joined its I/O threads there waited on itself, and the thread that was starting
+# the new one waited on it for ever (a dropped NVMe manager in a loop of managers hung the
+# process after about 100). By the time threads stop, every transfer has completed and the
+# workers are idle: inside a GC pass they are told to exit and left to do so on their own.
+_gc_state = threading.local()
+_gc_tracked = False
+_gc_track_lock = threading.Lock()
+
+
+def _note_gc(phase: str, info: dict[str, Any]) -> None:
+    _gc_state.collecting = phase == "start"
+
+
+def track_gc_passes() -> None:
+    """Start telling GC passes apart (see :func:`in_gc_pass`); called where storage makes its
+    first thread pool, never at import."""
+    global _gc_tracked
+    with _gc_track_lock:
+        if not _gc_tracked:
+            gc.callbacks.append(_note_gc)
+            _gc_tracked = True
+
+
+def in_gc_pass() -> bool:
+    """Whether this thread is inside a garbage collection (a finalizer runs there), once
+    :func:`track_gc_passes` was called. See NOTE [ Closing inside a GC pass ]."""
+    return getattr(_gc_state, "collecting", False)
 
 
 def mark_worker_thread() -> None:

@@ -279,6 +279,46 @@ def test_close_waits_for_a_write_another_thread_is_starting(tmp_path, pool, monk
     assert tier.used_bytes == 0 and os.listdir(tmp_path) == []
 
 
+@pytest.mark.skipif(
+    not hasattr(threading, "_shutdown_locks_lock"), reason="Python >= 3.13 has no such lock"
+)
+def test_a_tier_closed_by_a_gc_pass_in_a_starting_thread_does_not_hang(tmp_path):
+    """A GC pass may close a dropped owner's tier on a thread that is just starting, which holds
+    threading's lock of thread states (``_shutdown_locks_lock``) there; joining the I/O threads
+    takes that lock again: the pass waited on itself, and whoever started the thread waited on
+    it (a loop of NVMe managers hung after about 100). Run in a child, as a hang there keeps the
+    lock. The GC pass holds the lock as the starting thread does."""
+    script = textwrap.dedent(
+        f"""
+        import gc, os, threading, weakref
+        import torch
+        from storage import HostPool, NvmeTier
+        pool = HostPool(8 << 20)
+        tier = NvmeTier({str(tmp_path)!r}, capacity_bytes=8 << 20, pool=pool)
+        h = tier.write(torch.ones(3 << 20, dtype=torch.uint8))  # starts I/O threads
+        h.wait()
+        class Owner:
+            pass
+        owner = Owner()
+        owner.cycle = owner  # dropped, it is freed by a GC pass only
+        weakref.finalize(owner, tier.close)
+        del owner
+        with threading._shutdown_locks_lock:  # as Thread._bootstrap_inner holds it
+            gc.collect()  # finalizes the owner: its tier closes here
+        assert tier.closed and os.listdir({str(tmp_path)!r}) == []
+        print("CLOSED")
+        """
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=30
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("closing the tier inside the GC pass hung")
+    assert result.returncode == 0, result.stderr
+    assert "CLOSED" in result.stdout
+
+
 def test_corrupted_record_raises_checksum_error_naming_the_range(tier, pool):
     x = random_bytes(9 * MiB)  # three checksum chunks; corrupt the middle one
     h = tier.write(x)
