@@ -28,8 +28,9 @@ _DEFAULT_SLAB_BYTES = 256 << 20
 #   * ``release()`` is idempotent, so an error path and a finalizer may both call it;
 #   * with ``poison_on_release`` the bytes are overwritten with 0xFF before the range is reused,
 #     so a reader that skipped its ``.wait()`` sees garbage in tests instead of plausible data;
-#   * slabs are never returned before ``close()``: once the working set fits, a step allocates
-#     nothing from the host (``host_allocations`` stays constant).
+#   * slabs are never returned before ``close()`` (or ``trim()``): once the working set fits, a
+#     step allocates nothing from the host (``host_allocations`` stays constant). The one
+#     exception: at the cap, unused slabs make way for a region larger than any of them.
 # Slabs are powers of two because torch's pinned host allocator rounds every request up to one
 # (768 MiB pinned 1 GiB); asking for powers of two means the cap is what is really pinned.
 
@@ -140,8 +141,9 @@ class HostPool:
     Memory comes in power-of-two slabs allocated at first use (one log line per slab, with bytes
     and seconds) and kept until :meth:`close`; regions are carved from them best-fit, and released
     regions merge with free neighbours, so fragmentation does not force new slabs. The pool grows
-    slab by slab up to ``capacity_bytes`` and then raises :class:`StorageFullError`, so the caller
-    can fall back to another tier. Thread-safe.
+    slab by slab up to ``capacity_bytes`` (there, unused slabs make way for a larger one) and
+    then raises :class:`StorageFullError`, so the caller can fall back to another tier.
+    Thread-safe.
 
     Args:
         capacity_bytes: the most host memory the pool may hold (slabs included in full).
@@ -254,7 +256,7 @@ class HostPool:
             self._check_open()
             placed = self._place(capacity)
             if placed is None:
-                self._grow(capacity, reason=f"a {format_bytes(nbytes)} region")
+                self._grow(capacity, reason=f"a {format_bytes(nbytes)} region", make_room=True)
                 placed = self._place(capacity)
                 if placed is None:  # pragma: no cover - _grow guarantees room
                     raise StorageError("host pool grew but the region still does not fit")
@@ -289,11 +291,21 @@ class HostPool:
         offset = best.allocator.allocate(capacity)
         return (best, offset) if offset is not None else None
 
-    def _grow(self, need: int, *, reason: str) -> None:
+    def _slab_size(self, need: int) -> int:
+        size = min(self._slab_bytes, prev_pow2(self._capacity - self._reserved))
+        return size if size >= need else next_pow2(need)
+
+    def _grow(self, need: int, *, reason: str, make_room: bool = False) -> None:
+        # ``make_room``: for a region; a reservation only adds slabs (dropping some for it would
+        # undo what it reserved, again and again).
+        size = self._slab_size(need)
+        if make_room and size > self._capacity - self._reserved:
+            # Slabs that no region uses make room under the cap: a region larger than any slab
+            # (a new signature's records) after smaller ones had filled the cap with slabs was
+            # refused with nothing in use. The steady state never gets here: it fits.
+            self._drop_unused_slabs(size - (self._capacity - self._reserved))
+            size = self._slab_size(need)
         remaining = self._capacity - self._reserved
-        size = min(self._slab_bytes, prev_pow2(remaining))
-        if size < need:
-            size = next_pow2(need)
         if size > remaining:
             raise StorageFullError(
                 f"host pool is full: {reason} needs a new {format_bytes(size)} slab but only "
@@ -346,6 +358,26 @@ class HostPool:
         self._slabs.remove(slab)
         self._reserved -= slab.memory.numel()
 
+    @staticmethod
+    def _unused(slab: _Slab) -> bool:
+        usable = (slab.memory.numel() - slab.base) // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+        return slab.allocator.largest_free() == usable
+
+    def _drop_unused_slabs(self, nbytes: int) -> None:
+        """Give back unused slabs, smallest first, totalling at least ``nbytes``; none when they
+        cannot make that much room. Caller holds the lock."""
+        unused = sorted((s for s in self._slabs if self._unused(s)), key=lambda s: s.memory.numel())
+        if sum(s.memory.numel() for s in unused) < nbytes:
+            return
+        freed = 0
+        for slab in unused:
+            if freed >= nbytes:
+                break
+            freed += slab.memory.numel()
+            self._drop_slab(slab)
+        if self._ever_pinned:
+            _empty_host_cache()  # torch keeps freed pinned blocks cached: give them back first
+
     def _release(self, region: HostRegion) -> None:
         if region._released:
             return
@@ -371,8 +403,7 @@ class HostPool:
             for slab in list(self._slabs):
                 if self._reserved <= keep_bytes:
                     break
-                usable = (slab.memory.numel() - slab.base) // ALIGNMENT_BYTES * ALIGNMENT_BYTES
-                if slab.allocator.largest_free() == usable:
+                if self._unused(slab):
                     freed += slab.memory.numel()
                     self._drop_slab(slab)
             return freed

@@ -107,6 +107,27 @@ def test_slabs_are_powers_of_two_and_grow_up_to_the_cap():
         r.release()
 
 
+def test_unused_slabs_at_the_cap_make_room_for_a_larger_region():
+    """A cap filled with slabs of small regions, all released, refused a region larger than any
+    slab ("0 B in use"): a larger record after smaller ones (a new signature) failed, or went to
+    NVMe. Now unused slabs, smallest first, go back for the new one; slabs in use stay."""
+    with HostPool(64 * MiB, slab_bytes=16 * MiB) as pool:
+        for r in [pool.allocate(8 * MiB) for _ in range(8)]:
+            r.release()
+        assert pool.host_allocations == 4 and pool.reserved_bytes == 64 * MiB
+        kept = pool.allocate(8 * MiB)
+        kept.tensor.fill_(7)
+        big = pool.allocate(20 * MiB)  # a 32 MiB slab, in place of two unused 16 MiB ones
+        assert sorted(s.memory.numel() for s in pool._slabs) == [16 * MiB, 16 * MiB, 32 * MiB]
+        assert pool.reserved_bytes == 64 * MiB and pool.host_allocations == 5
+        assert bool((kept.tensor == 7).all())
+        with pytest.raises(StorageFullError):
+            pool.allocate(40 * MiB)  # a 64 MiB slab: the unused 16 MiB one is not enough
+        assert pool.reserved_bytes == 64 * MiB and len(pool._slabs) == 3  # nothing was dropped
+        big.release()
+        kept.release()
+
+
 def test_steady_state_allocates_nothing_over_200_cycles():
     sizes = [1, 4096, 10_000, 300_000, 2 * MiB + 5]
     with HostPool(32 * MiB, slab_bytes=4 * MiB) as pool:
