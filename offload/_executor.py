@@ -59,6 +59,14 @@ _MIN_AUTO_WINDOW_BYTES = 256 << 20  # DESIGN: max_inflight_bytes=None means 2 x 
 _CONJ, _NEG = 1, 2  # _Member.bits
 
 
+def host_charge(nbytes: int) -> int:
+    """What a record of ``nbytes`` takes from ``cpu_budget``: its host region, padded to 4 KiB
+    as the pool hands it out. Counted unpadded, one manager's padding took the shared pool's room
+    that another manager had claimed for its own budget."""
+    align = storage.ALIGNMENT_BYTES
+    return -(-nbytes // align) * align
+
+
 class _Member:
     """What pack returns for an offloaded tensor: its family and how to rebuild the view.
 
@@ -157,7 +165,7 @@ class Executor:
         self.pool = pool
         self.lock = threading.RLock()
         self.step: _StepState | None = None
-        self.host_bytes = 0  # this manager's bytes in the host tier
+        self.host_bytes = 0  # this manager's bytes in the host tier, as the pool counts them
         self._next_fid = 0
         self._pending_free: list[Family] = []  # GPU: freed families waiting for D / R
         self._pending_regions: list[tuple[Any, Any]] = []  # GPU: staging waiting for R
@@ -404,10 +412,10 @@ class Executor:
             tiers = sorted(tiers, key=lambda t: t.name != prefer)
         try:
             for i, tier in enumerate(tiers):
-                if tier.name == "host" and self.host_bytes + n > self.cpu_budget_bytes:
+                if tier.name == "host" and self.host_bytes + host_charge(n) > self.cpu_budget_bytes:
                     last_error = storage.StorageFullError(
                         f"cpu_budget of {self.cpu_budget_bytes} bytes is used up "
-                        f"({self.host_bytes} held); {n} more needed",
+                        f"({self.host_bytes} held); {host_charge(n)} more needed",
                         bytes_needed=n,
                     )
                     continue
@@ -446,7 +454,7 @@ class Executor:
         fam.source, fam.source_event = source, event
         fam.to(Life.COPYING_OUT)
         if tier.name == "host":
-            self.host_bytes += n
+            self.host_bytes += host_charge(n)
             step.stats.bytes_offloaded_cpu += n
             step.stats.records_offloaded_cpu += 1
         else:
@@ -538,9 +546,12 @@ class Executor:
             if self.step is not None:
                 self.step.stats.fallbacks += 1
             host = next((t for t in self.tiers if t.name == "host"), None)
-            if host is not None and self.host_bytes + fam.nbytes <= self.cpu_budget_bytes:
+            if (
+                host is not None
+                and self.host_bytes + host_charge(fam.nbytes) <= self.cpu_budget_bytes
+            ):
                 fam.tier, fam.handle = host, host.write(region, fam.nbytes)
-                self.host_bytes += fam.nbytes
+                self.host_bytes += host_charge(fam.nbytes)
                 self._recount(fam, "nvme", "host")
                 self._say_write_failed("nvme", fam, error, "went to the host tier")
             else:
@@ -573,14 +584,17 @@ class Executor:
         # on the device and unpack returns them) and say so once.
         failed = fam.tier.name
         if failed == "host":
-            self.host_bytes -= fam.nbytes
+            self.host_bytes -= host_charge(fam.nbytes)
         # On CUDA the source is device memory, which the host tiers do not take: it stays.
         later = [] if self.cuda else self.tiers[self.tiers.index(fam.tier) + 1 :]
         if self.step is not None:
             self.step.stats.fallbacks += 1
         assert fam.source is not None  # held until a copy out succeeds
         for tier in later:
-            if tier.name == "host" and self.host_bytes + fam.nbytes > self.cpu_budget_bytes:
+            if (
+                tier.name == "host"
+                and self.host_bytes + host_charge(fam.nbytes) > self.cpu_budget_bytes
+            ):
                 continue
             try:
                 fam.tier, fam.handle = tier, tier.write(fam.source)
@@ -589,7 +603,7 @@ class Executor:
                 continue  # a failed write released its own space
             if tier.name == "host":
                 # _drop gives these back; without this, host_bytes went negative.
-                self.host_bytes += fam.nbytes
+                self.host_bytes += host_charge(fam.nbytes)
             self._recount(fam, failed, tier.name)
             self._say_write_failed(failed, fam, error, f"went to the {tier.name} tier")
             fam.source = None
@@ -948,7 +962,7 @@ class Executor:
         if tier is not None and handle is not None:
             tier.free(handle)
             if tier.name == "host":
-                self.host_bytes -= fam.nbytes
+                self.host_bytes -= host_charge(fam.nbytes)
             fam.handle = None
         if fam.staging is not None:
             fam.staging.release()

@@ -982,6 +982,44 @@ def test_each_manager_gets_its_own_cpu_budget_from_the_shared_pool(monkeypatch) 
     assert pool.reserved_bytes == 0
 
 
+class _SinChain(nn.Module):
+    """``k`` sines in a row: each saves its input, a record of the input's bytes."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.w
+        for _ in range(self.k):
+            x = torch.sin(x)
+        return x
+
+
+def test_cpu_budget_counts_the_host_regions_padding(tmp_path) -> None:
+    """181 records of 5,000 bytes with cpu_budget=1MiB: the budget was checked against the
+    records' bytes (905,000), while each took an 8 KiB region of the pool: the manager held
+    1.41 MiB of host memory, and on a shared pool that was room another manager had claimed for
+    its own budget (it then failed under its budget). Now the regions are what is counted: 128
+    records stay in host memory (1 MiB), the rest go to NVMe; gradients are exact."""
+    torch.manual_seed(0)
+    model, x = _SinChain(180), torch.randn(1250)
+    model(x).sum().backward()
+    want = model.w.grad.clone()
+    model.zero_grad(set_to_none=True)
+    with manager(model, tiers=("cpu", "nvme"), nvme_dir=tmp_path, cpu_budget="1MiB") as mgr:
+        with mgr:
+            loss = model(x).sum()
+        host = mgr._tiers[0]
+        assert mgr._executor.host_bytes == host.used_bytes <= 1 << 20
+        assert mgr.stats.last.records_offloaded_cpu == 128
+        assert mgr.stats.last.records_offloaded_nvme == 181 - 128
+        loss.backward()
+        assert torch.equal(model.w.grad, want)
+        assert mgr._executor.host_bytes == host.used_bytes == 0
+
+
 def test_a_step_whose_nvme_tier_cannot_be_made_gives_its_pool_claim_back(
     tmp_path, monkeypatch
 ) -> None:
