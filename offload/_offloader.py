@@ -594,7 +594,16 @@ class ActivationOffloader:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Turn the hooks off for a region (``torch.func`` transforms, eval, code to keep)."""
+        """Turn the hooks off for a region (``torch.func`` transforms, eval, code to keep).
+
+        On the thread that runs the step (or inside its backward). Entered on another thread
+        while a step runs, it changes nothing: saved-tensor hooks are per thread, so that
+        thread's saves never reached the step's hooks, and its module calls are not the step's.
+        """
+        if self._in_step and foreign_call(self._step_thread):
+            # Counted, the pause turned the running step's own offloading off.
+            yield
+            return
         with self._lock:
             # Pop only our own pair: a foreign pair on top shadows ours already (only the
             # innermost fires), and popping it would take its packs away and leave ours on top.

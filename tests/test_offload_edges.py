@@ -642,6 +642,36 @@ def test_a_second_thread_entering_a_running_step_is_told_why() -> None:
     assert "running on another thread" in str(error) and "one step at a time" in str(error)
 
 
+def test_a_pause_on_another_thread_leaves_the_running_step_alone() -> None:
+    """``mgr.paused()`` entered on another thread while a step runs (an evaluation thread
+    keeping its own work out of the manager): saved-tensor hooks are per thread, so nothing of
+    that thread's reached the step anyway; counted, the pause turned the step's offloading off
+    (0 bytes offloaded while it was held)."""
+    want = reference_grads("mlp")
+    case = mlp(seed=0)
+    held, release = threading.Event(), threading.Event()
+
+    def pause() -> None:
+        with mgr.paused():
+            held.set()
+            release.wait(30)
+
+    with manager(case.model) as mgr:
+        case.model.zero_grad(set_to_none=True)
+        other = threading.Thread(target=pause)
+        with mgr:
+            other.start()
+            assert held.wait(30)
+            loss = case.loss(case.batch())
+            release.set()
+        other.join(30)
+        loss.backward()
+        assert mgr.stats.last.bytes_offloaded_cpu > 0
+        assert_bitwise(case.grads(), want)
+        with mgr.paused():  # on the step's thread, outside a step: as before
+            assert mgr._paused == 1
+
+
 # -- steps: accumulation, interleaving, exceptions -----------------------------------------------
 
 
