@@ -705,8 +705,13 @@ class ActivationOffloader:
         return ex
 
     def _keeps(self, name: str, mod: nn.Module) -> bool:
-        """Whether ``keep=`` names module ``name`` (by name or type)."""
-        return name in self.config.keep_names or isinstance(mod, self.config.keep_types)
+        """Whether ``keep=`` names module ``name`` (by name or type), or it is an ``nn.RReLU``:
+        in training its op saves its noise tensor before its kernel fills it, and the fill
+        leaves the version counter as it was (torch 2.13), so a copy taken at pack holds the
+        bytes from before the fill and no check can tell: kept, always."""
+        return name in self.config.keep_names or isinstance(
+            mod, (*self.config.keep_types, nn.RReLU)
+        )
 
     def _kept_modules(self, model: nn.Module) -> list[str]:
         return [
