@@ -113,13 +113,13 @@ def warn_if_unused(trace: Trace, *, stacklevel: int) -> None:
     nothing for backward, or ran no backward: a plan from such a trace keeps or moves tensors no
     backward reads, and the mistake (a ``step_fn`` that only runs forward, or runs under
     ``no_grad``) is easier to see here than in a plan."""
-    saved = sum(1 for r in trace.records if not r.is_parameter)
     if not trace.records:
         why = (
             "saved no tensor for backward (did step_fn call the model, with grad enabled?); "
             "the trace is empty"
         )
     elif not any(e.kind is EventKind.UNPACK for e in trace.events):
+        saved = sum(1 for r in trace.records if not r.is_parameter)
         why = (
             f"ran no backward: none of the {len(trace.records)} saved tensors ({saved} "
             "activations) was used. step_fn must run forward and backward, e.g. "

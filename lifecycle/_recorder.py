@@ -19,6 +19,7 @@ NOTE [ Alias families ]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import gc
@@ -84,6 +85,36 @@ def foreign_call(thread: int | None) -> bool:
     if thread is None or torch.compiler.is_compiling():
         return False
     return threading.get_ident() != thread and not in_backward()
+
+
+class UnendedCalls:
+    """Entries of a module-call ``stack`` pushed by calls a backward runs (checkpoint's
+    recomputation). Non-reentrant checkpoint stops recomputing once backward has what it needs,
+    so such a call's forward hook may never come: its entry would stay on the stack, and the
+    step's later packs (a forward after a backward in one step) would be named after it. The end
+    of that backward (a final callback) drops them. The recorder and offload's manager each keep
+    one over their own stack, which they mutate in place; ``lock`` guards it, if any."""
+
+    def __init__(self, stack: list[Any], lock: Any = None) -> None:
+        self._stack, self._lock = stack, lock
+        self._entries: list[Any] = []
+
+    def add(self, entry: Any) -> None:
+        """``entry``, just pushed, belongs to a call the current backward runs."""
+        if not self._entries:
+            torch.autograd.Variable._execution_engine.queue_callback(self._drop)
+        self._entries.append(entry)
+
+    def clear(self) -> None:
+        """The stack was cleared (a step began or ended; a backward that raised runs no final
+        callback)."""
+        self._entries.clear()
+
+    def _drop(self) -> None:
+        with self._lock if self._lock is not None else contextlib.nullcontext():
+            stale = {id(e) for e in self._entries}
+            self._entries.clear()
+            self._stack[:] = [e for e in self._stack if id(e) not in stale]
 
 
 class StepBoundary(str, enum.Enum):
@@ -238,7 +269,7 @@ class Recorder:
         self._family_info: dict[Any, tuple[int, int]] = {}
         self._next_family = 0
         self._stack: list[_Call] = []
-        self._backward_calls: list[_Call] = []  # see _backward_call
+        self._backward_calls = UnendedCalls(self._stack, self._lock)
         self._call_counts: dict[str, int] = {}
         self._outside_packs = 0
         self._graph_task: int | None = None
@@ -556,7 +587,7 @@ class Recorder:
             self._stack.append(call)
             self._event(EventKind.FORWARD_START, name, idx)
             if in_backward():
-                self._backward_call(call)
+                self._backward_calls.add(call)
                 return
             if not torch.is_grad_enabled():
                 return
@@ -566,21 +597,6 @@ class Recorder:
             if t.requires_grad and t.grad_fn is not None:
                 call.end_hook = t.register_hook(_BackwardEnd(self, name, idx))
                 break
-
-    def _backward_call(self, call: _Call) -> None:
-        """``call`` is a module call a backward runs (checkpoint's recomputation), which
-        non-reentrant checkpoint may stop before the call's forward hook: its entry would stay
-        on the stack, and the step's later packs would be named after it. The end of the
-        backward drops such entries (their spans keep no FORWARD_END: the call never ended)."""
-        if not self._backward_calls:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_calls)
-        self._backward_calls.append(call)
-
-    def _end_backward_calls(self) -> None:
-        with self._lock:
-            stale = {id(c) for c in self._backward_calls}
-            self._backward_calls.clear()
-            self._stack[:] = [c for c in self._stack if id(c) not in stale]
 
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._recording or foreign_call(self._thread):

@@ -28,7 +28,7 @@ import lifecycle
 import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
 from lifecycle._inert import ModuleHook
-from lifecycle._recorder import foreign_call
+from lifecycle._recorder import UnendedCalls, foreign_call
 from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
@@ -377,7 +377,7 @@ class ActivationOffloader:
         self._step_added = True
         # [module path, kept, families this call packed itself (offloaded ones, in pack order)]
         self._stack: list[list[Any]] = []
-        self._backward_entries: list[list[Any]] = []  # see _backward_call
+        self._backward_entries = UnendedCalls(self._stack)
         self._warned: set[str] = set()
         self._params = ParameterStorages()
         self._module_handles = self._install_module_hooks(model)
@@ -1132,22 +1132,6 @@ class ActivationOffloader:
     def _uninstall_recompute(self) -> None:
         _uninstall_forwards(self._recompute)
 
-    def _backward_call(self, entry: list[Any]) -> None:
-        """``entry`` was pushed by a module call a backward runs (checkpoint's recomputation).
-        Non-reentrant checkpoint stops recomputing once it has what backward needs, so that
-        call's forward hook may never come: its entry would stay on the stack, and the step's
-        later packs (a forward after a backward in one ``with mgr:`` block) would be named
-        after it, and kept with it if it was kept. The end of the backward drops such
-        entries."""
-        if not self._backward_entries:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_calls)
-        self._backward_entries.append(entry)
-
-    def _end_backward_calls(self) -> None:
-        stale = {id(e) for e in self._backward_entries}
-        self._backward_entries.clear()
-        self._stack[:] = [e for e in self._stack if id(e) not in stale]
-
     def _recompute_this(self, name: str) -> tuple[str, int] | None:
         """Called by a RecomputeForward: the (module, call) to checkpoint now, or None."""
         active = self._active
@@ -1651,7 +1635,7 @@ class _ForwardPre(ModuleHook):
         mgr._stack.append(entry)
         # (Dynamo cannot trace the graph task id, and traces no backward.)
         if not compiling and _current_graph_task_id is not None and _current_graph_task_id() != -1:
-            mgr._backward_call(entry)
+            mgr._backward_entries.add(entry)
         if mgr._executor is not None:
             mgr._executor.poll()
 
