@@ -49,6 +49,7 @@ from offload._family import (
     storage_bytes,
 )
 from offload._stats import StepStats
+from storage._units import round_up
 
 log = logging.getLogger("offload")
 
@@ -60,11 +61,10 @@ _CONJ, _NEG = 1, 2  # _Member.bits
 
 
 def host_charge(nbytes: int) -> int:
-    """What a record of ``nbytes`` takes from ``cpu_budget``: its host region, padded to 4 KiB
-    as the pool hands it out. Counted unpadded, one manager's padding took the shared pool's room
-    that another manager had claimed for its own budget."""
-    align = storage.ALIGNMENT_BYTES
-    return -(-nbytes // align) * align
+    """What a record of ``nbytes`` takes from ``cpu_budget``: its host region, padded as the
+    pool pads it (``HostPool.allocate``). Counted unpadded, one manager's padding took the
+    shared pool's room that another manager had claimed for its own budget."""
+    return round_up(nbytes)
 
 
 class _Member:
@@ -412,7 +412,7 @@ class Executor:
             tiers = sorted(tiers, key=lambda t: t.name != prefer)
         try:
             for i, tier in enumerate(tiers):
-                if tier.name == "host" and self.host_bytes + host_charge(n) > self.cpu_budget_bytes:
+                if tier.name == "host" and not self._host_room(n):
                     last_error = storage.StorageFullError(
                         f"cpu_budget of {self.cpu_budget_bytes} bytes is used up "
                         f"({self.host_bytes} held); {host_charge(n)} more needed",
@@ -546,10 +546,7 @@ class Executor:
             if self.step is not None:
                 self.step.stats.fallbacks += 1
             host = next((t for t in self.tiers if t.name == "host"), None)
-            if (
-                host is not None
-                and self.host_bytes + host_charge(fam.nbytes) <= self.cpu_budget_bytes
-            ):
+            if host is not None and self._host_room(fam.nbytes):
                 fam.tier, fam.handle = host, host.write(region, fam.nbytes)
                 self.host_bytes += host_charge(fam.nbytes)
                 self._recount(fam, "nvme", "host")
@@ -591,10 +588,7 @@ class Executor:
             self.step.stats.fallbacks += 1
         assert fam.source is not None  # held until a copy out succeeds
         for tier in later:
-            if (
-                tier.name == "host"
-                and self.host_bytes + host_charge(fam.nbytes) > self.cpu_budget_bytes
-            ):
+            if tier.name == "host" and not self._host_room(fam.nbytes):
                 continue
             try:
                 fam.tier, fam.handle = tier, tier.write(fam.source)
@@ -613,6 +607,10 @@ class Executor:
         fam.error = None
         self._say_write_failed(failed, fam, error, f"stay on {self.device}")
         fam.tier = fam.handle = None
+
+    def _host_room(self, nbytes: int) -> bool:
+        """Whether ``cpu_budget`` has room for a record of ``nbytes`` (see host_charge)."""
+        return self.host_bytes + host_charge(nbytes) <= self.cpu_budget_bytes
 
     def _say_write_failed(self, tier: str, fam: Family, error: BaseException, now: str) -> None:
         """Log that a write into ``tier`` failed after pack returned, and where the record is
