@@ -110,6 +110,7 @@ from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
     is_dtensor,
+    local_tensor,
     parameter_cast,
     tensor_versions,
 )
@@ -278,7 +279,9 @@ class ActivationRecipe:
                         "offload rebuilds that output from its input at backward, so the "
                         "weights must not change in between (step the optimizer after backward)"
                     )
-                weight, bias = _local(args.weight), _local(args.bias)
+                # A DTensor weight's (replicated) shard.
+                weight = None if args.weight is None else local_tensor(args.weight)
+                bias = None if args.bias is None else local_tensor(args.bias)
                 if kind == "layer_norm":
                     out = torch.nn.functional.layer_norm(parent, args.shape, weight, bias, args.eps)
                 else:
@@ -313,11 +316,6 @@ def hold_norm_weights(
             return
         setattr(args, name, _aligned_copy(w))
         setattr(args, f"{name}_version", tensor_versions(getattr(args, name)))
-
-
-def _local(w: torch.Tensor | None) -> torch.Tensor | None:
-    """A norm's weight or bias as the rebuild uses it: a DTensor's (replicated) shard."""
-    return w._local_tensor if w is not None and is_dtensor(w) else w  # type: ignore[attr-defined]
 
 
 def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
