@@ -285,6 +285,9 @@ class Recorder:
         # training), or changed any buffer of their own in place (a spectral norm's power
         # iteration): the trace names them, so that no plan recomputes them.
         self._stateful: set[str] = set()
+        # nn.RReLU modules called in a recorded step: offload keeps their saved tensors on the
+        # device (see NOTE [ Fill after pack ]), so the trace names them as kept modules.
+        self._fill_after_pack: set[str] = set()
         self._compiled: set[int] = set()  # ids of the compiled modules attached (leaves)
 
     # -- public control ----------------------------------------------------------------------
@@ -516,7 +519,10 @@ class Recorder:
             }
             if self._stateful:
                 meta["stateful_modules"] = sorted(self._stateful)
+            kept = self._fill_after_pack.union((metadata or {}).get("kept_modules") or ())
             meta.update(metadata or {})
+            if kept:
+                meta["kept_modules"] = sorted(kept)
             trace = Trace(
                 records=tuple(records), events=tuple(events), steps=self._steps_done, metadata=meta
             )
@@ -577,6 +583,13 @@ class Recorder:
             for m in (module.modules() if leaf else (module,))
         ):
             self._stateful.add(name)
+        # NOTE [ Fill after pack ]: F.rrelu in training saves its noise tensor and then fills
+        # it, and the fill leaves the version counter as it was (torch 2.13): a copy taken at
+        # pack holds the bytes from before the fill, and no check can tell. offload keeps every
+        # nn.RReLU's saved tensors where they are; a plan made from this trace must count them
+        # kept too (a plan that moved them on paper was 1.6x over its budget).
+        if isinstance(module, nn.RReLU):
+            self._fill_after_pack.add(name)
         with self._lock:
             idx = self._call_counts.get(name, 0)
             self._call_counts[name] = idx + 1

@@ -303,16 +303,17 @@ class ActivationOffloader:
                     "model below its root (or lie inside a compiled one): a plan is made for the "
                     "model it was profiled on"
                 )
-        if user_plan is not None and (keep_names or keep_types):
+        if user_plan is not None:
             unplanned = set(self._kept_modules(model)) - set(
                 user_plan.metadata.get("kept_modules") or ()
             )
             if unplanned:
                 warnings.warn(
-                    f"offload: keep= names modules {sorted(unplanned)} that the given plan= was "
-                    "not made with: their saved tensors stay on the device while the plan counts "
-                    "them moved or recomputed, so the budget may not hold. Let the manager "
-                    "profile and plan (no plan=) to have keep= counted.",
+                    f"offload: this manager keeps modules {sorted(unplanned)} (named in keep=, "
+                    "or nn.RReLU, always kept) that the given plan= was not made with: their "
+                    "saved tensors stay on the device while the plan counts them moved or "
+                    "recomputed, so the budget may not hold. Let the manager profile and plan "
+                    "(no plan=) to have them counted.",
                     RuntimeWarning,
                     stacklevel=_user_stacklevel(),
                 )
@@ -708,7 +709,8 @@ class ActivationOffloader:
         """Whether ``keep=`` names module ``name`` (by name or type), or it is an ``nn.RReLU``:
         in training its op saves its noise tensor before its kernel fills it, and the fill
         leaves the version counter as it was (torch 2.13), so a copy taken at pack holds the
-        bytes from before the fill and no check can tell: kept, always."""
+        bytes from before the fill and no check can tell: kept, always (see NOTE [ Fill after
+        pack ] in lifecycle's recorder, which names them in a trace's kept modules)."""
         return name in self.config.keep_names or isinstance(
             mod, (*self.config.keep_types, nn.RReLU)
         )

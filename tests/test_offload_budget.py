@@ -900,8 +900,61 @@ def test_keep_under_a_budget_is_fixed_memory_to_the_plan() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         offload.ActivationOffloader(model, plan=plan, keep=("0", "1")).close()
-    with pytest.warns(RuntimeWarning, match=r"keep= names modules \['2'\]"):
+    with pytest.warns(RuntimeWarning, match=r"keeps modules \['2'\]"):
         offload.ActivationOffloader(model, plan=plan, keep=("0", "1", "2")).close()
+
+
+def test_an_offline_plan_counts_rrelu_kept_as_the_manager_keeps_it() -> None:
+    """The manager keeps every nn.RReLU's saved tensors (its noise is filled after pack). A trace
+    from offload.profile names them as kept modules, so an offline plan neither moves nor
+    recomputes them and its budget holds with plan= (it used to move them on paper: 344,320 B
+    held against 180,480 predicted at a 217,216 B budget). A plan that does not name them
+    makes the manager warn."""
+    import dataclasses
+
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(32, 128), nn.RReLU(), nn.Linear(128, 32))
+
+    model = nn.Sequential(*[block() for _ in range(4)], nn.Linear(32, 1))
+    x = torch.randn(64, 32)
+
+    def loss() -> torch.Tensor:
+        torch.manual_seed(5)  # the same RReLU noise in every step
+        return model(x).pow(2).mean()
+
+    trace = offload.profile(lambda: loss().backward(), model, warmup_steps=0)
+    assert trace.metadata["kept_modules"] == ["0.1", "1.1", "2.1", "3.1"]
+    with pytest.raises(offload.BudgetInfeasibleError) as info:
+        offload.plan(
+            trace, gpu_budget=trace.peak_saved_bytes // 2, hardware=FAST, min_offload_bytes=0
+        )
+    budget = info.value.min_feasible_bytes + 8192
+    plan = offload.plan(trace, gpu_budget=budget, hardware=FAST, min_offload_bytes=0)
+    assert not [e for e in plan.entries if e.module.endswith(".1")]
+    model.zero_grad(set_to_none=True)
+    loss().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mgr = offload.ActivationOffloader(model, plan=plan, min_offload_bytes=0)
+    try:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with SavedBytes.on(mgr) as saved:
+                with mgr:
+                    out = loss()
+                out.backward()
+            assert saved.peak <= budget and mgr.stats.last.unplanned_records == 0
+            assert all(torch.equal(p.grad, want[n]) for n, p in model.named_parameters())
+    finally:
+        mgr.close()
+    unaware = dataclasses.replace(plan, metadata={**plan.metadata, "kept_modules": []})
+    with pytest.warns(RuntimeWarning, match=r"keeps modules \['0.1', '1.1', '2.1', '3.1'\]"):
+        offload.ActivationOffloader(model, plan=unaware).close()
 
 
 def test_a_given_plan_runs_for_its_signature_whenever_it_comes(tmp_path) -> None:
