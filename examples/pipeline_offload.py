@@ -129,13 +129,17 @@ def stage_budget(arg: str, stage_peak: int) -> str | int:
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, init: str | None) -> int:
-    cuda = torch.cuda.is_available()
+    # NCCL needs a GPU of its own per rank ("Duplicate GPU detected" otherwise): with fewer GPUs
+    # than local ranks (the 2 spawned processes on a 1-GPU machine) the ranks run on CPU + gloo.
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
     backend = "nccl" if cuda else "gloo"
     if init is None:
         dist.init_process_group(backend)
     else:
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     try:
