@@ -7,53 +7,96 @@
 # Everything takes longer than one 10-minute device call: pick sections with PARTS (comma
 # separated; default all): tests, hooks, info, profile, step, budget, pipeline. For example
 #     PARTS=tests,budget OUT=... bash benchmarks/gpu_check.sh      then      PARTS=step,pipeline ...
-# Each section has its own time limit. NVME_DIR picks the disk.
+# Each section has its own time limit, cut to what is left of TOTAL_S (default 480 s) for the
+# whole script: a section that would start with under 30 s left is skipped (said in
+# skipped.txt), so the script ends inside one device call. With OUT set, the results are packed
+# into $OUT after every section: a call stopped at its limit still returns what finished.
+# NVME_DIR picks the disk.
 set -uo pipefail
 part() { [[ ",${PARTS:-all}," == *",all,"* || ",${PARTS:-all}," == *",$1,"* ]]; }
+total="${TOTAL_S:-480}"
+# limit NAME SECONDS: prints the section's limit (SECONDS, or less: what is left of TOTAL_S less
+# 15 s for packing); fails (and notes it) when under 30 s would be left.
+limit() {
+  local left=$(( total - SECONDS - 15 )) want="$2"
+  if (( left < 30 )); then
+    echo "$1: skipped, ${SECONDS} s of TOTAL_S=${total} used" >> "$res/skipped.txt"
+    return 1
+  fi
+  echo $(( want < left ? want : left ))
+}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py="$(command -v python3 || command -v python)"
 res="benchmarks/results/gpu"
-mkdir -p "$res"
+mkdir -p "$res" && rm -f "$res/skipped.txt"
 nvme="${NVME_DIR:-/tmp}"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
   "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   df -hT "$nvme"
 } > "$res/hardware.txt" 2>&1
-if part tests; then
-  # Deterministic cuBLAS for the bitwise tests only (the benchmarks keep the default).
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 500 "$py" -m pytest -q -m gpu tests -p no:cacheprovider > "$res/gpu_tests.txt" 2>&1
-  tail -n 15 "$res/gpu_tests.txt"
-fi
-part hooks && timeout 300 "$py" benchmarks/bench_hooks.py --out "$res" > /dev/null 2>&1
-part info && timeout 120 "$py" -m offload info --json --nvme-dir "$nvme" --probe-bytes 1GiB \
-  > "$res/info.json" 2>&1
-part profile && timeout 300 "$py" -m offload profile --quiet --steps 2 --out "$res/profile" \
-  examples/train_gpt.py --layers 4 --d-model 1024 --heads 16 --seq 1024 --batch 8 \
-  > "$res/profile.txt" 2>&1
-part step && for cfg in h2048 h4096; do
-  timeout 600 "$py" benchmarks/bench_step.py --config "$cfg" --nvme-dir "$nvme" --out "$res" \
-    > "$res/step-$cfg.log" 2>&1
-  tail -n 25 "$res/step-$cfg.log"
-done
-# The planned mode at 25/50/75% of no offload's peak against its anchors (about a minute each).
-part budget && for cfg in h2048 h4096; do
-  timeout 240 "$py" benchmarks/bench_budget.py --config "$cfg" --out "$res" \
-    > "$res/budget-$cfg.log" 2>&1
-  tail -n 8 "$res/budget-$cfg.log"
-done
-# Stage 0 of a 4-stage 1F1B pipeline, 8 microbatches: kept vs offloaded vs GPipe order, and the
-# simulator's prediction (about a minute; seconds per offloaded schedule).
-if part pipeline; then
-  timeout 300 "$py" benchmarks/bench_pipeline.py --config h4096 --out "$res" \
-    > "$res/pipeline-h4096.log" 2>&1
-  tail -n 30 "$res/pipeline-h4096.log"
-fi
-if [ -n "${OUT:-}" ]; then
+pack() {
+  [ -n "${OUT:-}" ] || return 0
   # The device tool returns at most 8 files: one archive of everything, and the tables.
-  tar czf "$OUT/gpu-results.tgz" -C "$res" .
-  cp "$res/gpu_tests.txt" "$res/hardware.txt" "$OUT/" 2>/dev/null
+  tar czf "$OUT/gpu-results.tgz" -C "$res" . 2>/dev/null
+  cp "$res/gpu_tests.txt" "$res/hardware.txt" "$OUT/" 2>/dev/null  # skipped.txt: in the .tgz
   cp "$res"/hooks.md "$res"/step-h2048.md "$res"/step-h4096.md "$OUT/" 2>/dev/null
   cat "$res"/budget-h2048.md "$res"/budget-h4096.md > "$OUT/budget.md" 2>/dev/null
   cp "$res"/pipeline-h4096.md "$OUT/" 2>/dev/null
+  return 0
+}
+pack
+# `timeout -k 10`: a process that ignores SIGTERM (a hung CUDA call) is killed 10 s later.
+if part tests && lim=$(limit tests 360); then
+  # Deterministic cuBLAS for the bitwise tests only (the benchmarks keep the default). A test
+  # running past 120 s gets every thread's traceback in the log (a hang shows where it waits).
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout -k 10 "$lim" "$py" -m pytest -q -m gpu tests \
+    -p no:cacheprovider -o faulthandler_timeout=120 > "$res/gpu_tests.txt" 2>&1
+  tail -n 15 "$res/gpu_tests.txt"
+  pack
 fi
+if part hooks && lim=$(limit hooks 120); then
+  timeout -k 10 "$lim" "$py" benchmarks/bench_hooks.py --out "$res" > "$res/hooks.log" 2>&1
+  pack
+fi
+if part info && lim=$(limit info 120); then
+  timeout -k 10 "$lim" "$py" -m offload info --json --nvme-dir "$nvme" --probe-bytes 1GiB \
+    > "$res/info.json" 2>&1
+  pack
+fi
+if part profile && lim=$(limit profile 180); then
+  timeout -k 10 "$lim" "$py" -m offload profile --quiet --steps 2 --out "$res/profile" \
+    examples/train_gpt.py --layers 4 --d-model 1024 --heads 16 --seq 1024 --batch 8 \
+    > "$res/profile.txt" 2>&1
+  pack
+fi
+if part step; then
+  for cfg in h2048 h4096; do
+    lim=$(limit "step-$cfg" 600) || continue
+    timeout -k 10 "$lim" "$py" benchmarks/bench_step.py --config "$cfg" --nvme-dir "$nvme" \
+      --out "$res" > "$res/step-$cfg.log" 2>&1
+    tail -n 25 "$res/step-$cfg.log"
+    pack
+  done
+fi
+# The planned mode at 25/50/75% of no offload's peak against its anchors (about a minute each).
+if part budget; then
+  for cfg in h2048 h4096; do
+    lim=$(limit "budget-$cfg" 240) || continue
+    timeout -k 10 "$lim" "$py" benchmarks/bench_budget.py --config "$cfg" --out "$res" \
+      > "$res/budget-$cfg.log" 2>&1
+    tail -n 8 "$res/budget-$cfg.log"
+    pack
+  done
+fi
+# Stage 0 of a 4-stage 1F1B pipeline, 8 microbatches: kept vs offloaded vs GPipe order, and the
+# simulator's prediction (about a minute; seconds per offloaded schedule).
+if part pipeline && lim=$(limit pipeline 300); then
+  timeout -k 10 "$lim" "$py" benchmarks/bench_pipeline.py --config h4096 --out "$res" \
+    > "$res/pipeline-h4096.log" 2>&1
+  tail -n 30 "$res/pipeline-h4096.log"
+  pack
+fi
+pack
+[ -f "$res/skipped.txt" ] && cat "$res/skipped.txt"
+exit 0

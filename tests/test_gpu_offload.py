@@ -173,7 +173,7 @@ def test_clean_under_cuda_sanitizer(tmp_path) -> None:
     )
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
     r = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=150
     )
     assert r.returncode == 0, r.stderr[-4000:]
     assert "done" in r.stdout
