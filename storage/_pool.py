@@ -448,10 +448,13 @@ def _allocate_host(nbytes: int, *, pinned: bool) -> torch.Tensor:
 
 
 def _empty_host_cache() -> None:
-    # torch.accelerator.empty_host_cache is missing from torch 2.11; feature-detect both spellings.
+    # torch.accelerator.empty_host_cache is missing from torch 2.11 (and torch.cuda has no such
+    # call): there the CUDA build's private torch._C._host_emptyCache is the one that exists.
     accelerator = getattr(torch, "accelerator", None)
-    fn = getattr(accelerator, "empty_host_cache", None) or getattr(
-        torch.cuda, "empty_host_cache", None
+    fn = (
+        getattr(accelerator, "empty_host_cache", None)
+        or getattr(torch.cuda, "empty_host_cache", None)
+        or getattr(torch._C, "_host_emptyCache", None)
     )
     if fn is not None:
         fn()

@@ -333,3 +333,20 @@ def test_pinned_slabs_are_pinned_aligned_and_returned_on_close():
     assert torch.equal(r.tensor.cuda(), dev)
     r.release()
     pool.close()
+
+
+def test_pinned_slabs_go_back_through_torchs_private_host_cache_call_on_torch_2_11(monkeypatch):
+    """torch 2.11 (the GPU machines' build) has neither ``torch.accelerator.empty_host_cache``
+    nor ``torch.cuda.empty_host_cache``; its CUDA build has ``torch._C._host_emptyCache`` (what
+    ``offload._probe`` calls). Dropped pinned slabs must still be handed back through it, or
+    torch's host allocator keeps them cached after close (no-op before). The calls are counted
+    in place of the real one, which a CPU build lacks."""
+    from storage import _pool
+
+    calls = []
+    accelerator = type("Accelerator211", (), {})()  # a torch.accelerator without the call
+    monkeypatch.setattr(_pool.torch, "accelerator", accelerator)
+    monkeypatch.delattr(_pool.torch.cuda, "empty_host_cache", raising=False)
+    monkeypatch.setattr(_pool.torch._C, "_host_emptyCache", lambda: calls.append(1), raising=False)
+    _pool._empty_host_cache()
+    assert calls == [1]
