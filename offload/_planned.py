@@ -15,8 +15,11 @@ NOTE [ Budget mode ]
     the signature execute the plan: each pack looks up its key (module path, call index,
     ordinal), KEEP returns the tensor, CPU / NVMe offload to that tier (the others remain as
     fallbacks), and each moved family's reload starts at its planned trigger (a module's
-    backward start, or an unpack), with the module that packed it as a fallback trigger; module
-    calls the plan recomputes run under non-reentrant checkpoint. A key the plan does not know,
+    backward start, or an unpack), or at its own unpack (a stall) when that trigger does not
+    come; never at the backward start of the module that packed it, as in min-memory mode: a
+    module's backward starts before its children's, so a parent running ops of its own (the
+    root, a block's residual) would bring its families back before the kept tensors the plan
+    frees first are gone. Module calls the plan recomputes run under non-reentrant checkpoint. A key the plan does not know,
     or a record larger than its family's planned bytes, goes to the first tier with room and is
     counted in ``stats.unplanned_records``. Unpack always returns the bytes of the handle made
     at that pack: a wrong match costs time, never correctness.
