@@ -186,7 +186,8 @@ class ActivationOffloader:
         min_offload_bytes: smaller saved tensors stay where they are.
         plan: a :class:`Plan` (or a path to one) to use instead of profiling: for its signature,
             or for the first signature met when it has none. Its budget is the default
-            ``gpu_budget``.
+            ``gpu_budget``; a given ``gpu_budget`` below its predicted peak, or ``tiers``
+            without one it moves records to, raises ``ValueError``.
         hardware: the :class:`HardwareModel` (or a path to one, read here) to plan with;
             ``None``: measure this machine once with :func:`offload.probe_hardware` (cached on
             disk).
@@ -283,6 +284,7 @@ class ActivationOffloader:
         self.device = compute_device(model)
         # Budget mode (see NOTE [ Budget mode ] in _planned.py).
         user_plan = load_plan(plan)
+        budget_given = gpu_budget is not None
         if gpu_budget is None and user_plan is not None:
             gpu_budget = user_plan.gpu_budget_bytes
         self._budget_bytes = None if gpu_budget is None else resolve_budget(gpu_budget, self.device)
@@ -295,6 +297,26 @@ class ActivationOffloader:
             )
         self._user_plan = user_plan
         if user_plan is not None:
+            assert self._budget_bytes is not None
+            if budget_given and user_plan.predicted_peak_bytes > self._budget_bytes:
+                # The plan is run as it is (no profiling for its signature): it cannot hold a
+                # smaller budget than it was made for.
+                raise ValueError(
+                    f"plan: the given plan predicts a peak of {user_plan.predicted_peak_bytes} "
+                    f"bytes, above gpu_budget={gpu_budget!r} ({self._budget_bytes} bytes); "
+                    "plan offline for this budget, or leave gpu_budget out to use the plan's"
+                )
+            missing = [
+                t
+                for t in ("cpu", "nvme")
+                if user_plan.bytes_by_placement()[t] > 0 and t not in self.config.tiers
+            ]
+            if missing:
+                raise ValueError(
+                    f"plan: the given plan moves records to {missing!r}, which are not in "
+                    f"tiers={self.config.tiers!r}; add them to tiers (with nvme_dir for "
+                    "'nvme'), or plan offline with this manager's tiers"
+                )
             names = {n for n, _ in named_modules_stop_at_compiled(model)} - {""}
             unknown_calls = sorted({m for m, _ in user_plan.recompute_calls} - names)
             if unknown_calls:

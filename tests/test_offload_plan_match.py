@@ -108,3 +108,61 @@ def test_planned_steps_on_a_slow_link_hold_their_prediction(name: str) -> None:
             meter.peak_planned,
             stats.predicted_peak_bytes,
         )
+
+
+def _saved_plan(model: nn.Module, x: torch.Tensor, tmp_path, **kw) -> str:
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=80 << 10, hardware=FAST, min_offload_bytes=0, **kw
+    )
+    for _ in range(2):
+        with mgr:
+            loss = model(x).pow(2).sum()
+        loss.backward()
+    plan = mgr.plan
+    mgr.close()
+    model.zero_grad(set_to_none=True)
+    assert plan is not None
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    return path
+
+
+def test_a_given_plan_above_the_given_budget_is_refused(tmp_path) -> None:
+    """plan= with a gpu_budget below the plan's predicted peak: the plan was run as it was and
+    the budget silently not held (a 40 KiB budget with a plan predicting 73,728 B held 73,728
+    B); now the manager refuses it, naming both. A budget the plan fits is accepted."""
+    torch.manual_seed(0)
+    model = DirectOps()
+    path = _saved_plan(model, torch.randn(32, 64), tmp_path)
+    predicted = offload.Plan.load(path).predicted_peak_bytes
+    with pytest.raises(ValueError, match=r"plan.*predicts a peak of .*gpu_budget"):
+        offload.ActivationOffloader(model, plan=path, gpu_budget=40 << 10, hardware=FAST)
+    offload.ActivationOffloader(model, plan=path, gpu_budget=predicted, hardware=FAST).close()
+
+
+def test_a_given_plan_placing_bytes_on_a_tier_the_manager_lacks_is_refused(tmp_path) -> None:
+    """A plan that moves records to NVMe given to a manager without it: its NVMe records went
+    to the host silently (40,960 B, counted neither as unplanned nor as fallbacks); now the
+    manager refuses it, naming the tier. A plan using fewer tiers than the manager is fine."""
+    torch.manual_seed(0)
+    model = DirectOps()
+    x = torch.randn(32, 64)
+    nvme = _saved_plan(model, x, tmp_path, tiers=("nvme",), nvme_dir=tmp_path)
+    assert offload.Plan.load(nvme).bytes_by_placement()["nvme"] > 0
+    with pytest.raises(ValueError, match=r"plan.*'nvme'.*tiers"):
+        offload.ActivationOffloader(model, plan=nvme, hardware=FAST, tiers=("cpu",))
+    mgr = offload.ActivationOffloader(
+        model,
+        plan=nvme,
+        hardware=FAST,
+        tiers=("cpu", "nvme"),
+        nvme_dir=tmp_path,
+        min_offload_bytes=0,
+    )
+    with mgr:
+        loss = model(x).pow(2).sum()
+    loss.backward()
+    assert (
+        mgr.stats.last.bytes_offloaded_nvme == offload.Plan.load(nvme).bytes_by_placement()["nvme"]
+    )
+    mgr.close()
