@@ -1329,12 +1329,12 @@ class ActivationOffloader:
             trigger = active.trigger.get(key)
             if trigger is not None and ex.step is not None:
                 ex.step.triggers.setdefault(trigger, []).append(fam)
-        if self._stack and active is None:
+        if self._stack and (active is None or tier is None):
             # Reloaded when the backward of the module that saved it starts (and the look-ahead
-            # window). Not under a plan: there each family reloads at its planned trigger, or
-            # at its unpack, since a module's backward starts before its children's, and a
-            # parent running ops of its own (the root, a block's residual) would bring them
-            # back before the plan's kept tensors are freed.
+            # window). Not a record the plan placed: that one reloads at its planned trigger,
+            # or at its unpack, since a module's backward starts before its children's, and a
+            # parent running ops of its own (the root, a block's residual) would bring it back
+            # before the plan's kept tensors are freed. An unplanned record has no trigger.
             own = self._stack[-1][2]
             if not own or own[-1] is not fam:
                 own.append(fam)
