@@ -218,6 +218,9 @@ def pipeline_trace(
         records=tuple(out_records),
         events=tuple(out_events),
         metadata={**dict(trace.metadata), "pipeline": f"1F1B stage {stage} of {stages}"},
+        # Every microbatch is the traced step again: its graph, kept or built on, is too.
+        retained_steps=(0,) if index in trace.retained_steps else (),
+        create_graph_steps=(0,) if index in trace.create_graph_steps else (),
     )
     live = dict(composed.live_saved_bytes())
     return dataclasses.replace(

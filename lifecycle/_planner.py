@@ -75,8 +75,9 @@ NOTE [ Planner ]
       counted as reloaded, even one unpacked before its copy out completed, which in fact reuses
       its source: moving such a family buys no memory, and the model charges it its reload.)
       Memory: the trace's memory outside saved tensors, kept families from first pack to last
-      use, recomputed ones from the first unpack of their block, offloaded ones until their copy
-      out completes and from their reload's start. To bound the simulator's peak from above, the
+      use (to the step's end where the graph outlived its backward: ``Trace.retained_steps``),
+      recomputed ones from the first unpack of their block, offloaded ones until their copy
+      out completes and from their reload's start (to their last use, retained or not). To bound the simulator's peak from above, the
       D2H rate after backward begins is the shared-duplex rate, and memory is tracked over at
       most ``_MAX_FRAMES`` frames of consecutive events, an item held in part of a frame counting
       in all of it. Not modelled: what the simulator also leaves out (see NOTE [ Simulation
@@ -452,6 +453,10 @@ class _Step:
         if not events or events[0].kind is not EventKind.STEP_START:
             raise ValueError(f"step {step} of the trace has no STEP_START event")
         self.first_event = events[0].index
+        # See NOTE [ Retained graphs ] in the recorder: the step's graph outlived its backward,
+        # or a backward built a graph, which may hold what it unpacked, to the step's end.
+        self.create_graph = step in trace.create_graph_steps
+        self.retained = self.create_graph or step in trace.retained_steps
         n = len(events)
         self.n_events = n
         self.events = events
@@ -468,7 +473,7 @@ class _Step:
         self.device = self.records[0].device if self.records else "cpu"
         self._families(floor_bytes)
         act = ~self.param
-        live = _diff(n, self.fp[act], self.end[act] + 1, self.nbytes[act])
+        live = _diff(n, self.fp[act], self.keep_end[act] + 1, self.nbytes[act])
         rest = np.maximum(0.0, mem - self.base - live)
         # A block holding a module whose forward updates running statistics (BatchNorm in
         # training) is never recomputed: running its forward again would update them twice.
@@ -582,6 +587,13 @@ class _Step:
         self.fp = pack[first_rec]
         self.fu = np.where(fu < big, fu, -1)
         self.end = np.where(fl >= 0, fl, self.n_events - 1)
+        if self.create_graph:
+            self.end[:] = self.n_events - 1  # brought back, held by the graph built from it
+        # Where a family kept on the device is freed: after its last use, or, in a step whose
+        # graph outlived its backward, at the step's end. One moved, rebuilt or recomputed is
+        # freed after its last use either way (its reload buffer, rebuilt output or recomputed
+        # tensor dies with autograd's use of it; a second backward makes it again).
+        self.keep_end = np.full_like(self.end, self.n_events - 1) if self.retained else self.end
         self.param = is_param[first_rec]
         self.movable = ~self.param & ~backward
         self.candidate = self.movable & (self.nbytes >= max(1, floor_bytes))
@@ -791,7 +803,9 @@ class _Column:
             order = rest[np.argsort(-model.life[fams[rest]], kind="stable")]
             self.rank[order] = n_free + np.arange(len(order))
         self.fp = v.fp[fams]
-        self.end = v.end[fams]
+        # Kept, a family would live to here: what moving it relieves, and how long its copy
+        # stays on the host (until the graph dies: see _Step.keep_end).
+        self.end = v.keep_end[fams]
         self.b = model.b[fams]
         self.base = model.base_memory(m)  # per frame, nothing offloaded
         r = self.rebuilt
@@ -799,6 +813,8 @@ class _Column:
             # Absent from the event after its pack until it is rebuilt at its first unpack.
             stop = np.where(v.fu[r] >= 0, v.fu[r], v.end[r] + 1)
             self.base = self.base - v.freed(v.fp[r] + 1, stop, v.nbytes[r])
+            if v.retained:  # and after its last use (see _Step.keep_end)
+                self.base = self.base - v.freed(v.end[r] + 1, v.keep_end[r] + 1, v.nbytes[r])
         self.peak0 = float(self.base.max()) if len(self.base) else 0.0
         # Bytes of the first k (in offload order) held throughout the frame where
         # nothing-offloaded memory peaks: what offloading them can take off that peak, at most.
@@ -916,7 +932,7 @@ class _Model:
         self._index = np.zeros(len(v.fid), np.int64)  # scratch: family position -> index
         # Nothing offloaded, nothing recomputed: the trace's memory, per frame.
         act = ~v.param
-        self._base0 = v.device_base + v.held(v.fp[act], v.end[act] + 1, v.nbytes[act])
+        self._base0 = v.device_base + v.held(v.fp[act], v.keep_end[act] + 1, v.nbytes[act])
         self._unit_start: np.ndarray | None = None
         self._columns: dict[tuple[int, int], _Column] = {}
         self._recomputed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -1032,8 +1048,12 @@ class _Model:
             self._unit_start = first
         start = self._unit_start[unit]  # unit 0 is the last block for every m
         start = np.minimum(np.where(v.fu[rec] >= 0, start, v.n_events), v.end[rec] + 1)
-        # A recomputed family is absent from its first pack until its block runs again.
-        return self._base0 - v.freed(v.fp[rec], start, v.nbytes[rec])
+        # A recomputed family is absent from its first pack until its block runs again (and,
+        # see _Step.keep_end, after its last use).
+        base = self._base0 - v.freed(v.fp[rec], start, v.nbytes[rec])
+        if v.retained:
+            base = base - v.freed(v.end[rec] + 1, v.keep_end[rec] + 1, v.nbytes[rec])
+        return base
 
     def free_mask(self, fams: np.ndarray, m: int, slack: int, rebuild: bool) -> np.ndarray:
         """Per family of ``fams`` (pack order): whether the D2H link takes it without falling
@@ -1244,6 +1264,10 @@ class _Model:
         lo = np.maximum(first_frame, frame_after_pack)[away]
         hi = v.inner_hi[np.where(trigger >= 0, trigger, v.n_events)][away]
         freed = _diff(v.n_frames, lo, np.maximum(hi, lo), b[away])
+        if v.retained:
+            # A reloaded family is freed after its last use, not kept to the step's end.
+            back = trigger >= 0
+            freed += v.freed(v.end[fam[back]] + 1, v.keep_end[fam[back]] + 1, b[back])
         peak = float(np.max(col.base - freed))
         return _Candidate(col.m, lead, k, peak, step_s, fam, nvme, trigger, col.rebuilt)
 

@@ -28,7 +28,9 @@ NOTE [ Simulation model ]
     ``min(1, duplex / (h2d + d2h))``; alone, at its alone rate.
     Device memory = base (the memory probe at step start) + the rest (the trace's memory minus its
     live saved bytes at each event: transients, gradients, workspaces, taken as fixed) + the saved
-    bytes the placement leaves on the device: kept families from first pack to last use, moved
+    bytes the placement leaves on the device: kept families from first pack to last use (to the
+    step's end in a step of ``Trace.retained_steps``, whose graph outlived its backward, and every
+    family to the step's end in one of ``Trace.create_graph_steps``), moved
     families from their pack until their D2H completes and from their reload's start until their
     last use, recomputed families from their recomputation until their last use, rebuilt families
     from their first through their last pack event (the op saving one still uses it) and from
@@ -466,6 +468,11 @@ class _StepView:
         if not self.events or self.events[0].kind is not EventKind.STEP_START:
             raise ValueError(f"step {step} of the trace has no STEP_START event")
         self.base_bytes = self.events[0].memory_bytes
+        # The step's graph outlived its backward (NOTE [ Retained graphs ] in the recorder): a
+        # family kept on the device stays to the step's end.
+        self.retained = step in trace.retained_steps
+        # A backward built a graph: what it unpacked (a reload too) may be held to the end.
+        self.create_graph = step in trace.create_graph_steps
         live = dict(trace.live_saved_bytes())
         # See NOTE [ Simulation model ]: what the plan does not control, taken as fixed.
         self.rest = {
@@ -1027,7 +1034,12 @@ class _Simulator:
                 gone = min(gone, fam.facts.first_unpack)
             self.free_at.setdefault(gone, []).append(fam)
         # RECOMPUTE: the tensor dies after its consumer in forward; nothing is saved.
-        if fam.facts.last_use >= 0:
+        view = self.view
+        if fam.facts.last_use >= 0 and not (
+            view.create_graph or (view.retained and fam.placement is Placement.KEEP)
+        ):
+            # What the step brings back (a reload, a rebuild, a recomputation) dies after its
+            # last use even when the graph lives on; a kept tensor lives with the graph.
             self.free_at.setdefault(fam.facts.last_use + 1, []).append(fam)
 
     def _room_for(self, nbytes: int) -> bool:

@@ -189,6 +189,17 @@ class Trace:
         events: the timeline (module starts and ends, packs, unpacks), in order.
         steps: how many steps were recorded.
         metadata: free-form facts about the run (torch version, device, clock, memory probe).
+        retained_steps: the steps whose saved tensors outlived a backward that used them
+            (``retain_graph=True``; ``torch.autograd.grad(..., create_graph=True)``, a gradient
+            penalty): the recorder saw one still held when that backward ended. Each saved
+            tensor of such a step stays live until the step's end, not its last use, and a plan
+            counts a tensor it keeps on the device so (one it moves, rebuilds or recomputes is
+            freed after its use in each backward, as without). Ascending step indices; empty
+            in traces written before this field existed.
+        create_graph_steps: the steps with a backward run with ``create_graph=True`` (grad
+            mode on at its unpacks): the graph it builds may save what it unpacks again, so a
+            plan counts every saved tensor of such a step, brought back or kept, as live until
+            the step's end. Same form as ``retained_steps``.
 
     Example:
         >>> import torch, offload
@@ -203,6 +214,8 @@ class Trace:
     events: tuple[Event, ...]
     steps: int = 1
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    retained_steps: tuple[int, ...] = ()
+    create_graph_steps: tuple[int, ...] = ()
 
     # -- derived facts -----------------------------------------------------------------------
 
@@ -268,7 +281,8 @@ class Trace:
         """Live activation bytes after each event: ``[(event index, bytes), ...]``.
 
         A family is live from its first pack through its last use (the last unpack of any
-        member; a family never unpacked stays live until the end of its step).
+        member; a family never unpacked, or one of a step in ``retained_steps`` or
+        ``create_graph_steps``, stays live until the end of its step).
         """
         return list(self._derived("live_saved_bytes", self._live_saved_bytes))
 
@@ -278,12 +292,16 @@ class Trace:
             if e.kind is EventKind.STEP_END:
                 step_end[e.step] = e.index
         last_index = self.events[-1].index if self.events else 0
+        retained = frozenset(self.retained_steps) | frozenset(self.create_graph_steps)
         delta: dict[int, int] = {}
         for f in self.families():
             if f.is_parameter:
                 continue
             unpacked = any(self.records[s].unpack_events for s in f.records)
-            end = f.last_use_event if unpacked else step_end.get(f.step, last_index)
+            if unpacked and f.step not in retained:
+                end = f.last_use_event
+            else:
+                end = step_end.get(f.step, last_index)
             delta[f.first_pack_event] = delta.get(f.first_pack_event, 0) + f.span_bytes
             # Bytes leave right after their last use.
             delta[end + 1] = delta.get(end + 1, 0) - f.span_bytes
@@ -403,6 +421,8 @@ class Trace:
                 "format": _FORMAT,
                 "schema_version": SCHEMA_VERSION,
                 "steps": self.steps,
+                "retained_steps": list(self.retained_steps),
+                "create_graph_steps": list(self.create_graph_steps),
                 "metadata": dict(self.metadata),
                 "records": [_record_to_json(r) for r in self.records],
                 "events": [_event_to_json(e) for e in self.events],
@@ -427,6 +447,15 @@ class Trace:
         steps, metadata = data["steps"], data.get("metadata", {})
         if type(steps) is not int or steps < 0:  # type(), not isinstance: a bool is no count
             raise ValueError(f"trace field 'steps' must be an int >= 0; got {steps!r}")
+        # Absent from traces written before the fields existed: none.
+        marked = {}
+        for name in ("retained_steps", "create_graph_steps"):
+            got = data.get(name, [])
+            if not isinstance(got, list) or any(type(s) is not int for s in got):
+                raise ValueError(
+                    f"trace field {name!r} must be a list of step indices; got {got!r}"
+                )
+            marked[name] = tuple(got)
         if not isinstance(metadata, Mapping):
             raise ValueError(
                 f"trace field 'metadata' must be a JSON object; got {type(metadata).__name__}"
@@ -440,7 +469,13 @@ class Trace:
             records = _items_from_json(data, "records", _record_from_json)
             events = _items_from_json(data, "events", _event_from_json)
             try:
-                trace = cls(records=records, events=events, steps=steps, metadata=dict(metadata))
+                trace = cls(
+                    records=records,
+                    events=events,
+                    steps=steps,
+                    metadata=dict(metadata),
+                    **marked,
+                )
                 _check_indices(trace)
             except TypeError as e:  # an index field that is not a number
                 raise ValueError(f"trace has a malformed index field: {e}") from e
@@ -464,6 +499,13 @@ class Trace:
             return cls.from_dict(read_json(path))
 
     def __post_init__(self) -> None:
+        for name in ("retained_steps", "create_graph_steps"):
+            got = tuple(getattr(self, name))
+            if any(type(s) is not int for s in got) or list(got) != sorted(set(got)):
+                raise ValueError(f"{name} must be ascending, distinct step indices; got {got!r}")
+            if got and not 0 <= got[0] <= got[-1] < self.steps:
+                raise ValueError(f"{name} must be step indices in [0, {self.steps}); got {got!r}")
+            object.__setattr__(self, name, got)
         # Records are addressed by position everywhere (events carry ``record=seq``).
         for i, r in enumerate(self.records):
             if r.seq != i:

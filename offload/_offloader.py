@@ -1466,16 +1466,20 @@ class ActivationOffloader:
         if isinstance(packed, torch.Tensor):
             _check_kept(packed)
             if self._kept_seq and self._profiler is not None:
-                self._profiler.recorder.record_unpack(self._kept_seq.get(id(packed), -1))
+                self._profiler.recorder.record_unpack(
+                    self._kept_seq.get(id(packed), -1), held=packed
+                )
             return packed
         if isinstance(packed, WeightCast):
             if packed.seq >= 0 and self._profiler is not None:
-                self._profiler.recorder.record_unpack(packed.seq)
+                self._profiler.recorder.record_unpack(packed.seq, held=packed)
             return packed.rebuild()
         if isinstance(packed, ActivationRecipe):
             return self._rebuild(packed)
         if packed.seq >= 0 and self._profiler is not None:
-            self._profiler.recorder.record_unpack(packed.seq)
+            # What autograd holds: the recorder learns from it whether the graph outlives this
+            # backward (NOTE [ Retained graphs ] in lifecycle's recorder).
+            self._profiler.recorder.record_unpack(packed.seq, held=packed)
         ex = packed.executor
         held = self._held_clock()
         started = time.perf_counter() if held is not None else 0.0
@@ -1488,7 +1492,7 @@ class ActivationOffloader:
     def _rebuild(self, recipe: ActivationRecipe) -> torch.Tensor:
         """Unpack of an activation output: its input's bytes through the activation again."""
         if recipe.seq >= 0 and self._profiler is not None:
-            self._profiler.recorder.record_unpack(recipe.seq)
+            self._profiler.recorder.record_unpack(recipe.seq, held=recipe)
         held = self._held_clock()
         started = time.perf_counter() if held is not None else 0.0
         try:
