@@ -26,12 +26,18 @@ class _StdoutError(OSError):
 
 
 class _Stdout:
-    """``sys.stdout`` while ``offload info`` or ``offload plan`` runs: a write or flush that
-    fails, other than with a closed pipe, raises :class:`_StdoutError`, so that :func:`main`
-    tells it from the command's own file errors (those are reported where they happen)."""
+    """``sys.stdout`` while a command runs (``offload profile`` only outside its script): a write
+    or flush that fails, other than with a closed pipe, raises :class:`_StdoutError`, so that
+    :func:`main` tells it from the command's own file errors (those are reported where they
+    happen)."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
+
+    @property
+    def stream(self) -> TextIO:
+        """The stream wrapped."""
+        return self._stream
 
     def write(self, text: str) -> int:
         try:
@@ -56,10 +62,9 @@ class _Stdout:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stdout = sys.stdout
-    if not getattr(args, "runs_a_script", False):
-        # Not around `offload profile`: the user's script runs there, and sees sys.stdout as
-        # it would without offload (a failed write is its own to handle).
-        sys.stdout = _Stdout(stdout)  # type: ignore[assignment]  # writes and flushes suffice
+    # `offload profile` hands the script the stream itself while it runs (see
+    # _cli_profile.script_stdout): a failed write there is the script's own to handle.
+    sys.stdout = _Stdout(stdout)  # type: ignore[assignment]  # writes and flushes suffice
     try:
         code = int(args.run(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe or a full disk can still be caught

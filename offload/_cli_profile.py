@@ -9,7 +9,7 @@ import runpy
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ def add_parser(sub: Any) -> None:
     # argparse marks a REMAINDER positional required, and without SCRIPT said "required: script,
     # script_args"; the script's arguments may be none.
     rest.required = False
-    p.set_defaults(run=run, runs_a_script=True)
+    p.set_defaults(run=run)
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -69,12 +69,12 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def _prepare_out(out: str) -> str | None:
     """Create ``out`` and check it is writable; return an error message or None."""
+    if os.path.exists(out) and not os.path.isdir(out):  # makedirs would say "File exists"
+        return f"output path {out!r} exists and is not a directory"
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         return f"cannot create output directory {out!r}: {e.strerror or e}"
-    if not os.path.isdir(out):
-        return f"output path {out!r} exists and is not a directory"
     probe = os.path.join(out, f".offload-write-test-{os.getpid()}")
     try:
         with open(probe, "w") as f:
@@ -103,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         return _fail(f"--warmup must be >= 0; got {args.warmup}")
     script = args.script
+    if os.path.isdir(script):
+        return _fail(f"script {script!r} is a directory; give a Python file")
     if not os.path.isfile(script):
         return _fail(f"script {script!r} not found")
     plan_options = None
@@ -182,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     # script's other threads are not recorded).
     rec.begin_step(thread=threading.get_ident())
     try:
-        with rec.attach_global(), rec.hooks():
+        with rec.attach_global(), rec.hooks(), script_stdout():
             runpy.run_path(script, run_name="__main__")
     except _ProfileComplete:
         pass
@@ -245,11 +247,39 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+@contextlib.contextmanager
+def script_stdout() -> Iterator[None]:
+    """Give the script the standard output stream itself, not :func:`offload._cli.main`'s
+    wrapper, and put the wrapper back after it (whatever the script left in ``sys.stdout``):
+    the script's failed writes are its own, the summary's are the command's (exit status 2)."""
+    ours = sys.stdout
+    sys.stdout = getattr(ours, "stream", ours)
+    try:
+        yield
+    finally:
+        sys.stdout = ours
+
+
 def _describe_failure(script: str, exc: BaseException) -> None:
     import traceback
 
+    if isinstance(exc, SystemExit):  # an exit status, not an error: as Python reports it
+        if isinstance(exc.code, int):
+            print(f"offload profile: {script} exited with status {exc.code}", file=sys.stderr)
+        else:
+            print(f"offload profile: {script} exited: {exc.code}", file=sys.stderr)
+        return
+    # From the script's first frame, as `python SCRIPT` prints it: this module's and runpy's
+    # frames come first (none of them, for a script that does not compile).
+    tb = exc.__traceback__
+    while tb is not None and _is_runner_frame(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
     print(f"offload profile: {script} raised:", file=sys.stderr)
-    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+
+
+def _is_runner_frame(filename: str) -> bool:
+    return filename == __file__ or os.path.basename(filename) in ("runpy.py", "<frozen runpy>")
 
 
 class _OutputError(Exception):

@@ -406,3 +406,76 @@ def test_a_directory_where_an_output_goes(
     assert f"offload profile: error: {message} {str(out / blocked)!r}" in err
     assert Trace.load(out / "trace.json").steps == 1  # written before
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+
+
+def test_standard_output_that_cannot_be_written(tmp_path: Path) -> None:
+    """``offload profile ... > /dev/full``: the summary cannot be printed; the command says so in
+    one line and exits with 2, as ``plan`` and ``info`` do, after writing the trace files."""
+    script = _script(tmp_path, _TINY.format(chdir=""))
+    out = tmp_path / "prof"
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "offload", "profile", "--quiet", "--out", str(out), str(script)],
+            stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=240,
+            env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == "offload: error: cannot write to standard output: No space left on device\n"
+    assert Trace.load(out / "trace.json").steps == 1
+
+
+@pytest.mark.parametrize(
+    ("exit_call", "message"),
+    [
+        ("sys.exit(3)", "offload profile: {script} exited with status 3\n"),
+        ("sys.exit('fatal: bad config')", "offload profile: {script} exited: fatal: bad config\n"),
+    ],
+)
+def test_script_that_exits_with_an_error_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], exit_call: str, message: str
+) -> None:
+    """``sys.exit(3)`` in the script is its exit status, not an exception: one line, no
+    traceback, and the completed steps are written."""
+    from offload._cli import main
+
+    script = _script(tmp_path, _TINY.format(chdir="import sys") + f"    {exit_call}\n")
+    code = main(["profile", "--quiet", "--steps", "5", "--out", str(tmp_path / "o"), str(script)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "Traceback" not in err and "SystemExit" not in err, err
+    assert message.format(script=script) in err
+    assert "wrote the trace of the 2 completed step(s)" in err
+    assert Trace.load(tmp_path / "o" / "trace.json").steps == 2
+
+
+def test_traceback_of_the_script_starts_in_the_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The script's own exception keeps its traceback, from the script's first frame, as
+    ``python script.py`` prints it (not from offload's or runpy's frames)."""
+    from offload._cli import main
+
+    script = _script(tmp_path, "def f():\n    raise KeyError('boom')\n\nf()\n")
+    code = main(["profile", "--quiet", "--out", str(tmp_path / "o"), str(script)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    tb = err.split("Traceback (most recent call last):\n", 1)[1]
+    assert tb.startswith(f'  File "{script}", line 4, in <module>'), err
+    assert "KeyError: 'boom'" in tb and "runpy" not in tb and "_cli_profile" not in tb
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_output_or_script_of_the_wrong_kind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    from offload._cli import main
+
+    script = _script(tmp_path, _TINY.format(chdir=""))
+    if kind == "file":  # --out names an existing file
+        code = main(["profile", "--out", str(script), str(script)])
+        expected = f"output path {str(script)!r} exists and is not a directory"
+    else:  # SCRIPT names a directory
+        code = main(["profile", "--out", str(tmp_path / "o"), str(tmp_path)])
+        expected = f"script {str(tmp_path)!r} is a directory; give a Python file"
+    assert code == 2
+    assert capsys.readouterr().err == f"offload profile: error: {expected}\n"
