@@ -22,3 +22,18 @@ def test_readme_example_runs(index: int, tmp_path, monkeypatch) -> None:
         compile(BLOCKS[index], f"README.md[python block {index}]", "exec"),
         {"__name__": "__readme__"},
     )
+
+
+def test_readme_lists_every_stats_field_and_no_other() -> None:
+    """The paragraph on ``mgr.stats`` names each field of ``StepStats.as_dict()``, and only those
+    (``records_offloaded_*`` stands for the cpu and nvme fields)."""
+    from offload._stats import StepStats
+
+    text = README.read_text()
+    start = text.index("`mgr.stats.last` / `mgr.stats.total`")
+    paragraph = text[start : text.index("\n\n", start)]
+    listed: set[str] = set()
+    for name in re.findall(r"`([a-z0-9_*]+)`", paragraph):
+        stem = name.removesuffix("*")
+        listed |= {stem + tier for tier in ("cpu", "nvme")} if name.endswith("*") else {name}
+    assert listed == set(StepStats().as_dict())
