@@ -37,3 +37,34 @@ def test_readme_lists_every_stats_field_and_no_other() -> None:
         stem = name.removesuffix("*")
         listed |= {stem + tier for tier in ("cpu", "nvme")} if name.endswith("*") else {name}
     assert listed == set(StepStats().as_dict())
+
+
+BASH = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_command_lines_match_the_parser() -> None:
+    """The synopsis names each option of each subcommand, and only those; the example command
+    lines parse (running them takes 20 s: tests/test_cli_*.py run the same commands)."""
+    import argparse
+    import shlex
+
+    from offload._cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    synopsis = next(b for b in BASH if b.startswith("offload profile ["))
+    lines = dict(re.findall(r"^offload (\w+) (.*?)(?=^offload |\Z)", synopsis, re.S | re.M))
+    assert set(lines) == set(subs.choices)
+    for command, options in lines.items():
+        named = set(re.findall(r"--[a-z][a-z-]*", options))
+        if command == "profile":  # "[--gpu-budget SIZE [planning options]]": those of plan
+            planning = set(re.findall(r"--[a-z][a-z-]*", lines["plan"]))
+            named |= planning - {"--out", "--png", "--no-png"}
+        sub = subs.choices[command]
+        real = {s for a in sub._actions for s in a.option_strings if s.startswith("--")}
+        assert named == real - {"--help"}, command
+    examples = [line for b in BASH for line in b.splitlines() if line.startswith("offload ")]
+    examples = [line for line in examples if "[" not in line]
+    assert len(examples) >= 2
+    for line in examples:
+        parser.parse_args(shlex.split(line)[1:])
