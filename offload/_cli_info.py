@@ -13,12 +13,13 @@ DEFAULT_PROBE = "256MiB"
 
 
 def _size(text: str) -> int:
+    # argparse names the option ("argument --probe-bytes: ..."): the message does not again.
     try:
-        n = parse_bytes(text, name="--probe-bytes")
-    except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        n = parse_bytes(text.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("value=")) from None
     if n <= 0:
-        raise argparse.ArgumentTypeError(f"--probe-bytes must be positive; got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes; got {text!r}")
     return n
 
 

@@ -239,3 +239,23 @@ def test_format_info_shows_a_failed_or_shrunk_disk_probe(disk_info: tuple[Path, 
     assert "disk probe failed: /x has 0 B free" in text and "  ! NVMe probe in /x" in text
     info["nvme"] = {**disk_info[1]["nvme"], "probe_note": "probe shrunk from 8.00 MiB to fit"}
     assert "probe shrunk from 8.00 MiB to fit" in format_info(info)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "argument --probe-bytes: must be more than 0 bytes; got '0'"),
+        ("1.5", "argument --probe-bytes: '1.5' is 1.5 bytes, not a whole number of bytes"),
+        ("lots", "argument --probe-bytes: 'lots' is not a size"),
+    ],
+)
+def test_bad_probe_bytes_name_the_option_once(
+    capsys: pytest.CaptureFixture[str], value: str, message: str
+) -> None:
+    """argparse names the option; the message does not name it again (it said
+    "argument --probe-bytes: --probe-bytes='1.5' is ...")."""
+    with pytest.raises(SystemExit) as e:
+        _cli(["info", "--probe-bytes", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert message in err and err.count("--probe-bytes") == 2, err  # usage line and message
