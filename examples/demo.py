@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"offload demo: GPT with {model.num_parameters() / 1e6:.2f}M parameters on {device}")
     t0 = time.perf_counter()
     trace = offload.profile(train_step, model, warmup_steps=1)
-    print(f"profiled one step in {time.perf_counter() - t0:.2f} s (after one warm-up step)\n")
+    print(f"profiled in {time.perf_counter() - t0:.2f} s (one warm-up step, then one recorded)\n")
     print(trace.summary())
     os.makedirs(args.out, exist_ok=True)
     trace.save(os.path.join(args.out, "trace.json"))
@@ -147,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             f"per step: {moved / 2**20:.2f} MiB of saved activations left the device "
             f"({last.records_offloaded_cpu + last.records_offloaded_nvme} stored once each, "
             f"{last.records_deduplicated} aliases deduplicated), "
-            f"{last.bytes_recomputed / 2**20:.2f} MiB recomputed, {last.records_kept} kept, "
+            f"{last.bytes_rebuilt / 2**20:.2f} MiB rebuilt from their inputs "
+            f"({last.records_rebuilt} records), "
+            f"{last.bytes_recomputed / 2**20:.2f} MiB recomputed, {last.records_kept} kept "
+            "(parameters included), "
             f"{last.reloads} reloads, {last.stalls} unprefetched, "
             f"{last.unplanned_records} unplanned; predicted peak "
             f"{last.predicted_peak_bytes / 2**20:.2f} MiB"
