@@ -302,7 +302,13 @@ class Plan:
         ranked = sorted(per_module.items(), key=lambda kv: -sum(kv[1].values()))[:top]
         if ranked:
             width = max(24, *(len(m) for m, _ in ranked))
-            lines += ["", f"  {'module':<{width}} " + " ".join(f"{p.value:>10}" for p in Placement)]
+            shown = (
+                f"  top {len(ranked)} of {len(per_module)} modules by bytes:"
+                if len(ranked) < len(per_module)
+                else f"  {len(per_module)} modules:"
+            )
+            lines += ["", shown]
+            lines.append(f"  {'module':<{width}} " + " ".join(f"{p.value:>10}" for p in Placement))
             for module, row in ranked:
                 lines.append(
                     f"  {module or '<root>':<{width}} "

@@ -65,9 +65,11 @@ def summarize(trace: Trace, top: int = 10) -> str:
     counts = trace.alias_counts()
     shared = [c for c in counts.values() if c > 1]
     if counts:
+        # Per step, as the lines above (a trace of several steps counts each storage once a step).
         lines.append(
-            f"  aliasing                        : {len(shared)} of {len(counts)} storages saved more "
-            f"than once ({sum(shared) - len(shared)} duplicate records, max {max(counts.values())} per storage)"
+            f"  aliasing (per step)             : {len(shared) / steps:g} of {len(counts) / steps:g} "
+            f"storages saved more than once ({(sum(shared) - len(shared)) / steps:g} duplicate "
+            f"records, max {max(counts.values())} per storage)"
         )
     in_bwd = sum(1 for r in trace.records if r.in_backward)
     if in_bwd:

@@ -592,6 +592,9 @@ def test_summary_names_the_budget_the_anchors_and_the_placements(
             assert f"{placement} {format_bytes(nbytes)}" in text
     for module, call in p.recompute_calls[:8]:
         assert f"{module}[{call}]" in text
+    # The module table says when it shows only the top ones.
+    modules = len({e.module for e in p.entries})
+    assert (f"top 3 of {modules} modules" if modules > 3 else f"{modules} modules:") in p.summary(3)
 
 
 def test_repr_counts_rather_than_lists(traces: dict[str, Trace]) -> None:

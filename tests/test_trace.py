@@ -242,6 +242,10 @@ def test_summary_names_the_facts() -> None:
         "aliasing",
     ):
         assert needle in s
+    # Aliasing is per step, as the lines above it: two recorded steps read as one.
+    two = offload.profile(case.step, case.model, warmup_steps=0, steps=2).summary()
+    alias = [line for line in s.splitlines() if "aliasing" in line]
+    assert alias and alias == [line for line in two.splitlines() if "aliasing" in line]
 
 
 def test_repr_counts_rather_than_lists() -> None:
