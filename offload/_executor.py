@@ -253,6 +253,20 @@ class Executor:
             if self.step is not None:
                 self.step.counted = True
 
+    def settle(self) -> None:
+        """Wait for every write still running and account for how each ended (a failed one
+        moves its record's counts, see ``_recount``): the stats read next are final. A stats
+        read calls it (``ActivationOffloader.stats``)."""
+        with self.lock:
+            self._drain_releases()
+            writes = [f.handle.written for f in self._inflight if f.handle is not None]
+            writes += [written for written, _, _ in self._orphans]
+            writes += [handle.written for _, handle in self._writing]
+            for written in writes:
+                with contextlib.suppress(storage.StorageError):
+                    written.wait()  # a failure is handled by poll(): next tier, or recounted
+            self.poll()
+
     def take_late(self) -> StepStats:
         """Counts moved since the last call for steps already in the manager's totals (see
         ``_recount``), for those totals; they start again from zero."""
@@ -543,8 +557,7 @@ class Executor:
                 # Rule 4: D and the I/O threads are done with it; a reload from it may not be.
                 self._release_after(region, fam.reload_event)
                 continue
-            if self.step is not None:
-                self.step.stats.fallbacks += 1
+            self._stats_of(fam).fallbacks += 1
             host = next((t for t in self.tiers if t.name == "host"), None)
             if host is not None and self._host_room(fam.nbytes):
                 fam.tier, fam.handle = host, host.write(region, fam.nbytes)
@@ -584,8 +597,7 @@ class Executor:
             self.host_bytes -= host_charge(fam.nbytes)
         # On CUDA the source is device memory, which the host tiers do not take: it stays.
         later = [] if self.cuda else self.tiers[self.tiers.index(fam.tier) + 1 :]
-        if self.step is not None:
-            self.step.stats.fallbacks += 1
+        self._stats_of(fam).fallbacks += 1
         assert fam.source is not None  # held until a copy out succeeds
         for tier in later:
             if tier.name == "host" and not self._host_room(fam.nbytes):
@@ -1066,8 +1078,7 @@ class Executor:
         the record went to tier ``now`` instead (``None``: nowhere, it stayed where it was or
         was no longer needed): move its count, in its step's stats until the manager added
         those to its totals (at the next step), then in ``late``, which it adds next."""
-        step = fam.step_ref() if fam.step_ref is not None else None
-        s = step.stats if step is not None and not step.counted else self.late
+        s = self._stats_of(fam)
         for name, sign in ((failed, -1), (now, 1)):
             if name == "host":
                 s.bytes_offloaded_cpu += sign * fam.nbytes
@@ -1075,6 +1086,13 @@ class Executor:
             elif name == "nvme":
                 s.bytes_offloaded_nvme += sign * fam.nbytes
                 s.records_offloaded_nvme += sign
+
+    def _stats_of(self, fam: Family) -> StepStats:
+        """Where a count about ``fam`` that changes after pack goes: its own step's stats until
+        the manager added them to its totals (at the next step), then ``late``, which it adds
+        next. (The current step's stats took a late failure of an earlier step's record.)"""
+        step = fam.step_ref() if fam.step_ref is not None else None
+        return step.stats if step is not None and not step.counted else self.late
 
     def close(self) -> None:
         """Release every family's bytes (later unpacks raise) and wait for copies in flight."""
@@ -1089,6 +1107,8 @@ class Executor:
             for fam, handle in self._writing:
                 with contextlib.suppress(storage.StorageError):
                     handle.wait()  # rule 4: the I/O threads read the spill until then
+                # Freed above (or before): a write that failed stored nothing, though counted.
+                self._forget_failed_write(fam, handle.written, "nvme")
                 if fam.spill is not None:
                     fam.spill.release()
                     fam.spill = None
@@ -1097,7 +1117,13 @@ class Executor:
             # Copies out still in flight belong to families released above.
             self._inflight.clear()
             self._inflight_bytes = 0
-            self._orphans.clear()  # the tiers wait for their own transfers when they close
+            # Writes whose family went first: one that fails stored nothing, though counted
+            # (cleared unread, they stayed counted in the totals).
+            for written, fam, tier in self._orphans:
+                with contextlib.suppress(storage.StorageError):
+                    written.wait()
+                self._forget_failed_write(fam, written, tier)
+            self._orphans.clear()
             self._orphan_bytes = 0
             self._pending_free, self._pending_regions = [], []
             self._live.clear()

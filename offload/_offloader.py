@@ -436,8 +436,17 @@ class ActivationOffloader:
     @property
     def stats(self) -> OffloadStats:
         """``OffloadStats(last=..., total=...)``: a snapshot; ``last`` is the most recent step
-        (its backward counts once it ran)."""
+        (its backward counts once it ran).
+
+        Final when read: the read first waits for the file writes still running (NVMe writes
+        end on I/O threads, often after backward) and accounts for each that failed, so a
+        record counted in ``bytes_offloaded_nvme`` is one whose bytes reached the file (or it
+        moved to the tier that took it, with ``fallbacks``). The wait is the disk time of the
+        writes in flight, at most ``max_inflight_bytes`` (GPU: the pinned staging bound) at
+        disk speed; none without the NVMe tier."""
         with self._lock:
+            if self._executor is not None and not self._closed:
+                self._executor.settle()
             last = self._snapshot_last()
             if self._executor is not None:
                 self._done.add(self._executor.take_late())

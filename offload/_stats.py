@@ -25,7 +25,9 @@ class StepStats:
         bytes_offloaded_cpu / bytes_offloaded_nvme: bytes stored in each tier. A record is
             counted when its write starts; if the write fails later, the count moves to the
             tier that took the record instead, or goes (in ``total`` alone once a later step
-            has begun).
+            has begun). ``mgr.stats`` waits for the writes still running before it reads, so
+            what it returns is final (a write failing inside ``close()`` is taken off
+            ``total`` too).
         bytes_recomputed: bytes rebuilt by recomputation instead of stored (planner; 0 here).
         records_rebuilt / bytes_rebuilt: saved tensors not stored but rebuilt at unpack:
             autocast weight casts from their parameter, and GELU / SiLU / norm outputs
@@ -41,7 +43,8 @@ class StepStats:
         backpressure_waits: packs that waited for older copies (``max_inflight_bytes``).
         fallbacks: records that went to a later tier because an earlier one was full or failed,
             or stayed where they were when a write failed after pack and no later tier had
-            room (only the first such failure of each tier is logged as a warning).
+            room (only the first such failure of each tier is logged as a warning); counted
+            in the step that packed the record.
         host_allocations: new host pool slabs allocated during the step.
         peak_allocated_bytes / peak_reserved_bytes: CUDA allocator peaks over the step (0 on CPU).
             Under a pipeline attachment, whose microbatch steps overlap, the manager does not

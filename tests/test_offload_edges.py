@@ -1494,6 +1494,101 @@ def test_nvme_writes_that_fail_late_are_not_counted_as_nvme_bytes(
         assert moved == (2 * stored if "cpu" in tiers else 0)
 
 
+def _fail_writes_at(gate: threading.Event):
+    """A replacement for the spill file's write that fails with EIO once ``gate`` opens (the
+    I/O thread blocks until then): a write that fails late, after pack returned."""
+
+    def broken(*args: Any, **kw: Any) -> None:
+        gate.wait(timeout=30)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    return broken
+
+
+@pytest.mark.parametrize("read", ["after_backward", "before_backward"])
+@pytest.mark.parametrize("tiers", [("nvme",), ("nvme", "cpu")])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stats_are_final_when_read_while_nvme_writes_still_run(
+    engine: str, tiers, read: str, tmp_path, monkeypatch
+) -> None:
+    """``mgr.stats`` read while the step's NVMe writes still run (each fails with EIO, only
+    after the read began): the read waits for them, so the numbers are final. Before, a read
+    right after backward showed the step's 12 records (397312 bytes) as stored on NVMe, and
+    kept showing them (nothing accounted for the failures until the next step, whose totals
+    then dropped them). ``before_backward``: the records still live go to the host tier (or
+    stay) and count as fallbacks in the step that packed them; gradients stay exact."""
+    want = [reference_grads("gpt_block", s) for s in range(2)]
+    case = gpt_block(seed=0)
+    with manager(case.model, engine, tiers=tiers, nvme_dir=tmp_path) as mgr:
+        assert_bitwise(offloaded_step(case, mgr, 0), want[0])
+        step0 = mgr.stats.last
+        assert step0.bytes_offloaded_nvme > 0 and step0.fallbacks == 0
+        gate = threading.Event()
+        monkeypatch.setattr(mgr._tiers[0]._file, "write", _fail_writes_at(gate))
+        case.model.zero_grad(set_to_none=True)
+        with mgr:
+            loss = case.loss(case.batch(1))
+        if read == "after_backward":
+            loss.backward()
+            assert_bitwise(case.grads(), want[1])
+        opener = threading.Timer(0.05, gate.set)  # the writes fail while stats waits for them
+        opener.start()
+        last = mgr.stats.last
+        opener.join()
+        assert last.bytes_offloaded_nvme == last.records_offloaded_nvme == 0
+        if read == "after_backward":
+            # Released before they failed: no tier takes them, nothing falls back.
+            assert last.bytes_offloaded_cpu == last.records_offloaded_cpu == last.fallbacks == 0
+        else:
+            assert last.fallbacks == step0.records_offloaded_nvme
+            moved = step0.bytes_offloaded_nvme if "cpu" in tiers else 0
+            assert last.bytes_offloaded_cpu == moved
+            loss.backward()
+            assert_bitwise(case.grads(), want[1])
+        del loss
+        gc.collect()
+        moved_fields = ("bytes_offloaded_nvme", "records_offloaded_nvme", "bytes_offloaded_cpu",
+                        "records_offloaded_cpu", "fallbacks")  # fmt: skip
+        again = mgr.stats.last  # and they stay so (backward, if it ran since, adds reloads)
+        assert [getattr(again, f) for f in moved_fields] == [getattr(last, f) for f in moved_fields]
+        assert_nothing_live(mgr)
+        total = mgr.stats.total
+        assert total.bytes_offloaded_nvme == step0.bytes_offloaded_nvme
+        assert total.bytes_offloaded_cpu == last.bytes_offloaded_cpu
+        assert total.fallbacks == last.fallbacks
+
+
+@pytest.mark.parametrize("backward", [True, False])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_writes_that_fail_at_close_leave_the_totals_right(
+    engine: str, backward: bool, tmp_path, monkeypatch
+) -> None:
+    """The last step's NVMe writes fail (EIO) only while ``close()`` waits for them. Its
+    records were released by backward first (``backward``), or die with the closed manager:
+    either way they stored nothing. Before, with backward first, ``stats.total`` after close
+    still counted them: 24 records (794624 bytes) on NVMe where step 0's 12 (397312) were."""
+    case = gpt_block(seed=0)
+    with manager(case.model, engine, tiers=("nvme", "cpu"), nvme_dir=tmp_path) as mgr:
+        offloaded_step(case, mgr, 0)
+        step0 = mgr.stats.last
+        gate = threading.Event()
+        monkeypatch.setattr(mgr._tiers[0]._file, "write", _fail_writes_at(gate))
+        with mgr:
+            loss = case.loss(case.batch(1))
+        if backward:
+            loss.backward()
+            del loss
+        opener = threading.Timer(0.05, gate.set)
+        opener.start()
+        mgr.close()
+        opener.join()
+        total = mgr.stats.total
+        assert total.steps == 2
+        assert total.bytes_offloaded_nvme == step0.bytes_offloaded_nvme
+        assert total.records_offloaded_nvme == step0.records_offloaded_nvme
+        assert total.bytes_offloaded_cpu == total.records_offloaded_cpu == 0
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_full_disk_is_logged_once_per_tier_and_counted_in_fallbacks(
     engine: str, tmp_path, monkeypatch, caplog
