@@ -33,7 +33,10 @@ NOTE [ Pipelining ]
     plan. One manager per stage: a rank with several stages (interleaved, zero-bubble V) gives at
     most one of them a budget, since a budget bounds the whole device and the other stages'
     memory is taken as the fixed part of the profile (which holds only while they run in
-    min-memory mode). Forward-only chunks (``schedule.eval()``) are no part of any round: no
+    min-memory mode). A round cut short by an exception is dropped (its partial profile with
+    it): one raised in a chunk at once, one raised outside the chunks (the loss function, the
+    schedule between chunks) when the next schedule step forwards a microbatch the round
+    already forwarded. Forward-only chunks (``schedule.eval()``) are no part of any round: no
     backward comes to end one or to use a plan, and a stage whose first run is forward-only
     does not know its microbatch count yet (``stage.chunks`` is set with the backward's
     set-up; a round begun there raised). They run as they are, neither offloaded nor profiled.
@@ -90,6 +93,7 @@ class PipelineAttachment:
         if self._budgeted:
             self._check_budgeted(mgr)
         self._done: set[int] = set()  # microbatches of the round whose last backward ended
+        self._forwarded: set[int] = set()  # microbatches of the round whose forward ran
         # Microbatch steps overlap: resetting the CUDA peak counters at each forward chunk would
         # wipe the peak a caller measures over the schedule.
         mgr._reset_peaks = False
@@ -171,8 +175,15 @@ class PipelineAttachment:
             # use a plan, and a stage first run this way does not know its microbatch count
             # yet. The chunk runs as it is (NOTE [ Pipelining ]).
             return original(mb, *a, **k)
+        if self._budgeted and mgr._round is not None and mb in self._forwarded:
+            # A round runs each microbatch's forward once: this is the next schedule step, and
+            # the round was cut short outside any chunk (the loss function, or the schedule
+            # between chunks, raised), where no wrapper saw it. Continued, it took the next
+            # round's chunks as its own (a profile and plan of twice the microbatches).
+            self._abandon_round()
         if self._budgeted and mgr._round is None:
             self._begin_round(stage)
+        self._forwarded.add(mb)
         try:
             with mgr:
                 out = original(mb, *a, **k)
@@ -228,6 +239,7 @@ class PipelineAttachment:
                 "(stage.chunks); run it through a torch.distributed.pipelining schedule"
             )
         self._done.clear()
+        self._forwarded.clear()
         self._mgr._round = PipelineRound(
             label=f" (pipeline stage {stage.stage_index}, {chunks} microbatches)", chunks=chunks
         )
@@ -239,11 +251,13 @@ class PipelineAttachment:
         self._done.add(mb)
         if len(self._done) >= rnd.chunks:
             self._done.clear()
+            self._forwarded.clear()
             self._mgr._end_round()
 
     def _abandon_round(self) -> None:
         if self._budgeted and self._mgr._round is not None:
             self._done.clear()
+            self._forwarded.clear()
             self._mgr._abandon_round()
 
     def _prefetch(self, key: tuple[int, int], *, restart: bool) -> None:

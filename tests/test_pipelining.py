@@ -648,3 +648,106 @@ def test_budgeted_stage_runs_eval_before_training(ranks) -> None:
         # The training rounds' forward chunks only; the last round ran its plan, every record
         # planned.
         assert r["steps"] == 3 * MICROBATCHES and r["unplanned"] == 0, r
+
+
+def _failing_between_chunks(rank: int, world_size: int, fail_steps: tuple[int, ...]) -> dict:
+    """A budgeted GPipe stage on each rank; in the steps ``fail_steps`` both ranks raise after
+    every forward chunk ran, outside any chunk and with no message in flight: the last stage's
+    loss function at microbatch 3, the first stage's schedule as it turns to its backward
+    (``get_bwd_recv_ops``). The gradients of every step, without and with offloading, and the
+    manager's state after the run."""
+    import gc
+
+    from torch.distributed import pipelining as pp
+
+    import offload
+
+    def run(offloaded: bool, fails: tuple[int, ...]) -> tuple[list, dict]:
+        module = _stage_module(rank)
+        stage = pp.PipelineStage(module, rank, world_size, torch.device("cpu"))
+        state: dict = {"fail": False, "last_target": None}
+
+        def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # (The first step's shape inference calls it once more: count by target instead.)
+            if state["fail"] and torch.equal(target, state["last_target"]):
+                raise RuntimeError("injected: the loss of the last microbatch failed")
+            return (out - target).pow(2).mean()
+
+        bwd_recv_ops = stage.get_bwd_recv_ops
+
+        def get_bwd_recv_ops(mb: int, *a, **k):
+            if state["fail"]:
+                raise RuntimeError("injected: the schedule failed between chunks")
+            return bwd_recv_ops(mb, *a, **k)
+
+        if rank == 0:
+            stage.get_bwd_recv_ops = get_bwd_recv_ops
+        schedule = pp.ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+        mgr = None
+        if offloaded:
+            mgr = offload.ActivationOffloader(
+                module, min_offload_bytes=0, gpu_budget=BUDGET_BYTES, hardware=_hardware("fast")
+            )
+            mgr.attach(stage)
+        gen = torch.Generator().manual_seed(13)
+        grads: list = []
+        for s in range(6):
+            x = torch.randn(MICROBATCHES * ROWS, WIDTH, generator=gen)
+            y = torch.randn(MICROBATCHES * ROWS, WIDTH, generator=gen)
+            module.zero_grad(set_to_none=True)
+            state["fail"], state["last_target"] = s in fails, y.chunk(MICROBATCHES)[-1]
+            try:
+                schedule.step(x) if rank == 0 else schedule.step(target=y)
+            except RuntimeError as e:
+                if "injected" not in str(e):
+                    raise
+                grads.append(None)
+                continue
+            grads.append([p.grad.clone() for p in module.parameters()])
+        info: dict = {}
+        if mgr is not None:
+            plan = mgr.plan
+            last, total = mgr.stats.last, mgr.stats.total
+            info = {
+                "round_open": mgr._round is not None,
+                "plan": None if plan is None else plan.signature,
+                "entries": None if plan is None else len(plan.entries),
+                "unplanned": last.unplanned_records,
+                "steps": total.steps,
+            }
+            schedule.step(x) if rank == 0 else schedule.step(target=y)  # drops the last graphs
+            module.zero_grad(set_to_none=True)
+            gc.collect()
+            ex = mgr._executor
+            info["live"] = (ex.live_families(), ex.host_bytes)
+            mgr.close()
+        return grads, info
+
+    want, _ = run(False, fail_steps)
+    got, info = run(True, fail_steps)
+    _, clean = run(True, ())  # the same steps without the failures
+    same = [
+        (g is None and w is None)
+        or (g is not None and w is not None and all(map(torch.equal, g, w)))
+        for g, w in zip(got, want, strict=True)
+    ]
+    return {"same": same, "failed": [w is None for w in want], "clean": clean, **info}
+
+
+def test_a_budgeted_round_cut_short_outside_its_chunks_is_abandoned(ranks) -> None:
+    """Both ranks' schedules raise after the forward chunks of a round, outside any chunk (the
+    last stage's loss function, the first stage's schedule between chunks): the attachment
+    never saw the failure. The next round starts a new one: profiled (a failure in the
+    profiling round) or planned, bitwise the reference's, every record planned, nothing left
+    live."""
+    for rank, r in enumerate(ranks.run(_failing_between_chunks, (0, 4))):
+        assert r["failed"] == [True, False, False, False, True, False], r
+        assert r["same"] == [True] * 6, f"rank {rank}: gradients differ: {r['same']}"
+        assert not r["round_open"], r
+        assert r["plan"] is not None and r["plan"].endswith(f"{MICROBATCHES} microbatches)"), r
+        # The plan is of one round's families (rank 0: 36, 9 a microbatch), as without the
+        # failures; before, the cut round and the next were profiled as one (72).
+        assert r["entries"] == r["clean"]["entries"], r
+        assert r["unplanned"] == 0, r
+        assert r["steps"] == 6 * MICROBATCHES, r
+        assert r["live"] == (0, 0), r
