@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -68,6 +69,7 @@ from offload._recipe import (
     weight_cast,
 )
 from offload._stats import OffloadStats, StepStats
+from storage._transfer import close_later, in_gc_pass, start_closer
 
 log = logging.getLogger("offload")
 
@@ -714,6 +716,9 @@ class ActivationOffloader:
                     tiers.append(storage.HostTier(pool, copy_engine=self._engine))
                 else:
                     assert cfg.nvme_dir is not None
+                    # File writes can stall for long: a close from a GC pass hands its wait
+                    # to the closer, started here, where starting a thread is safe.
+                    start_closer()
                     tiers.append(
                         storage.NvmeTier(cfg.nvme_dir, pool=pool, copy_engine=self._engine)
                     )
@@ -1807,10 +1812,17 @@ def _close_resources(handles: list[Any], resources: list[Any], recompute: dict[s
         with contextlib.suppress(Exception):
             h.remove()
     _uninstall_forwards(recompute)
+    close = functools.partial(_close_all, resources)
+    # Closing waits for the transfers in flight. In a GC pass, which runs on whatever thread
+    # allocated (the training thread, mid-step), a stalled disk write held it there: the wait
+    # goes to the background closer (NOTE [ Closing in the background ] in storage/_transfer.py).
+    running = any(isinstance(r, storage.Tier) and r.transfers_running for r in resources)
+    if running and in_gc_pass() and close_later(close):
+        return
     # A GC pass on one of storage's threads may run this: closing waits for the transfers in
     # flight, that thread's own among them (a deadlock), so it goes to a thread of its own.
-    if not storage.finish_elsewhere(lambda: _close_all(resources)):
-        _close_all(resources)
+    if not storage.finish_elsewhere(close):
+        close()
 
 
 def _close_all(resources: list[Any]) -> None:

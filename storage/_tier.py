@@ -197,6 +197,15 @@ class Tier(ABC):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def transfers_running(self) -> bool:
+        """Whether a transfer of this tier may still be in flight: a snapshot taken without the
+        lock, so it never blocks (a GC pass may run while this thread holds it)."""
+        try:
+            return self._starting > 0 or any(not f.done() for f in list(self._inflight))
+        except RuntimeError:  # the set changed while it was copied: something is in flight
+            return True
+
     def free(self, handle: StoredHandle) -> None:
         """Forget a record. Its space returns once transfers that use it completed. Idempotent.
 

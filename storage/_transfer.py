@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
+import os
+import queue
 import random
 import threading
 import time
@@ -303,6 +306,81 @@ def finish_elsewhere(finish: Callable[[], object]) -> bool:
         logger.warning("storage: closing on one of its own threads, as no other starts (%s)", e)
         return False
     return True
+
+
+# NOTE [ Closing in the background ]
+# A GC pass runs finalizers on whatever thread allocated, in the middle of anything. An owner of
+# tiers dropped without close() (a manager in a reference cycle) and finalized there waited for
+# its transfers in flight, on the training thread, for as long as a stalled disk took (a write
+# stuck behind a gate held the pass until a 10 s watchdog opened it). Such a close goes to one
+# closer thread instead (close_later). That thread is started beforehand, at a safe point
+# (start_closer, where an owner makes its tiers), never in a GC pass: a pass may run inside
+# threading's own locks, where starting a thread waits on itself (NOTE [ Closing inside a GC
+# pass ]); close_later only puts on a SimpleQueue, which is reentrant (made for finalizers). The
+# thread is a daemon, so an idle closer never holds the interpreter up; an exit hook lets it
+# finish the closes queued before exit, as a non-daemon thread would have been waited for.
+_closer_lock = threading.Lock()
+_closer_jobs: queue.SimpleQueue[Callable[[], object]] | None = None
+
+
+def start_closer() -> None:
+    """Start the background closer (NOTE [ Closing in the background ]) unless it runs. Call it
+    where starting a thread is safe (never in a GC pass), before :func:`close_later` is needed."""
+    global _closer_jobs
+    with _closer_lock:
+        if _closer_jobs is not None:
+            return
+        jobs: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        track_gc_passes()  # close_later's callers tell GC passes apart
+        threading.Thread(
+            target=_run_closer, args=(jobs,), name="storage-closer", daemon=True
+        ).start()
+        atexit.register(_finish_closes, jobs)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_forget_closer)
+        _closer_jobs = jobs
+
+
+def close_later(close: Callable[[], object]) -> bool:
+    """Queue ``close`` (the waiting part of an owner's close) for the background closer and
+    return True; False when no closer was started. Safe in a GC pass. See NOTE [ Closing in the
+    background ]."""
+    jobs = _closer_jobs
+    if jobs is None:
+        return False
+    jobs.put(close)
+    return True
+
+
+def wait_for_closes(timeout: float | None = None) -> bool:
+    """Wait until the closes queued so far have run (not in a GC pass); False on timeout."""
+    jobs = _closer_jobs
+    if jobs is None:
+        return True
+    done = threading.Event()
+    jobs.put(done.set)
+    return done.wait(timeout)
+
+
+def _run_closer(jobs: queue.SimpleQueue[Callable[[], object]]) -> None:
+    while True:
+        job = jobs.get()
+        try:
+            job()
+        except Exception:
+            logger.exception("storage: a close handed to the background closer failed")
+        del job  # the owner's resources go with the close, not with the next wait
+
+
+def _finish_closes(jobs: queue.SimpleQueue[Callable[[], object]]) -> None:
+    if jobs is _closer_jobs:
+        wait_for_closes()
+
+
+def _forget_closer() -> None:
+    # A forked child has no closer thread: a queue nobody reads would swallow its closes.
+    global _closer_jobs
+    _closer_jobs = None
 
 
 def wait_for(after: object) -> None:

@@ -695,3 +695,77 @@ def test_step_time_goes_to_the_step_whose_backward_ended() -> None:
     assert t_a_end - t_b < last.step_s <= t_b_end - t_b
     a = total.step_s - last.step_s  # A's time, credited after A was folded into the total
     assert t_a_end - t_b < a <= t_a_end - t_a
+
+
+def test_a_manager_collected_while_its_writes_hang_is_closed_in_the_background(tmp_path) -> None:
+    """A manager dropped without close() in a reference cycle is closed by a GC pass, which may
+    run at any allocation of the training thread. Its NVMe writes are stuck (a disk that
+    stalls: the spill file's writes wait for a gate). Before, the pass waited for them inside
+    the collection: the gate was opened by a 10 s watchdog, never by the training thread, which
+    stayed blocked. Now the waiting part of the close goes to a background closer; once the
+    writes end it has released everything: the private directory, the spill file's fd, the
+    staging regions of the host pool. Run in a child (a hang there stays there)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(
+        f"""
+        import gc, os, sys, threading
+        sys.path[:0] = [{tests!r}, {os.path.dirname(tests)!r}]
+        import offload
+        from models import gpt_block
+
+        case = gpt_block(seed=0)
+        fds = len(os.listdir("/proc/self/fd"))
+        mgr = offload.ActivationOffloader(
+            case.model, min_offload_bytes=0, tiers=("nvme",), nvme_dir={str(tmp_path)!r}
+        )
+        with mgr:
+            loss = case.loss(case.batch(0))
+        loss.backward()
+        assert mgr.stats.last.bytes_offloaded_nvme > 0  # (waits for the writes)
+        spill, pool = mgr._tiers[0]._file, mgr._executor.pool
+        private = mgr._tiers[0].private_directory
+        gate, opened_by = threading.Event(), []
+        write = spill.write
+
+        def stalled(*args, **kw):
+            gate.wait()
+            return write(*args, **kw)
+
+        spill.write = stalled
+        with mgr:
+            loss = case.loss(case.batch(1))
+        del loss
+        assert pool.used_bytes > 0  # staging of the stuck writes
+        mgr.cycle = mgr  # dropped, only a GC pass frees it
+        del mgr
+
+        def watchdog():
+            if not gate.wait(10):
+                opened_by.append("watchdog")
+                gate.set()
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        gc.collect()  # finalizes the manager
+        if not gate.is_set():
+            opened_by.append("training thread")
+            gate.set()
+        print("OPENED BY", opened_by[0], flush=True)
+        from storage._transfer import wait_for_closes
+
+        assert wait_for_closes(20)
+        print("LEFT", os.path.exists(private), pool.used_bytes, len(os.listdir("/proc/self/fd")) - fds)
+        """
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=90
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the child hung")
+    assert "OPENED BY training thread" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr
+    assert "LEFT False 0 0" in done.stdout, done.stdout  # directory, staging bytes, fds
