@@ -53,6 +53,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._inert import BoundHook
+from lifecycle._module_hooks import register_forward_hooks
 from lifecycle._tensors import (
     ACTIVATION_NODES,
     NormOutputs,
@@ -447,8 +448,9 @@ class Recorder:
             self._names[mod] = name
             if is_compiled(mod):
                 self._compiled.add(id(mod))
-            handles.append(mod.register_forward_pre_hook(BoundHook(self._forward_pre_hook)))
-            handles.append(mod.register_forward_hook(BoundHook(self._forward_hook)))
+            handles += register_forward_hooks(
+                mod, BoundHook(self._forward_pre_hook), BoundHook(self._forward_hook)
+            )
         self.add_parameters(model)
         try:
             yield self

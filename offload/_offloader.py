@@ -29,6 +29,7 @@ import lifecycle
 import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
 from lifecycle._inert import ModuleHook
+from lifecycle._module_hooks import register_forward_hooks
 from lifecycle._recorder import UnendedCalls, foreign_call
 from lifecycle._tensors import (
     NormOutputs,
@@ -760,8 +761,8 @@ class ActivationOffloader:
         handles = []
         for name, mod in named_modules_stop_at_compiled(model):
             pre = _ForwardPre(self, name, self._keeps(name, mod), is_compiled(mod))
-            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=name == ""))
-            handles.append(mod.register_forward_hook(_ForwardPost(self)))
+            # Around a ``mod.compile()``d call, not in it (NOTE [ Hooks of a compiled call ]).
+            handles += register_forward_hooks(mod, pre, _ForwardPost(self), with_kwargs=name == "")
         return handles
 
     def _refresh_params(self) -> None:

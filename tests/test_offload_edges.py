@@ -497,8 +497,13 @@ def test_compiled_submodule_is_a_leaf() -> None:
 
 def test_module_compile_method_is_a_leaf() -> None:
     model = three_blocks("method")
+    compiled_call = model[1]._compiled_call_impl
     with manager(model):
-        assert inner_hooks(model[1]) == 2  # its own pre and post hook, none inside
+        # Its hooks run around its compiled call, none inside it (NOTE [ Hooks of a compiled
+        # call ] in lifecycle/_module_hooks.py).
+        assert inner_hooks(model[1]) == 0
+        assert model[1]._compiled_call_impl is not compiled_call
+    assert model[1]._compiled_call_impl is compiled_call
 
 
 def test_a_model_compiled_after_its_manager_warns_once() -> None:
@@ -531,7 +536,7 @@ def test_a_model_compiled_after_its_manager_warns_once() -> None:
             model[1].forward = torch.compile(model[1].forward, backend="eager")
         with manager(model) as mgr, warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            assert inner_hooks(getattr(model[1], "_orig_mod", model[1])) == (mode != "wrap") * 2
+            assert inner_hooks(getattr(model[1], "_orig_mod", model[1])) == (mode == "forward") * 2
             assert_bitwise(plain_names(run_blocks(model, mgr)), want)
 
 

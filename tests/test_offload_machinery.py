@@ -1,0 +1,103 @@
+"""Offloading where it meets other PyTorch machinery: ``nn.Module.compile()``, each against the
+same run without offloading (gradients bitwise) and dynamo's own counters."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from lifecycle import HardwareModel
+
+SLOW = HardwareModel.cpu_only(
+    copy_bytes_per_s=1e6, disk_write_bytes_per_s=1e6, disk_read_bytes_per_s=1e6
+)
+
+
+class Block(nn.Module):
+    # Not an nn.Sequential: torch 2.13 cannot compile torch's own module classes' _call_impl
+    # with fullgraph=True (their frames are in dynamo's skip list), offload or not.
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = (
+            nn.Linear(width, 2 * width),
+            nn.GELU(),
+            nn.Linear(2 * width, width),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Blocks(nn.Module):
+    def __init__(self, n: int = 3, width: int = 64) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def compiled_blocks(where: str) -> Blocks:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Blocks()
+    (model if where == "root" else model.blocks[1]).compile(backend="eager", fullgraph=True)
+    return model
+
+
+def steps(model: nn.Module, mgr: Any = None, n: int = 3) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for s in range(n):
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(s))
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        out.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("budget", [False, True], ids=["min_memory", "budget"])
+@pytest.mark.parametrize("tiers", [("cpu",), ("nvme",)], ids=["cpu", "nvme"])
+@pytest.mark.parametrize("where", ["root", "submodule"])
+def test_module_compile_fullgraph_runs_its_hooks_outside_dynamo(
+    where: str, tiers: tuple[str, ...], budget: bool, tmp_path: Any
+) -> None:
+    """``mod.compile()`` compiles the call that runs ``mod``'s hooks, so dynamo traced the
+    manager's (and in budget mode the recorder's) hooks of that module: 2 graph breaks per
+    compiled module and step at compilation (a lock), recompilations of the manager's own
+    methods at steps 2-4 in budget mode (guards on its plans), and under ``fullgraph=True``
+    every step raised ``Unsupported`` with a note blaming compilation after the manager. The
+    hooks of a ``.compile()``d module now run around its compiled call, outside dynamo."""
+    torch._dynamo.reset()
+    want = steps(compiled_blocks(where), n=4)
+    torch._dynamo.reset()
+    model = compiled_blocks(where)
+    target = model if where == "root" else model.blocks[1]
+    compiled_call = target._compiled_call_impl
+    kw: dict[str, Any] = {"nvme_dir": tmp_path} if "nvme" in tiers else {}
+    if budget:
+        kw.update(gpu_budget=48 << 10, hardware=SLOW)
+    mgr = offload.ActivationOffloader(model, tiers=tiers, min_offload_bytes=0, **kw)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    try:
+        got = steps(model, mgr, n=4)
+        stats = mgr.stats.last
+    finally:
+        mgr.close()
+    assert sum(counters["graph_break"].values()) == 0
+    assert stats.bytes_offloaded_cpu + stats.bytes_offloaded_nvme > 0
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for k in w:
+            assert torch.equal(g[k], w[k]), k
+    # close() leaves the module compiled as it was, without the manager.
+    assert target._compiled_call_impl is compiled_call
