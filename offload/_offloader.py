@@ -787,6 +787,29 @@ class ActivationOffloader:
             self._warned.add(key)
             warnings.warn(f"offload: {msg}", RuntimeWarning, stacklevel=stacklevel)
 
+    def _check_foreign_hooks(self, module: str) -> None:
+        """At a module call of the step (forward, not paused): warn once when a foreign
+        saved-tensor hooks pair entered inside the step shadows ours (only the innermost pair
+        fires, so nothing saved under it is offloaded). Checkpoint's own pair (pushed during a
+        checkpointed forward, which composes) and packs of a backward are not foreign."""
+        if "foreign_inside" in self._warned or _top_hooks is None or self._hooks_popped:
+            return
+        top = _top_hooks(False)
+        if top is None or top[0] is self._pack_fn:
+            return
+        if getattr(top[0], "__qualname__", "").startswith(_CHECKPOINT_PACK):
+            return
+        if _current_graph_task_id is not None and _current_graph_task_id() != -1:
+            return
+        self._warn_once(
+            "foreign_inside",
+            f"a saved_tensors_hooks pair ({getattr(top[0], '__qualname__', top[0])}) entered "
+            f"inside this step is active at module {module or repr('')}: it takes every tensor "
+            "saved under it (only the innermost pair fires), so none of those is offloaded. "
+            "Enter it around the step instead, or leave it out",
+            stacklevel=_user_stacklevel(),
+        )
+
     def _warn_traced(self) -> None:
         """From ``__enter__`` / ``__exit__`` (eager code): warn once that the model was compiled
         after the manager was made (DESIGN.md: a compiled module is a leaf; no hooks inside)."""
@@ -1555,6 +1578,8 @@ class ActivationOffloader:
 
 
 _OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
+# torch.utils.checkpoint's non-reentrant pack hook (a pair it pushes inside our steps).
+_CHECKPOINT_PACK = "_checkpoint_hook."
 
 
 def _same_layout(parent: _Member, out: torch.Tensor) -> bool:
@@ -1674,6 +1699,8 @@ class _ForwardPre(ModuleHook):
             mgr._calls[self.name] = call + 1
         if mgr._paused:
             return
+        if not compiling:
+            mgr._check_foreign_hooks(self.name)
         outer_kept = bool(mgr._stack) and mgr._stack[-1][1]
         if budget and grad and not mgr._stack and self.name == "" and not mgr._signature_begun:
             mgr._signature_begun = True

@@ -4,11 +4,13 @@ same run without offloading (gradients bitwise) and dynamo's own counters."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import offload
 from lifecycle import HardwareModel
@@ -101,3 +103,51 @@ def test_module_compile_fullgraph_runs_its_hooks_outside_dynamo(
             assert torch.equal(g[k], w[k]), k
     # close() leaves the module compiled as it was, without the manager.
     assert target._compiled_call_impl is compiled_call
+
+
+def _identity_hooks() -> Any:
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+@pytest.mark.parametrize("tiers", [("cpu",), ("nvme",)], ids=["cpu", "nvme"])
+@pytest.mark.parametrize("foreign", ["identity", "save_on_cpu"])
+def test_foreign_saved_tensor_hooks_inside_the_step_warn_once(
+    foreign: str, tiers: tuple[str, ...], tmp_path: Any
+) -> None:
+    """Saved-tensor hooks entered inside ``with mgr:`` (a library's own pair, or torch's
+    ``save_on_cpu``) take every pack under them (only the innermost pair fires): the step
+    offloaded 0 bytes, silently (DESIGN.md: warn once). Now the first module call under them
+    warns, naming it; gradients stay bitwise and torch.utils.checkpoint's own pair does not
+    warn."""
+    torch.manual_seed(0)
+    want = steps(Blocks(), n=2)
+    torch.manual_seed(0)
+    model = Blocks()
+    kw: dict[str, Any] = {"nvme_dir": tmp_path} if "nvme" in tiers else {}
+    hooks = _identity_hooks if foreign == "identity" else torch.autograd.graph.save_on_cpu
+    with contextlib.closing(
+        offload.ActivationOffloader(model, tiers=tiers, min_offload_bytes=0, **kw)
+    ) as mgr:
+        got = []
+        with pytest.warns(RuntimeWarning, match="entered inside this step") as record:
+            for s in range(2):
+                model.zero_grad(set_to_none=True)
+                x = torch.randn(32, 64, generator=torch.Generator().manual_seed(s))
+                with mgr, hooks():
+                    loss = model(x).pow(2).sum()
+                loss.backward()
+                got.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        assert mgr.stats.last.bytes_offloaded_cpu + mgr.stats.last.bytes_offloaded_nvme == 0
+        assert len([r for r in record if "entered inside this step" in str(r.message)]) == 1
+        assert "blocks" in str(record[0].message) or "''" in str(record[0].message)
+        # Checkpoint's pair, pushed during its forward, is not foreign.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            mgr._warned.clear()
+            with mgr:
+                x = torch.randn(32, 64)
+                loss = checkpoint(model, x, use_reentrant=False).pow(2).sum()
+            loss.backward()
+    for g, w in zip(got, want, strict=True):
+        for k in w:
+            assert torch.equal(g[k], w[k]), k
