@@ -807,7 +807,7 @@ class ActivationOffloader:
             f"inside this step is active at module {module or repr('')}: it takes every tensor "
             "saved under it (only the innermost pair fires), so none of those is offloaded. "
             "Enter it around the step instead, or leave it out",
-            stacklevel=_user_stacklevel(),
+            stacklevel=_user_stacklevel() + 1,  # + 1: _warn_once calls warnings.warn
         )
 
     def _warn_traced(self) -> None:
@@ -1641,14 +1641,16 @@ def _has_storage(t: torch.Tensor) -> bool:
 
 def _user_stacklevel() -> int:
     """The ``warnings.warn`` stacklevel, from the function calling this, of the first frame
-    outside this package: the user's line, whether they made the manager or
-    :func:`activations` made it for them."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    outside this package, lifecycle and torch: the user's line, whether they made the manager
+    or :func:`activations` made it for them, or a module hook warns (torch's ``Module.__call__``
+    runs it)."""
+    ours = (
+        os.path.dirname(os.path.abspath(__file__)) + os.sep,
+        os.path.dirname(os.path.abspath(lifecycle.__file__)) + os.sep,
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    )
     level, frame = 1, sys._getframe(1)
-    while (
-        frame.f_back is not None
-        and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here
-    ):
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(ours):
         level, frame = level + 1, frame.f_back
     return level
 

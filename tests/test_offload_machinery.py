@@ -140,6 +140,8 @@ def test_foreign_saved_tensor_hooks_inside_the_step_warn_once(
         assert mgr.stats.last.bytes_offloaded_cpu + mgr.stats.last.bytes_offloaded_nvme == 0
         assert len([r for r in record if "entered inside this step" in str(r.message)]) == 1
         assert "blocks" in str(record[0].message) or "''" in str(record[0].message)
+        warned = [r for r in record if "entered inside this step" in str(r.message)]
+        assert warned[0].filename == __file__  # the user's line, not torch's Module.__call__
         # Checkpoint's pair, pushed during its forward, is not foreign.
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
