@@ -355,6 +355,13 @@ def _plan(
             # The modules planned as fixed (the manager's keep=): a plan given to a manager with
             # other ones did not count their tensors where they stay.
             "kept_modules": sorted(trace.metadata.get("kept_modules") or ()),
+            # A trace of global hooks (`offload profile`) names modules from root classes
+            # (``GPT.blocks.0``): a manager given the plan reads them relative to its model.
+            **(
+                {"root_modules": list(trace.metadata["root_modules"])}
+                if trace.metadata.get("root_modules")
+                else {}
+            ),
             **simulated,
         },
     )

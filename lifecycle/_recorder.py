@@ -296,6 +296,9 @@ class Recorder:
         self._param_refs = self._params.by_id  # read on the hot path without a call
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._roots: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
+        # Class names given to roots by attach_global: its module paths start with them, where a
+        # manager's (attach) start below its model. Plans carry them so a manager can tell.
+        self._global_roots: set[str] = set()
         self._on_step_end: list[Callable[[int, bool], None]] = []
         self._step_first = (0, 0, 0)
         # Modules whose forward updated running statistics in a recorded step (BatchNorm in
@@ -550,6 +553,8 @@ class Recorder:
             }
             if self._stateful:
                 meta["stateful_modules"] = sorted(self._stateful)
+            if self._global_roots:
+                meta["root_modules"] = sorted(self._global_roots)
             kept = self._fill_after_pack.union((metadata or {}).get("kept_modules") or ())
             meta.update(metadata or {})
             if kept:
@@ -600,6 +605,7 @@ class Recorder:
             if not self._stack:
                 root = type(module).__name__
                 self._roots[module] = None
+                self._global_roots.add(root)
                 for name, mod in named_modules_stop_at_compiled(module):
                     if is_compiled(mod):
                         self._compiled.add(id(mod))

@@ -59,6 +59,7 @@ from offload._planned import (
     make_plan,
     merged_trace,
     retimed,
+    rooted_plan,
     signature_of,
 )
 from offload._planning import resolve_budget, resolve_hardware
@@ -287,6 +288,8 @@ class ActivationOffloader:
         self.device = compute_device(model)
         # Budget mode (see NOTE [ Budget mode ] in _planned.py).
         user_plan = load_plan(plan)
+        if user_plan is not None:
+            user_plan = rooted_plan(user_plan, model)
         budget_given = gpu_budget is not None
         if gpu_budget is None and user_plan is not None:
             gpu_budget = user_plan.gpu_budget_bytes

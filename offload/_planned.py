@@ -474,6 +474,62 @@ def load_plan(plan: Plan | str | os.PathLike[str] | None) -> Plan | None:
     )
 
 
+def rooted_plan(plan: Plan, model: nn.Module) -> Plan:
+    """``plan`` with its module paths relative to ``model``, as the manager names them.
+
+    A plan made from a trace of global module hooks (``offload profile``, which notes its roots
+    in ``trace.metadata["root_modules"]``, carried into ``plan.metadata``) names each module from
+    its root's class (``GPT.blocks.0``); a manager names them from its model (``blocks.0``, the
+    model itself ``""``). Without renaming, none of the plan's keys matched a pack. Modules of
+    other roots keep their names (the manager sees their packs as outside its model).
+
+    Raises:
+        ValueError: the plan's roots do not include ``model``'s class.
+    """
+    roots = plan.metadata.get("root_modules")
+    if not roots:
+        return plan
+    root = type(model).__name__
+    if root not in roots:
+        raise ValueError(
+            f"plan: made by `offload profile` from root modules {sorted(roots)!r}, none of "
+            f"them a {root}, the model given: its keys name another model's modules; profile "
+            "the script that trains this model, or let the manager profile (no plan=)"
+        )
+    prefix = root + "."
+
+    def name(module: str) -> str:
+        if module == root:
+            return ""
+        return module[len(prefix) :] if module.startswith(prefix) else module
+
+    def key(k: tuple[str, int, int]) -> tuple[str, int, int]:
+        return (name(k[0]), k[1], k[2])
+
+    entries = tuple(
+        dataclasses.replace(
+            e,
+            keys=tuple(key(k) for k in e.keys),
+            module=name(e.module),
+            reload=None
+            if e.reload is None
+            else dataclasses.replace(e.reload, module=name(e.reload.module)),
+            recompute_module=name(e.recompute_module) if e.recompute_module else "",
+        )
+        for e in plan.entries
+    )
+    metadata = {k: v for k, v in plan.metadata.items() if k != "root_modules"}
+    if "kept_modules" in metadata:
+        metadata["kept_modules"] = sorted(name(m) for m in metadata["kept_modules"])
+    return dataclasses.replace(
+        plan,
+        entries=entries,
+        recompute_calls=tuple((name(m), c) for m, c in plan.recompute_calls),
+        expected_keys=tuple(key(k) for k in plan.expected_keys),
+        metadata=metadata,
+    )
+
+
 def describe(plan: Plan) -> str:
     """One log line about a plan."""
     by = plan.bytes_by_placement()

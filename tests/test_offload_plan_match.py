@@ -4,13 +4,15 @@ device; the budget bounds the saved bytes a manager holds there, counted by ``Sa
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from models import ALL_MODELS
 from torch import nn
 
 import offload
-from lifecycle import HardwareModel
+from lifecycle import HardwareModel, Recorder
 from offload._live import SavedBytes
 
 FAST = HardwareModel.cpu_only(
@@ -166,3 +168,58 @@ def test_a_given_plan_placing_bytes_on_a_tier_the_manager_lacks_is_refused(tmp_p
         mgr.stats.last.bytes_offloaded_nvme == offload.Plan.load(nvme).bytes_by_placement()["nvme"]
     )
     mgr.close()
+
+
+def _cli_style_trace(case) -> offload.Trace:
+    """A trace recorded as ``offload profile`` records a script: global module hooks, where a
+    root module is named by its class (``Checkpointed.blocks.0.fc1``), one warm-up step."""
+    rec = Recorder(boundary="backward", max_steps=1, warmup_steps=1)
+    rec.begin_step(thread=threading.get_ident())
+    with rec.attach_global(), rec.hooks():
+        for s in range(2):
+            case.step(s)
+    case.model.zero_grad(set_to_none=True)
+    return rec.trace({"source": "offload profile"})
+
+
+def test_a_plan_of_an_offload_profile_trace_matches_the_managers_keys(tmp_path) -> None:
+    """``offload profile`` names the root by its class, the manager by "": a plan made from the
+    CLI's trace (``offload plan``, then ``plan=``) matched none of the manager's keys, so every
+    record it would store went unplanned (8 of the 16 per step of the checkpointed model,
+    offloaded as in min-memory mode), and a plan recomputing blocks was refused for naming
+    modules "not of this model". The manager now reads the plan's module names relative to its
+    own root: every record planned, the plan's bytes moved, gradients bitwise."""
+    case = ALL_MODELS["checkpointed"](seed=0)
+    trace = _cli_style_trace(case)
+    assert trace.metadata["root_modules"] == ["Checkpointed"]
+    peak = trace.peak_saved_bytes
+    # Offloading and rebuilding every small record; recomputing blocks (1 MiB keeps the rest).
+    for budget, hw, small in ((peak // 2, SLOW, 0), (peak * 3 // 4, FAST, 1 << 20)):
+        plan = offload.plan(trace, gpu_budget=budget, hardware=hw, min_offload_bytes=small)
+        path = str(tmp_path / "plan.json")
+        plan.save(path)
+        mgr = offload.ActivationOffloader(
+            case.model, plan=path, hardware=hw, min_offload_bytes=small
+        )
+        runs = _planned_steps(case.model, lambda s: case.loss(case.batch(s)), mgr, 3)
+        mgr.close()
+        want = ALL_MODELS["checkpointed"](seed=0)
+        for s, (grads, meter, stats) in enumerate(runs):
+            want.step(s)
+            for k, g in want.grads().items():
+                assert torch.equal(grads[k], g), (budget, s, k)
+            assert stats.unplanned_records == 0, (budget, s, stats.unplanned_records)
+            assert stats.bytes_offloaded_cpu == plan.bytes_by_placement()["cpu"], budget
+            assert stats.bytes_recomputed == plan.bytes_by_placement()["recompute"], budget
+            assert 0 < meter.peak_planned <= budget, (budget, meter.peak_planned)
+    assert [m for m, _ in plan.recompute_calls] == [f"Checkpointed.blocks.{i}" for i in range(3)]
+
+
+def test_a_plan_of_another_scripts_root_is_refused() -> None:
+    """A plan profiled by ``offload profile`` on a root of another class cannot match any key:
+    refused when the manager is made, naming both classes."""
+    case = ALL_MODELS["checkpointed"](seed=0)
+    trace = _cli_style_trace(case)
+    plan = offload.plan(trace, gpu_budget=trace.peak_saved_bytes, hardware=FAST)
+    with pytest.raises(ValueError, match=r"plan.*'Checkpointed'.*DirectOps"):
+        offload.ActivationOffloader(DirectOps(), plan=plan, hardware=FAST)
