@@ -4,6 +4,7 @@ subprocess, as a user runs it; argument errors through ``offload._cli.main`` in 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -125,6 +126,46 @@ def plan_main(
         *args,
         capsys=capsys,
     )
+
+
+def test_a_plan_of_the_cli_runs_on_the_scripts_model_with_every_record_planned(
+    work: Path,
+    peak: int,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The README's flow: ``offload profile`` a script, ``offload plan`` its trace, then give the
+    plan to the script's manager. The CLI names modules from the root's class (``GPT.blocks.0``),
+    the manager from its model: before, no key matched (every stored record unplanned, all of
+    them offloaded); now every record is planned and the plan's bytes are the ones moved."""
+    import torch
+
+    import offload
+
+    spec = importlib.util.spec_from_file_location("_gpt_example", ROOT / "examples" / "gpt.py")
+    assert spec is not None and spec.loader is not None
+    gpt = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gpt)  # its dataclasses look their module up
+    spec.loader.exec_module(gpt)
+    out = tmp_path / "p.json"
+    r = plan_main(
+        work, "--gpu-budget", str(peak // 2), *SMALL, "--out", str(out), "--no-png", capsys=capsys
+    )
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(out)
+    assert plan.metadata["root_modules"] == ["GPT"]
+    model = gpt.GPT(gpt.GPTConfig(), seed=0)  # examples/train_gpt.py's defaults
+    tokens = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(0))
+    mgr = offload.ActivationOffloader(model, plan=str(out), min_offload_bytes=0)
+    with mgr:
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    stats = mgr.stats.last
+    mgr.close()
+    assert stats.unplanned_records == 0
+    cpu = [e for e in plan.entries if e.placement.value == "cpu"]
+    assert stats.records_offloaded_cpu == len(cpu) > 0
 
 
 def test_tiers_and_host_room(
