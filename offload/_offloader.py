@@ -8,6 +8,7 @@ the bytes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -49,6 +50,7 @@ from offload._info import check_nvme_dir
 from offload._pipelining import PipelineAttachment, PipelineRound
 from offload._planned import (
     KEEP,
+    MAX_SHARED_SIGNATURES,
     MAX_SIGNATURES,
     REBUILD,
     ActivePlan,
@@ -359,6 +361,8 @@ class ActivationOffloader:
         self._profiler: Profiler | None = None
         self._profiled: dict[str, int] = {}  # signature -> its step in the profiler's trace
         self._merged: Plan | bool | None = None  # past MAX_SIGNATURES (False: could not be made)
+        # Signatures that run the merged plan, least recently met first (see _share).
+        self._shared: collections.OrderedDict[str, None] = collections.OrderedDict()
         # NOTE [ Refinement ] in _planned.py: signatures planned from their profile whose next
         # step is recorded for its timings, and those recorded and not re-planned yet
         # (signature -> its step in the profiler's trace).
@@ -477,7 +481,9 @@ class ActivationOffloader:
 
     @property
     def plans(self) -> dict[str, Plan]:
-        """The plans made or given so far, by input signature (a copy)."""
+        """The plans made or given so far, by input signature (a copy). Past ``MAX_SIGNATURES``
+        profiled signatures, only the 64 most recent of the later ones (which share one plan)
+        are named."""
         with self._lock:
             self._plan_profiled()
             return dict(self._plans)
@@ -930,10 +936,12 @@ class ActivationOffloader:
             and (user.signature == sig or (user.signature == "" and not self._plans))
         ):
             plan = self._plans[sig] = user.with_signature(sig)
+        if sig in self._shared:
+            self._shared.move_to_end(sig)
         if plan is None and sig not in self._profiled and len(self._profiled) >= MAX_SIGNATURES:
             plan = self._merged_plan()
             if plan is not None:
-                self._plans[sig] = plan
+                self._share(sig, plan)
         if plan is not None:
             active = self._active_plans.get(sig)
             if active is None or active.plan is not plan:
@@ -986,6 +994,18 @@ class ActivationOffloader:
             return
         self._profiler.begin(self._step_thread)
         self._profiling = sig
+
+    def _share(self, sig: str, plan: Plan) -> None:
+        """``sig`` runs the merged plan. Only the ``MAX_SHARED_SIGNATURES`` most recent such
+        signatures are named in ``plans`` (a step counter among the root's arguments makes one
+        per step, NOTE [ Signatures ]); a forgotten one met again is given the same plan."""
+        self._plans[sig] = plan
+        self._shared[sig] = None
+        while len(self._shared) > MAX_SHARED_SIGNATURES:
+            old, _ = self._shared.popitem(last=False)
+            self._plans.pop(old, None)
+            self._active_plans.pop(old, None)
+            self._over_budget.discard(old)
 
     def _drop_unfinished_profile(self) -> None:
         """At a step's start: a profile still open is one whose backward has not ended (two

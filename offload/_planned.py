@@ -5,7 +5,8 @@ the input signature of a step, the profiling step's recorder, the plans per sign
 lookup tables a plan becomes at execution (by record key, see DESIGN.md "Keys and signatures").
 
 NOTE [ Budget mode ]
-    A step's signature is the shapes and dtypes of the root module's tensor arguments, known at
+    A step's signature is the shapes and dtypes of the root module's tensor arguments and the
+    values of its plain settings (NOTE [ Signatures ]), known at
     the root's forward pre-hook, at its first call with grad in the step (calls without grad
     before it save nothing and are not counted in the record keys). The first step of a new signature runs in min-memory mode (every
     eligible saved tensor leaves, so a model that does not fit can still be profiled) while a
@@ -58,12 +59,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import functools
 import logging
+import numbers
 import os
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,13 +75,14 @@ from torch import nn
 
 import lifecycle
 from lifecycle import EventKind, HardwareModel, Placement, Plan, Recorder, TensorRecord, Trace
-from lifecycle._tensors import tensors_in
 from lifecycle._units import format_bytes
 from offload._device import clock_and_probe
 
 log = logging.getLogger("offload")
 
 MAX_SIGNATURES = 8
+# Signatures past MAX_SIGNATURES that mgr.plans names (the most recent; they share one plan).
+MAX_SHARED_SIGNATURES = 64
 KEEP = "keep"
 REBUILD = "rebuild"
 # A plan's placement as the action a pack takes (RECOMPUTE: its keys vanish, the checkpoint
@@ -86,20 +91,81 @@ _ACTION_OF = {Placement.CPU: "host", Placement.NVME: "nvme", Placement.REBUILD: 
 
 
 def signature_of(args: Any, kwargs: Mapping[str, Any] | None = None) -> str:
-    """The shapes and dtypes of the tensors in a module call's arguments, as one string
-    (keyword arguments by name, in name order, after the positional ones).
+    """A module call's arguments as one string: the shapes and dtypes of its tensors, and the
+    values of its plain settings (keyword arguments by name, in name order, after the
+    positional ones; tuples, lists and dicts are looked into). See NOTE [ Signatures ].
 
     Example:
         >>> import torch
         >>> signature_of((torch.zeros(2, 3), 4, [torch.zeros(5, dtype=torch.int64)]))
-        'float32[2,3];int64[5]'
+        'float32[2,3];4;int64[5]'
         >>> signature_of((), {"labels": torch.zeros(2, dtype=torch.int64), "ids": torch.zeros(2, 7)})
         'ids=float32[2,7];labels=int64[2]'
+        >>> signature_of((torch.zeros(2),), {"causal": True, "cfg": {"scale": 0.5, "mode": "a"}})
+        "float32[2];causal=True;cfg=scale:float;cfg=mode:'a'"
     """
-    parts = [_shape_of(t) for t in tensors_in(args)]
+    parts = list(_parts(args))
     for name in sorted(kwargs or ()):
-        parts.extend(f"{name}={_shape_of(t)}" for t in tensors_in(kwargs[name]))  # type: ignore[index]
+        parts.extend(f"{name}={p}" for p in _parts(kwargs[name]))  # type: ignore[index]
     return ";".join(parts)
+
+
+# NOTE [ Signatures ]
+#     DESIGN.md "Keys and signatures": a step's signature is what its root call was given. A
+#     tensor is its dtype and shape (its values never change the saved tensors' keys: varying
+#     data is the normal case). A plain setting is its value: ``None``, a bool, an int, an enum
+#     member (``Kind.NAME``), a ``torch.dtype``, a string (quoted; longer than
+#     ``_LONG_STR`` characters: its crc32, stable across processes, unlike ``hash()``). These are
+#     what picks a forward's structure (``model(x, depth)``, ``use_cache=False``, an attention
+#     kind), and a plan profiled for one structure keyed by (module, call, ordinal) silently
+#     misplaces another's records (depth 1 -> 3 under one signature: 8 records unplanned and
+#     the saved peak 2.7x the plan's). An int that changes every step (a step counter) thus makes
+#     each step a new signature: the 8 profiled ones, then the shared plan of their per-key
+#     maxima (NOTE [ Budget mode ]), whose lookup tables every later one shares; ``mgr.plans``
+#     keeps the ``MAX_SHARED_SIGNATURES`` most recent of those, so a counter grows nothing. A
+#     float is only its type: its value is a schedule or a temperature more often than a switch,
+#     and keying on it would spend 8 profiling steps on a float schedule for nothing. Not seen:
+#     a float that switches the structure (``if p > 0``), data-dependent branches, attributes
+#     set between steps; their records go unplanned (``stats.unplanned_records``, first tier
+#     with room: exact, the budget not planned). Pass such a switch as a bool or an int. Other
+#     objects (a config instance, a callable) are left out: their identity or repr may change
+#     every step.
+_LONG_STR = 32
+
+
+def _parts(obj: Any, key: str = "") -> Iterator[str]:
+    if isinstance(obj, torch.Tensor):
+        # No dict key: tensor parts read as before settings were counted (saved plans match).
+        yield _shape_of(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _parts(o, key)
+    elif isinstance(obj, dict):
+        for k, o in obj.items():
+            yield from _parts(o, f"{k}:")
+    else:
+        value = _setting(obj)
+        if value is not None:
+            yield key + value
+
+
+def _setting(v: Any) -> str | None:
+    """A plain setting's part of a signature (NOTE [ Signatures ]); ``None``: not one."""
+    if v is None or isinstance(v, bool):
+        return repr(v)
+    if isinstance(v, enum.Enum):
+        return f"{type(v).__name__}.{v.name}"
+    if isinstance(v, numbers.Integral):
+        return str(int(v))
+    if isinstance(v, numbers.Number):
+        return "float" if isinstance(v, numbers.Real) else "complex"
+    if isinstance(v, torch.dtype):
+        return str(v).removeprefix("torch.")
+    if isinstance(v, str):
+        if len(v) <= _LONG_STR:
+            return repr(v)
+        return f"str#{zlib.crc32(v.encode('utf-8', 'surrogatepass')):08x}"
+    return None
 
 
 def _shape_of(t: torch.Tensor) -> str:

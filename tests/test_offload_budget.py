@@ -1306,3 +1306,144 @@ def test_a_profiled_plan_is_refined_once_from_its_first_planned_step(caplog) -> 
     assert given.plan is not None and given.plan.metadata == refined.metadata
     mgr.close()
     given.close()
+
+
+class Depth(nn.Module):
+    """A forward whose structure its plain arguments choose: ``depth`` runs the middle layer
+    that many times; ``cfg`` may scale the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor, depth: int = 1, cfg: Any = None) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        for _ in range(depth):
+            h = torch.sigmoid(self.b(h)) * h
+        if cfg is not None and cfg.get("scale"):
+            h = h * cfg["scale"]
+        return self.c(h)
+
+
+def _depth_step(model: nn.Module, mgr: Any, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(len(args)))
+    model.zero_grad(set_to_none=True)
+    with mgr if mgr is not None else contextlib.nullcontext():
+        loss = model(x, *args, **kwargs).pow(2).sum()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_plain_arguments_of_the_root_are_part_of_the_signature() -> None:
+    """NOTE [ Signatures ]: ``model(x, depth)`` with depth 1 then 3 are two signatures, each
+    profiled and planned. Before, both were ``float32[32,64]``: depth 3 ran depth 1's plan with
+    8 records unplanned and held 196,608 saved bytes against a budget of 81,920."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    model = Depth()
+    budget = 80 << 10
+    mgr = offload.ActivationOffloader(model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0)
+    try:
+        for depth in (1, 1, 3, 3):
+            with SavedBytes.on(mgr) as saved:
+                got = _depth_step(model, mgr, depth)
+            last = mgr.stats.last
+            assert_bitwise([got], [_depth_step(model, None, depth)])
+            if last.predicted_peak_bytes:  # a planned step
+                assert last.unplanned_records == 0
+                assert saved.peak_planned <= last.predicted_peak_bytes <= budget
+        assert sorted(mgr.plans) == ["float32[32,64];1", "float32[32,64];3"]
+        assert mgr.stats.last.predicted_peak_bytes > 0  # depth 3's second step ran its own plan
+    finally:
+        mgr.close()
+
+
+def test_signature_parts_of_plain_settings() -> None:
+    import enum
+
+    from offload._planned import signature_of
+
+    class Kind(enum.Enum):
+        CAUSAL = 1
+
+    x = torch.zeros(2, 3)
+    assert signature_of((x,)) == "float32[2,3]"  # tensors alone read as before
+    assert signature_of((x, None, True, 3, Kind.CAUSAL, torch.bfloat16)) == (
+        "float32[2,3];None;True;3;Kind.CAUSAL;bfloat16"
+    )
+    # Nested settings, by their dict key; a float is its type only; other objects are left out.
+    assert signature_of((), {"cfg": {"depth": 2, "p": 0.1, "fn": print}, "x": [x, "sdpa"]}) == (
+        "cfg=depth:2;cfg=p:float;x=float32[2,3];x='sdpa'"
+    )
+    assert signature_of((0.1,)) == signature_of((0.7,)) == "float"
+    long = "a" * 100
+    assert signature_of((long,)) == signature_of((long,)) != signature_of(("b" * 100,))
+    assert len(signature_of((long,))) < 16
+
+
+def test_a_step_counter_among_the_arguments_keeps_memory_and_plans_bounded() -> None:
+    """An int that changes every step makes each step a new signature: 8 are profiled, every
+    later one runs the plan of their per-key maxima (held within the budget, no unplanned
+    record, bitwise), and ``mgr.plans`` names at most 8 + MAX_SHARED_SIGNATURES of them."""
+    from offload._live import SavedBytes
+    from offload._planned import MAX_SHARED_SIGNATURES, MAX_SIGNATURES
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+        def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+            return self.net(x)
+
+    torch.manual_seed(0)
+    model = Counted()
+    budget = 12 << 10  # 32 rows save 18 KiB: some must move
+    x = torch.randn(32, 16)
+    steps = MAX_SIGNATURES + MAX_SHARED_SIGNATURES + 8
+    mgr = offload.ActivationOffloader(model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0)
+    try:
+        for i in range(steps):
+            model.zero_grad(set_to_none=True)
+            with SavedBytes.on(mgr) as saved:
+                with mgr:
+                    loss = model(x, i).pow(2).sum()
+                loss.backward()
+            got = {n: p.grad.clone() for n, p in model.named_parameters()}
+            last = mgr.stats.last
+            if i >= MAX_SIGNATURES:
+                assert last.predicted_peak_bytes > 0 and last.unplanned_records == 0, i
+                assert saved.peak_planned <= last.predicted_peak_bytes <= budget
+            if i % 16 == 0 or i == steps - 1:
+                model.zero_grad(set_to_none=True)
+                model(x, i).pow(2).sum().backward()
+                assert_bitwise([got], [{n: p.grad for n, p in model.named_parameters()}])
+        assert len(mgr.plans) == MAX_SIGNATURES + MAX_SHARED_SIGNATURES
+        assert len(mgr._active_plans) <= MAX_SHARED_SIGNATURES + 1
+        assert f"float32[32,16];{steps - 1}" in mgr.plans  # the most recent are named
+        assert "float32[32,16];8" not in mgr.plans
+    finally:
+        mgr.close()
+
+
+def test_many_shapes_past_the_cap_keep_plans_bounded() -> None:
+    """Varying lengths past the 8 profiled: ``mgr.plans`` named every one of them (57 entries
+    after 200 steps of 57 lengths); now at most 8 + MAX_SHARED_SIGNATURES, the most recent."""
+    from offload._planned import MAX_SHARED_SIGNATURES, MAX_SIGNATURES
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=24 << 10, hardware=FAST, min_offload_bytes=0
+    )
+    rows = [8 * k for k in range(1, MAX_SIGNATURES + 1)] + list(range(1, 81))
+    try:
+        for n in rows:
+            with mgr:
+                loss = model(torch.randn(n, 16)).sum()
+            loss.backward()
+        assert len(mgr.plans) <= MAX_SIGNATURES + MAX_SHARED_SIGNATURES
+        assert "float32[80,16]" in mgr.plans
+    finally:
+        mgr.close()
