@@ -970,10 +970,15 @@ class ActivationOffloader:
                 self._profiler.begin(self._step_thread)
                 self._profiling = sig
             return
-        if sig in self._infeasible or sig in self._profiled:
-            return  # min-memory (infeasible, or its profile is not planned yet)
+        if sig in self._infeasible:
+            # DESIGN.md "Budget": such a step runs in min-memory mode, warned, and counted.
+            stats.min_memory_steps = 1
+            return
+        if sig in self._profiled:
+            return  # min-memory: its profile is not planned yet
         if len(self._profiled) >= MAX_SIGNATURES:
-            return  # past the profiled signatures, no merged plan could be made (said once)
+            stats.min_memory_steps = 1  # past the cap, no merged plan could be made (said once)
+            return
         if self._profiler is None:
             return  # the model is gone
         if not torch.is_grad_enabled():

@@ -53,6 +53,11 @@ class StepStats:
         predicted_peak_bytes / predicted_step_s: the plan's predictions (0 without a plan).
         step_s: wall seconds from the step's start to the end of its backward.
         unplanned_records: records no plan entry matched (0 without a plan).
+        min_memory_steps: 1 for a step under ``gpu_budget`` run in min-memory mode because
+            its signature has no plan that holds the budget (``on_infeasible="min_memory"``,
+            a signature whose profile never finished, or one past the profiled signatures whose
+            shared plan cannot hold the budget); profiling steps are not counted. In ``total``:
+            how many steps ran so.
     """
 
     steps: int = 0
@@ -79,6 +84,7 @@ class StepStats:
     predicted_step_s: float = 0.0
     step_s: float = 0.0
     unplanned_records: int = 0
+    min_memory_steps: int = 0
     _leads: list[float] = field(default_factory=list, repr=False)
 
     _PEAKS = ("peak_allocated_bytes", "peak_reserved_bytes", "predicted_peak_bytes")

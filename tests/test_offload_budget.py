@@ -811,6 +811,18 @@ def test_later_infeasible_signature_runs_min_memory_when_asked() -> None:
     assert mgr.stats.last.predicted_peak_bytes == 0  # min-memory: no plan
     assert mgr.stats.last.bytes_offloaded_cpu > 0
     assert list(mgr.plans) == ["float32[8,64]"]
+    # DESIGN.md "Budget": warn, count it. Counted per step (before: never); the profiling steps
+    # and the planned ones are not.
+    assert mgr.stats.last.min_memory_steps == 1
+    assert mgr.stats.total.min_memory_steps == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        with mgr:
+            loss = model(large).sum()
+    del loss
+    assert mgr.stats.last.min_memory_steps == 1
+    assert mgr.stats.total.min_memory_steps == 2 and mgr.stats.total.steps == 5
+    assert mgr.stats.as_dict()["total"]["min_memory_steps"] == 2
     model.zero_grad(set_to_none=True)
     for x in (small, small, large, large):
         model(x).sum().backward()

@@ -357,6 +357,7 @@ def test_stats_fields_and_as_dict() -> None:
             "step_s",
             "predicted_step_s",
             "unplanned_records",
+            "min_memory_steps",
             "fallbacks",
             "host_allocations",
         ):
