@@ -376,6 +376,11 @@ class ActivationOffloader:
         self._overlap_skips: dict[str, int] = {}  # steps not profiled for it, per signature
         self._last_signature: str | None = None
         self._active: ActivePlan | None = None
+        # Signatures running the plan given with plan=, and this step's (or pipeline round's)
+        # eligible packs under a plan and how many of their keys the plan knew (see
+        # _check_given_plan).
+        self._given: set[str] = set()
+        self._keys_looked_up = self._keys_matched = 0
         # Module name -> (module, its RecomputeForward), both weakly, and whether the forward it
         # wraps was the module's own attribute (set on the instance: close() puts it back).
         self._recompute: dict[str, tuple[weakref.ref[nn.Module], weakref.ref[Any], bool]] = {}
@@ -580,6 +585,7 @@ class ActivationOffloader:
                 self._kept_refs.clear()
                 self._rebuilds.clear()
                 self._active = None
+                self._keys_looked_up = self._keys_matched = 0
                 self._drop_unfinished_profile()
             if rnd is not None:
                 rnd.steps += 1
@@ -632,6 +638,7 @@ class ActivationOffloader:
                     self._profiling = None
             else:
                 self._executor.poll()
+                self._check_given_plan()
             self._stack.clear()
             self._backward_entries.clear()
             self._warn_traced()
@@ -936,6 +943,7 @@ class ActivationOffloader:
             and (user.signature == sig or (user.signature == "" and not self._plans))
         ):
             plan = self._plans[sig] = user.with_signature(sig)
+            self._given.add(sig)
         if sig in self._shared:
             self._shared.move_to_end(sig)
         if plan is None and sig not in self._profiled and len(self._profiled) >= MAX_SIGNATURES:
@@ -999,6 +1007,34 @@ class ActivationOffloader:
             return
         self._profiler.begin(self._step_thread)
         self._profiling = sig
+
+    def _check_given_plan(self) -> None:
+        """At a step's end: warn once when the plan given with ``plan=`` knew none of the
+        step's record keys inside the model (a plan made on a model with other module names, or
+        another structure; packs outside the model, the loss's, match whatever it is): those
+        records then go unplanned to the first tier with room, exact but not planned for the
+        budget, and nothing else would say so."""
+        active = self._active
+        if (
+            active is None
+            or self._last_signature not in self._given
+            or self._keys_matched
+            or not self._keys_looked_up
+        ):
+            return
+        mine = sorted({m for m, _, _ in active.action if m != _OUTSIDE} | active.recompute_modules)
+        model = self._model_ref()
+        seen = [n for n, _ in named_modules_stop_at_compiled(model) if n] if model else []
+        self._warn_once(
+            "given-plan",
+            f"the given plan= matched 0 of this step's {self._keys_looked_up} record keys inside "
+            "the model (module path, call index, ordinal): those records went unplanned to the "
+            "first tier with room (stats.unplanned_records), so the budget is not planned. "
+            f"The plan places records of modules {mine[:6]}; this model's modules are "
+            f"{sorted(seen)[:6]}. A plan is made for the model it was profiled on: profile this model "
+            "(leave plan= out) or plan it offline",
+            stacklevel=_user_stacklevel() + 1,  # from _warn_once
+        )
 
     def _share(self, sig: str, plan: Plan) -> None:
         """``sig`` runs the merged plan. Only the ``MAX_SHARED_SIGNATURES`` most recent such
@@ -1363,6 +1399,10 @@ class ActivationOffloader:
         tier = None
         if active is not None:
             tier = active.action.get(key)
+            if key[0] != _OUTSIDE:  # the loss's packs match whatever the model is
+                self._keys_looked_up += 1
+                if tier is not None or (key[0], key[1]) in active.recompute_calls:
+                    self._keys_matched += 1
             if tier is not None and _extent(local) > active.limit[key]:
                 tier = None  # larger than planned (DESIGN.md: Keys and signatures)
             if tier == REBUILD:

@@ -1459,3 +1459,53 @@ def test_many_shapes_past_the_cap_keep_plans_bounded() -> None:
         assert "float32[80,16]" in mgr.plans
     finally:
         mgr.close()
+
+
+def test_a_given_plan_matching_none_of_the_models_keys_warns_once() -> None:
+    """A plan made on a model with other module names ran with every record unplanned (3 per
+    step here) and nothing said so; now a RuntimeWarning says how many keys it matched, once.
+    The model it was made on gets no warning."""
+    torch.manual_seed(0)
+    made_on = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    first = offload.ActivationOffloader(
+        made_on, gpu_budget=48 << 10, hardware=FAST, min_offload_bytes=0
+    )
+    for _ in range(2):
+        with first:
+            loss = made_on(x).pow(2).sum()
+        loss.backward()
+    given = first.plan
+    first.close()
+    assert given is not None
+
+    class Renamed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.act, self.dec = nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dec(self.act(self.enc(x)))
+
+    def steps(model: nn.Module, n: int) -> list[Any]:
+        mgr = offload.ActivationOffloader(model, plan=given, hardware=FAST, min_offload_bytes=0)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(n):
+                    with mgr:
+                        loss = model(x).pow(2).sum()
+                    loss.backward()
+                    assert mgr.stats.last.predicted_peak_bytes == given.predicted_peak_bytes
+        finally:
+            mgr.close()
+        return [w for w in caught if "plan=" in str(w.message)]
+
+    assert steps(made_on, 2) == []
+    torch.manual_seed(0)
+    warned = steps(Renamed(), 2)
+    assert len(warned) == 1 and warned[0].category is RuntimeWarning
+    assert warned[0].filename == __file__  # the user's line
+    msg = str(warned[0].message)
+    assert "matched 0 of this step's 3 record keys" in msg
+    assert "['0', '1', '2']" in msg and "['act', 'dec', 'enc']" in msg
