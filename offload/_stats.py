@@ -34,7 +34,9 @@ class StepStats:
             from their inputs (always without a budget; under one where the plan says
             REBUILD); an output several ops saved counts each record but its bytes once (NOTE
             [ Weight casts ], NOTE [ Activation recipes ] in ``offload/_recipe.py``).
-        reloads: family reloads started (prefetched or not).
+        reloads: family reloads started (prefetched or not). A family unpacked while its copy
+            out (or its file write, on CPU) still runs gets its source back and is not
+            reloaded, so ``reloads`` can be lower than the records offloaded.
         stalls: unpacks that found no reload started and had to load synchronously.
         stall_s: seconds unpack spent waiting for bytes (stalls and late prefetches).
         prefetch_lead_s_p50: median seconds between a prefetch starting and its unpack (in
