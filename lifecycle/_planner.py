@@ -133,7 +133,7 @@ from lifecycle._plan import (
     _bulk,
 )
 from lifecycle._simulate import Decision, Placement, _step_index, simulate
-from lifecycle._trace import Event, EventKind, TensorRecord, Trace
+from lifecycle._trace import WHOLE_STORAGE_FACTOR, Event, EventKind, TensorRecord, Trace
 from lifecycle._units import format_bytes, parse_bytes
 
 _MIN_MARGIN_BYTES = 256 << 20  # DESIGN.md "Budget": max(5% of the budget, 256 MiB) on a GPU
@@ -420,6 +420,7 @@ _RECORD_FIELDS = np.dtype(
         ("param", np.bool_),
         ("backward", np.bool_),
         ("rebuild", np.int64),
+        ("view", np.bool_),
     ]
 )
 
@@ -539,6 +540,7 @@ class _Step:
                     "is_parameter",
                     "in_backward",
                     "rebuild_from",
+                    "is_view",
                 ),
                 recs,
             ),
@@ -591,6 +593,13 @@ class _Step:
         np.logical_or.at(backward, pos, in_bwd)
         self.fid = fam[first_rec]
         self.nbytes = np.where(lo < big, hi - lo, 0)
+        # A first member that is a view spanning at least a quarter of its storage: the executor
+        # copies the whole storage (see WHOLE_STORAGE_FACTOR), and so does Trace.families.
+        whole = fields["view"][first_rec] & (
+            storage[first_rec] <= WHOLE_STORAGE_FACTOR * extent[first_rec]
+        )
+        whole &= extent[first_rec] > 0
+        self.nbytes = np.where(whole, storage[first_rec], self.nbytes)
         self.fp = pack[first_rec]
         self.fu = np.where(fu < big, fu, -1)
         self.end = np.where(fl >= 0, fl, self.n_events - 1)

@@ -173,6 +173,7 @@ _RECORD_FIELDS = (  # the columns of a record row (Recorder._records)
     "grad_fn",
     "in_backward",
     "rebuild_from",
+    "is_view",
 )
 
 
@@ -841,6 +842,7 @@ class Recorder:
             nbytes = offset = 0
             shape, stride = (), ()
             is_param = parameter or subclass_param
+            base = None
         else:
             sid = id(storage)
             version = local._version
@@ -913,6 +915,7 @@ class Recorder:
                 type(fn).__name__ if fn is not None else "",
                 backward,
                 rebuild_from,
+                base is not None,
             )
         )
         return seq

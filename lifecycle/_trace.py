@@ -18,6 +18,13 @@ from typing import Any, TypeVar
 from lifecycle._jsonfile import check_header, read_json, write_json
 from lifecycle._nogc import gc_paused
 
+# NOTE [ Alias handling ] in offload's _family.py: a view spanning at least 1/WHOLE_STORAGE_FACTOR
+# of its storage is copied as the whole storage (sibling views packed later, q, k and v of one qkv
+# output, then find their bytes stored); a smaller slice, or a tensor that is no view, copies only
+# its own span. offload's executor copies so and a trace counts a family's span so
+# (``Trace.families``): one constant, so that a plan's bytes are the bytes the manager moves.
+WHOLE_STORAGE_FACTOR = 4
+
 SCHEMA_VERSION = 1
 _T = TypeVar("_T")
 _FORMAT = "offload.trace"
@@ -92,6 +99,10 @@ class TensorRecord:
             stored (a GELU / SiLU / norm output, saved by the next op, from the input the
             function's own node saved: NOTE [ Activation recipes ] in ``offload``), or -1. The
             planner may choose to rebuild such a family (``Placement.REBUILD``).
+        is_view: the tensor was a view (``t._base`` set) when packed. A family whose first
+            record is a view spanning at least a quarter of its storage counts the whole storage,
+            as the offloader copies it (:meth:`Trace.families`). False in traces written before
+            this field existed.
     """
 
     seq: int
@@ -115,6 +126,7 @@ class TensorRecord:
     unpack_events: tuple[int, ...] = ()
     unpack_times_s: tuple[float, ...] = ()
     rebuild_from: int = -1
+    is_view: bool = False
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -143,7 +155,9 @@ class Family:
     Attributes:
         family: the family id.
         records: ``seq`` of each member, in pack order.
-        span_bytes: bytes of the storage span the members cover (what an offload copies once).
+        span_bytes: bytes an offload copies once: the whole storage when the first member is a
+            view spanning at least a quarter of it (NOTE [ Alias handling ] in ``offload``), else
+            the span the members cover.
         storage_nbytes: bytes of the whole storage.
         is_parameter: the storage is a parameter's or buffer's.
         first_pack_event / last_use_event: the family's lifetime on the timeline.
@@ -258,7 +272,7 @@ class Trace:
                     family=fam,
                     step=rs[0].step,
                     records=tuple(r.seq for r in rs),
-                    span_bytes=_span_bytes(rs),
+                    span_bytes=_family_span_bytes(rs),
                     storage_nbytes=rs[0].storage_nbytes,
                     is_parameter=rs[0].is_parameter,
                     first_pack_event=min(r.pack_event for r in rs),
@@ -587,6 +601,20 @@ def _not_an_event(seq: int, name: str, index: Any, n_events: int) -> str:
     return f"record {seq}: {name} {index!r} is not an event index in [0, {n_events})"
 
 
+def _family_span_bytes(records: list[TensorRecord]) -> int:
+    """What the offloader copies for a family whose members are ``records``, in pack order: the
+    whole storage when the first is a view spanning at least 1/WHOLE_STORAGE_FACTOR of it (its
+    executor's rule, see ``lifecycle._tensors``), else the span the members cover. (The
+    executor starts a new family for a later member outside the first one's copy; the trace keeps
+    such members in one family, counted by their union.)"""
+    first = records[0]
+    if first.is_view and first.nbytes:
+        own = _span_bytes(records[:1])
+        if first.storage_nbytes <= WHOLE_STORAGE_FACTOR * own:
+            return first.storage_nbytes
+    return _span_bytes(records)
+
+
 def _span_bytes(records: Iterable[TensorRecord]) -> int:
     """Bytes of the storage span covered by views (offset/shape/stride in elements)."""
     lo, hi = None, 0
@@ -658,7 +686,7 @@ _INT64 = 2**63
 _RECORD_INTS = ("seq", "step", "family", "call_index", "ordinal", "pack_event")
 _RECORD_SIZES = ("nbytes", "storage_nbytes", "storage_offset")
 _RECORD_STRS = ("module", "dtype", "device", "grad_fn")
-_RECORD_BOOLS = ("is_parameter", "in_backward")
+_RECORD_BOOLS = ("is_parameter", "in_backward")  # and is_view, when present
 
 
 def _check_fields(
@@ -704,7 +732,7 @@ def _record_from_json(d: Mapping[str, Any]) -> TensorRecord:
         ints=_RECORD_INTS if "rebuild_from" not in d else (*_RECORD_INTS, "rebuild_from"),
         sizes=_RECORD_SIZES,
         strs=_RECORD_STRS,
-        bools=_RECORD_BOOLS,
+        bools=_RECORD_BOOLS if "is_view" not in d else (*_RECORD_BOOLS, "is_view"),
         times=("pack_time_s",),
     )
     shape, stride = d["shape"], d["stride"]

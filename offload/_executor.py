@@ -38,6 +38,7 @@ import torch
 
 import storage
 from lifecycle._tensors import version_root
+from lifecycle._trace import WHOLE_STORAGE_FACTOR
 from offload._errors import OffloadError, from_storage, modified_after_save
 from offload._family import (
     Family,
@@ -53,7 +54,6 @@ from storage._units import round_up
 
 log = logging.getLogger("offload")
 
-_WHOLE_STORAGE_FACTOR = 4
 _MIN_AUTO_WINDOW_BYTES = 256 << 20  # DESIGN: max_inflight_bytes=None means 2 x largest, >= 256 MiB
 
 
@@ -358,11 +358,12 @@ class Executor:
         tier: str | None = None,
     ) -> Family:
         # See NOTE [ Alias handling ]: a view spanning at least a quarter of its storage brings
-        # the whole storage along, so sibling views packed later (q, k and v of one qkv output)
+        # the whole storage along (WHOLE_STORAGE_FACTOR, which a trace's family spans follow
+        # too), so sibling views packed later (q, k and v of one qkv output)
         # find their bytes already stored; a small slice of a large storage copies only itself,
         # and so does a tensor that is no view (its siblings count versions apart: none can join).
         whole = st.nbytes()
-        if view and whole <= _WHOLE_STORAGE_FACTOR * (end - start):
+        if view and whole <= WHOLE_STORAGE_FACTOR * (end - start):
             start, end = 0, whole
         fam = Family(
             fid=self._next_fid,

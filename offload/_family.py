@@ -12,7 +12,9 @@ NOTE [ Alias handling ]
     gradients off by 8.0). The family is copied once, from ``t.detach()`` taken inside pack (a
     later ``out.data = ...`` must not change what is copied): the whole storage when the first
     member spans at least a quarter of it (views packed later, such as q, k and v of one qkv
-    output, are then covered), else just that member's byte span. A later member inside the copy
+    output, are then covered), else just that member's byte span (``WHOLE_STORAGE_FACTOR`` in
+    lifecycle's ``_trace.py``: a trace counts a family's bytes by the same rule, so a plan's bytes
+    are the bytes moved). A later member inside the copy
     reuses it; one reaching outside it, or packed at a newer version, starts a new family. Members come back as ``as_strided``
     views over one reloaded buffer whose address is congruent to the original modulo 4096 bytes,
     so every member keeps its original alignment (kernels choose code paths by alignment: a
