@@ -871,9 +871,8 @@ def markdown(res: dict[str, Any]) -> str:
             "issue's speed, peak and prediction targets are GPU (H200) targets, reported here "
             "for information; the CPU checks are the accounting and the live-bytes proxy of "
             "the budget. Offload all runs in min-memory mode, whose reload look-ahead window is "
-            "max_inflight_bytes (default: 2 x the largest record, at least 256 MiB): a step with "
-            "fewer saved bytes than that gets all of them back when its backward starts, so its "
-            "live peak is no offload's."
+            "max_inflight_bytes when given, else a quarter of the bytes the step stored (at "
+            "least 2 x its largest record, at most the in-flight default of 256 MiB or more)."
         )
     return "\n".join([*out, "", *(f"- {n}" for n in notes), ""])
 

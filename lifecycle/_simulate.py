@@ -85,6 +85,10 @@ from lifecycle._trace import Event, EventKind, ModuleSpan, Trace
 from lifecycle._units import parse_bytes
 
 _DEFAULT_MIN_INFLIGHT_BYTES = 256 << 20  # DESIGN: max_inflight_bytes defaults to at least 256 MiB
+# The executor's automatic reload look-ahead (offload/_executor.py, _AUTO_WINDOW_SHARE): a quarter
+# of the bytes the step moves, at least twice its largest family, at most the automatic
+# max_inflight_bytes.
+_AUTO_WINDOW_SHARE = 4
 
 
 class Placement(str, enum.Enum):
@@ -257,7 +261,9 @@ def simulate(
             like ``"512MiB"``); ``None``: twice the largest moved family, at least 256 MiB.
         prefetch_bytes: the look-ahead window, bytes reloaded (or being reloaded) and not yet
             unpacked; ``0`` reloads each family only when backward reaches the module that packed
-            it; ``None``: ``max_inflight_bytes``, as the executor does.
+            it; ``None``: as the executor does, ``max_inflight_bytes`` when that is given, else a
+            quarter of the bytes the step moves, at least twice its largest moved family and at
+            most the automatic ``max_inflight_bytes``.
 
     Returns:
         A :class:`Simulation`.
@@ -304,10 +310,12 @@ def simulate(
         )
         if max_inflight_bytes is None:
             inflight = max(2 * largest, _DEFAULT_MIN_INFLIGHT_BYTES)
+            moved = sum(view.facts[f].span_bytes for f, d in decisions.items() if d.placement.moves)
+            auto_window = min(inflight, max(2 * largest, moved // _AUTO_WINDOW_SHARE))
         else:
-            inflight = parse_bytes(max_inflight_bytes, name="max_inflight_bytes")
+            inflight = auto_window = parse_bytes(max_inflight_bytes, name="max_inflight_bytes")
         window = (
-            inflight
+            auto_window
             if prefetch_bytes is None
             else parse_bytes(prefetch_bytes, name="prefetch_bytes")
         )

@@ -55,6 +55,10 @@ from storage._units import round_up
 log = logging.getLogger("offload")
 
 _MIN_AUTO_WINDOW_BYTES = 256 << 20  # DESIGN: max_inflight_bytes=None means 2 x largest, >= 256 MiB
+# The automatic reload look-ahead: a quarter of the bytes the step stored, at least twice its
+# largest family, at most the automatic max_inflight_bytes (lifecycle's simulator assumes the
+# same: _AUTO_WINDOW_SHARE in lifecycle/_simulate.py). See Executor.prefetch_bytes.
+_AUTO_WINDOW_SHARE = 4
 
 
 _CONJ, _NEG = 1, 2  # _Member.bits
@@ -116,6 +120,7 @@ class _StepState:
         self.families: list[Family] = []
         self.by_storage: dict[int, list[Family]] = {}
         self.prefetch_next = -1  # highest family order the look-ahead has not passed yet
+        self.stored_bytes = 0  # bytes of its families (the automatic look-ahead's measure)
         self.revisit: list[Family] = []  # passed while their copy out was still in flight
         # Under a plan: trigger key -> families whose reload it starts (filled at pack).
         self.triggers: dict[tuple[str, str, int, int], list[Family]] = {}
@@ -138,8 +143,9 @@ class Executor:
         cpu_budget_bytes: the most bytes this manager keeps in the host tier.
         max_inflight_bytes: back-pressure bound on copies out in flight; 0 = twice the largest
             family seen so far, at least 256 MiB.
-        prefetch_bytes: how many reloaded-but-unused bytes backward may run ahead by; 0 = the
-            same automatic bound.
+        prefetch_bytes: how many reloaded-but-unused bytes backward may run ahead by; 0 = a
+            quarter of the bytes the step stored, at least twice the largest family, at most
+            the automatic ``max_inflight_bytes`` (see :meth:`prefetch_bytes`).
         pool: host regions for D2H copies and NVMe staging (GPU paths).
         staging_bytes: the most pinned bytes NVMe writes may hold while the disk catches up.
     """
@@ -207,9 +213,18 @@ class Executor:
     def max_inflight_bytes(self) -> int:
         return self._max_inflight_bytes or max(_MIN_AUTO_WINDOW_BYTES, 2 * self._largest)
 
-    @property
-    def prefetch_bytes(self) -> int:
-        return self._prefetch_bytes or max(_MIN_AUTO_WINDOW_BYTES, 2 * self._largest)
+    def prefetch_bytes(self, step: _StepState) -> int:
+        """The look-ahead window for ``step``'s reloads: the given bound, else a quarter of
+        the bytes ``step`` stored, at least twice the largest family and at most the automatic
+        ``max_inflight_bytes``. A window of the automatic in-flight bound alone (at least 256
+        MiB) brought every family of a smaller step back when its backward began, so min-memory
+        mode peaked as high as keeping everything (a 4-block GPT-2-style step storing 52.4 MB:
+        76,669,892 saved bytes held at once, as many as without offloading)."""
+        if self._prefetch_bytes:
+            return self._prefetch_bytes
+        twice = 2 * self._largest
+        share = max(twice, step.stored_bytes // _AUTO_WINDOW_SHARE)
+        return min(max(_MIN_AUTO_WINDOW_BYTES, twice), share)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -383,6 +398,7 @@ class Executor:
         self._store(step, fam, source, tier)
         fam.guard = t
         step.families.append(fam)
+        step.stored_bytes += fam.nbytes
         step.by_storage.setdefault(id(st), []).append(fam)
         step.prefetch_next = fam.order
         self._live[fam] = None
@@ -693,7 +709,7 @@ class Executor:
                 if fam.life is Life.COPYING_OUT:
                     step.revisit.append(fam)
                 elif fam.life is Life.OFF_DEVICE and fam.members > 0:
-                    if self._ahead_bytes + fam.nbytes > self.prefetch_bytes:
+                    if self._ahead_bytes + fam.nbytes > self.prefetch_bytes(step):
                         break
                     if not self._begin_reload(fam):
                         break  # memory is short: the window waits for unpacks to make room

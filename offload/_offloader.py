@@ -164,8 +164,8 @@ class ActivationOffloader:
 
     Without ``gpu_budget`` the manager runs in min-memory mode: every eligible saved tensor leaves
     the device during forward (bounded by ``max_inflight_bytes`` of copies in flight) and comes
-    back ahead of its use in backward (a look-ahead window of the same size). With a budget, the
-    first step of each input signature runs that way while it is recorded; it is then planned
+    back ahead of its use in backward (a look-ahead window: see ``max_inflight_bytes``). With a
+    budget, the first step of each input signature runs that way while it is recorded; it is then planned
     (:func:`lifecycle.plan`: per alias family keep / cpu / nvme / recompute / rebuild, and when
     each reload starts) and later steps of the signature carry the plan out (NOTE [ Budget mode ] in
     ``offload/_planned.py``). Eligible: on the
@@ -200,8 +200,10 @@ class ActivationOffloader:
         keep: module names (as in ``named_modules()``) or ``nn.Module`` types whose saved
             tensors never move.
         max_inflight_bytes: bound on copies out in flight (on a CPU device also those whose
-            tensor backward has released already) and on the reload look-ahead; ``None`` = 2 x
-            the largest record seen, at least 256 MiB.
+            tensor backward has released already) and on the reload look-ahead; ``None``: copies
+            out by 2 x the largest record seen, at least 256 MiB, and the look-ahead by a
+            quarter of the bytes the step stored, at least 2 x its largest record and at most
+            that in-flight bound.
         on_infeasible: for a signature met after the first whose budget cannot be met:
             ``"raise"`` :class:`BudgetInfeasibleError`, or ``"min_memory"`` (run its steps with
             everything offloaded, warn once, count them in ``stats``). The first signature

@@ -521,6 +521,28 @@ def complex_views(seed: int = 0, device: Device = "cpu") -> ModelCase:
     )
 
 
+class BlockStack(nn.Module):
+    def __init__(self, n_layer: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(n_layer)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def block_stack(seed: int = 0, device: Device = "cpu", n_layer: int = 8) -> ModelCase:
+    """``n_layer`` transformer blocks on ``(4, 32, 64)`` activations with an MSE loss: a step
+    whose saved bytes (about 0.55 MiB a block) are spread evenly over its depth. Not in
+    ``ALL_MODELS``."""
+
+    def make_batch(g: torch.Generator) -> Batch:
+        return torch.randn(4, 32, 64, generator=g), torch.randn(4, 32, 64, generator=g)
+
+    return _case(
+        "block_stack", lambda: BlockStack(n_layer), make_batch, _call_loss(F.mse_loss), seed, device
+    )
+
+
 ALL_MODELS: dict[str, Callable[..., ModelCase]] = {
     "mlp": mlp,
     "gpt_block": gpt_block,
