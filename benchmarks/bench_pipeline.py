@@ -821,7 +821,8 @@ def markdown(res: dict[str, Any]) -> str:
     ]
     notes.append(
         "The simulator replays stage 0's timeline as one step: from B0 on its look-ahead window "
-        "(max_inflight_bytes' default, 2 x the largest record and at least 256 MiB) reloads "
+        "(by default a quarter of the bytes the step stored, at least 2 x the largest record, "
+        "at most max_inflight_bytes' default of 2 x the largest record and at least 256 MiB) reloads "
         "families of later microbatches too, while the runtime's window walks one step (one "
         "microbatch's F) at a time. A stash that fits in the window is predicted to come back "
         "whole at B0 (no peak saving), where the runtime brings back one microbatch's."
