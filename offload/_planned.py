@@ -74,7 +74,17 @@ import torch
 from torch import nn
 
 import lifecycle
-from lifecycle import EventKind, HardwareModel, Placement, Plan, Recorder, TensorRecord, Trace
+from lifecycle import (
+    EventKind,
+    HardwareModel,
+    Placement,
+    Plan,
+    Recorder,
+    TensorRecord,
+    Trace,
+    Trigger,
+)
+from lifecycle._recorder import OUTSIDE
 from lifecycle._units import format_bytes
 from offload._device import clock_and_probe
 
@@ -546,8 +556,10 @@ def rooted_plan(plan: Plan, model: nn.Module) -> Plan:
     A plan made from a trace of global module hooks (``offload profile``, which notes its roots
     in ``trace.metadata["root_modules"]``, carried into ``plan.metadata``) names each module from
     its root's class (``GPT.blocks.0``); a manager names them from its model (``blocks.0``, the
-    model itself ``""``). Without renaming, none of the plan's keys matched a pack. Modules of
-    other roots keep their names (the manager sees their packs as outside its model).
+    model itself ``""``). Without renaming, none of the plan's keys matched a pack. Packs
+    outside ``model`` (the recorder's ``<outside>`` ones and those of its other roots, such as
+    an ``nn.CrossEntropyLoss``) are one sequence to the manager, ``<outside>`` numbered in pack
+    order: the plan's keys of them are renumbered so (``plan.expected_keys`` is in pack order).
 
     Raises:
         ValueError: the plan's roots do not include ``model``'s class.
@@ -569,17 +581,29 @@ def rooted_plan(plan: Plan, model: nn.Module) -> Plan:
             return ""
         return module[len(prefix) :] if module.startswith(prefix) else module
 
+    # The manager numbers every pack outside its model as one sequence; the recorder numbered
+    # those of each other root per call, and its own <outside> ones apart.
+    outside: dict[tuple[str, int, int], tuple[str, int, int]] = {}
+    for k in plan.expected_keys:
+        if k[0] != root and not k[0].startswith(prefix):
+            outside[k] = (OUTSIDE, 0, len(outside))
+
     def key(k: tuple[str, int, int]) -> tuple[str, int, int]:
-        return (name(k[0]), k[1], k[2])
+        got = outside.get(k)
+        return got if got is not None else (name(k[0]), k[1], k[2])
+
+    def trigger(t: Trigger) -> Trigger:
+        if t.kind == "unpack":
+            module, call_index, ordinal = key((t.module, t.call_index, t.ordinal))
+            return dataclasses.replace(t, module=module, call_index=call_index, ordinal=ordinal)
+        return dataclasses.replace(t, module=name(t.module))
 
     entries = tuple(
         dataclasses.replace(
             e,
             keys=tuple(key(k) for k in e.keys),
-            module=name(e.module),
-            reload=None
-            if e.reload is None
-            else dataclasses.replace(e.reload, module=name(e.reload.module)),
+            module=OUTSIDE if e.keys and e.keys[0] in outside else name(e.module),
+            reload=None if e.reload is None else trigger(e.reload),
             recompute_module=name(e.recompute_module) if e.recompute_module else "",
         )
         for e in plan.entries

@@ -260,3 +260,58 @@ def test_a_view_spanning_most_of_its_storage_is_planned_as_the_storage_it_moves(
     mgr.close()
     assert stats.unplanned_records == 0
     assert stats.bytes_offloaded_cpu == plan.bytes_by_placement()["cpu"] > 16 * 65 * 8
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_a_cli_plan_places_the_packs_of_a_loss_module() -> None:
+    """``criterion = nn.CrossEntropyLoss()`` is a root of its own to ``offload profile`` (its
+    packs keyed ``CrossEntropyLoss``), while to a manager of the model its packs are outside the
+    model (``<outside>``, numbered with the other packs outside it, in pack order). The plan's
+    keys of the loss module matched nothing: its log-softmax of the logits, the step's largest
+    record, went unplanned in every step (5 of 9 records a step, with the packs outside the
+    model after it). Now the plan's packs outside the model are renumbered as the manager numbers
+    them: none unplanned, the plan's cpu bytes moved, at most the predicted peak held, gradients
+    bitwise."""
+    torch.manual_seed(0)
+    model, criterion = _Head(), nn.CrossEntropyLoss()
+    target = torch.randint(0, 512, (128,), generator=torch.Generator().manual_seed(9))
+
+    def loss_of(s: int) -> torch.Tensor:
+        x = torch.randn(128, 64, generator=torch.Generator().manual_seed(s))
+        # A pack outside every module before and after the loss module's.
+        return criterion(model(x * 1.5).mul(2.0), target) * x.sum().tanh()
+
+    want = []
+    for s in range(3):
+        model.zero_grad(set_to_none=True)
+        loss_of(s).backward()
+        want.append(_grads(model))
+    rec = Recorder(boundary="backward", max_steps=1, warmup_steps=1)
+    rec.begin_step(thread=threading.get_ident())
+    with rec.attach_global(), rec.hooks():
+        for s in range(2):
+            model.zero_grad(set_to_none=True)
+            loss_of(s).backward()
+    trace = rec.trace({"source": "offload profile"})
+    assert trace.metadata["root_modules"] == ["CrossEntropyLoss", "_Head"]
+    plan = offload.plan(
+        trace, gpu_budget=trace.peak_saved_bytes * 3 // 4, hardware=FAST, min_offload_bytes=0
+    )
+    mgr = offload.ActivationOffloader(model, plan=plan, hardware=FAST, min_offload_bytes=0)
+    try:
+        runs = _planned_steps(model, loss_of, mgr, 3)
+    finally:
+        mgr.close()
+    for (grads, meter, stats), w in zip(runs, want, strict=True):
+        assert all(torch.equal(grads[k], g) for k, g in w.items())
+        assert stats.unplanned_records == 0, stats.unplanned_records
+        assert stats.bytes_offloaded_cpu == plan.bytes_by_placement()["cpu"]
+        assert 0 < meter.peak_planned <= plan.predicted_peak_bytes
