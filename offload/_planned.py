@@ -117,7 +117,12 @@ def signature_of(args: Any, kwargs: Mapping[str, Any] | None = None) -> str:
     parts = list(_parts(args))
     for name in sorted(kwargs or ()):
         parts.extend(f"{name}={p}" for p in _parts(kwargs[name]))  # type: ignore[index]
-    return ";".join(parts)
+    sig = ";".join(parts)
+    if len(sig) > _LONG_SIGNATURE:
+        # A long list of settings (100k ints made a 589 KB string, kept per signature): its
+        # head, to read, and a crc32 of the whole, to tell signatures apart.
+        sig = f"{sig[: _LONG_SIGNATURE // 4]}...#{zlib.crc32(sig.encode('utf-8', 'surrogatepass')):08x}"
+    return sig
 
 
 # NOTE [ Signatures ]
@@ -143,16 +148,24 @@ def signature_of(args: Any, kwargs: Mapping[str, Any] | None = None) -> str:
 _LONG_STR = 32
 
 
-def _parts(obj: Any, key: str = "") -> Iterator[str]:
+_LONG_SIGNATURE = 1024
+# Containers nested deeper than this are not looked into (a dict holding itself recursed until
+# RecursionError, raised inside the root's forward pre-hook).
+_MAX_NESTING = 16
+
+
+def _parts(obj: Any, key: str = "", depth: int = 0) -> Iterator[str]:
     if isinstance(obj, torch.Tensor):
         # No dict key: tensor parts read as before settings were counted (saved plans match).
         yield _shape_of(obj)
     elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _parts(o, key)
+        if depth < _MAX_NESTING:
+            for o in obj:
+                yield from _parts(o, key, depth + 1)
     elif isinstance(obj, dict):
-        for k, o in obj.items():
-            yield from _parts(o, f"{k}:")
+        if depth < _MAX_NESTING:
+            for k, o in obj.items():
+                yield from _parts(o, f"{k}:", depth + 1)
     else:
         value = _setting(obj)
         if value is not None:
@@ -163,6 +176,9 @@ def _setting(v: Any) -> str | None:
     """A plain setting's part of a signature (NOTE [ Signatures ]); ``None``: not one."""
     if v is None or isinstance(v, bool):
         return repr(v)
+    if type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_"):
+        # numpy's bool (no Integral): as a bool
+        return repr(bool(v))
     if isinstance(v, enum.Enum):
         return f"{type(v).__name__}.{v.name}"
     if isinstance(v, numbers.Integral):

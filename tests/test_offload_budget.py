@@ -1392,6 +1392,18 @@ def test_signature_parts_of_plain_settings() -> None:
     long = "a" * 100
     assert signature_of((long,)) == signature_of((long,)) != signature_of(("b" * 100,))
     assert len(signature_of((long,))) < 16
+    # numpy's bool reads as a bool; a long list of settings is compacted (its head and a crc32),
+    # still told apart; a container holding itself is looked into only so deep.
+    import numpy as np
+
+    assert signature_of((np.bool_(True),)) == signature_of((True,)) == "True"
+    many = list(range(100_000))
+    assert len(signature_of((x, many))) <= 1024
+    assert signature_of((x, many)) != signature_of((x, [*many[:-1], -1]))
+    assert signature_of((x, many)).startswith("float32[2,3];0;1;2")
+    cyclic: dict = {"depth": 2}
+    cyclic["self"] = cyclic
+    assert signature_of((x,), {"cfg": cyclic}).startswith("float32[2,3];cfg=depth:2;cfg=depth:2")
 
 
 def test_a_step_counter_among_the_arguments_keeps_memory_and_plans_bounded() -> None:
