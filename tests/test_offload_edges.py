@@ -374,7 +374,7 @@ class _FunctionalRReLU(nn.Module):
         pytest.param(
             "functional",
             marks=pytest.mark.xfail(
-                strict=True,
+                strict=False,  # nvme: a write still running at unpack hands back the source (it passes then)
                 reason="F.rrelu outside an nn.RReLU: its noise is saved before its kernel fills "
                 "it, without a version bump; pack copies the bytes from before (README, Limits)",
             ),
