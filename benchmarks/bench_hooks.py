@@ -1,4 +1,5 @@
-"""Per-saved-tensor overhead of the lifecycle recorder, against an identity saved-tensor hook pair.
+"""Per-saved-tensor overhead of the lifecycle recorder and the offload manager, against an identity
+saved-tensor hook pair.
 
 Run:
     python benchmarks/bench_hooks.py [--tensors 2000] [--repeats 31] [--out benchmarks/results]
@@ -10,9 +11,20 @@ is (median time with hooks - median time without hooks) / number of packs, for
 * identity: ``saved_tensors_hooks(lambda t: t, lambda t: t)``, the floor any hook pays;
 * recorder: ``lifecycle.Recorder`` recording a step (module hooks included), as ``offload.profile``
   uses it: its module hooks are attached once, before the steps (on a second instance of the
-  same model, so that the other variants run without them), and each step is recorded.
+  same model, so that the other variants run without them), and each step is recorded;
+* offload min-memory: ``offload.ActivationOffloader(model, tiers=("cpu",), min_offload_bytes=0)``
+  (on a third instance), every saved tensor offloaded to the host tier and reloaded;
+* offload budget: the same with ``gpu_budget`` (half the step's saved bytes) and a CPU hardware
+  model, timed after its profiling and refinement steps: the plan keeps some records, offloads
+  the others and starts their reloads at planned triggers;
+* copies: no hooks, and a plain torch loop doing the copies the manager does (per alias family
+  one copy out into a host buffer, one reload buffer allocated and copied into), on the same
+  number of 64-byte tensors: the torch share of the manager's figure, which leaves its Python.
 
-The recorder's own cost is the difference of the two. Writes ``hooks.json`` and ``hooks.md``.
+With tensors this small the copies cost little, so the figures are the hooks' Python time: what
+a step pays on the compute thread when copies overlap compute (a GPU). The manager's own cost is
+its figure less the identity pair's (and less the copies' for its Python alone). Writes
+``hooks.json`` and ``hooks.md``.
 """
 
 from __future__ import annotations
@@ -28,7 +40,8 @@ import time
 import torch
 from torch import nn
 
-from lifecycle import Recorder
+import offload
+from lifecycle import HardwareModel, Recorder
 
 
 class MulChain(nn.Module):
@@ -75,6 +88,29 @@ def _time(fn, repeats: int) -> list[float]:
     return out
 
 
+# As the tests' FAST model: host copies at 5 GB/s, a disk at 1 GB/s (no disk tier here).
+_CPU_HARDWARE = HardwareModel.cpu_only(
+    copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9, source="assumed"
+)
+
+
+def _manager_step(mgr: offload.ActivationOffloader, model: nn.Module, x: torch.Tensor) -> None:
+    with mgr:
+        loss = model(x).sum()
+    loss.backward()
+
+
+def _copy_loop(sources: list[torch.Tensor], hosts: list[torch.Tensor]) -> None:
+    """The manager's copies of one step, without it: per family one copy out into a host
+    buffer, then (backward) a reload buffer, 4 KiB longer for the alignment, copied into."""
+    for src, host in zip(sources, hosts, strict=True):
+        host.copy_(src)
+    for host in reversed(hosts):
+        n = host.numel()
+        raw = torch.empty(n + 4096, dtype=torch.uint8)
+        raw[:n].copy_(host)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tensors", type=int, default=2000, help="saved tensors per forward (even)")
@@ -102,6 +138,32 @@ def main(argv: list[str] | None = None) -> dict:
             hooked(x0).sum().backward()
             rec.end_step()
 
+    mm_model = MulChain(blocks=max(1, muls // 20), per_block=20)
+    mm = offload.ActivationOffloader(mm_model, tiers=("cpu",), min_offload_bytes=0)
+    bd_model = MulChain(blocks=max(1, muls // 20), per_block=20)
+    saved_bytes = muls * x0.numel() * x0.element_size()  # one family per mul (it saves x twice)
+    bd = offload.ActivationOffloader(
+        bd_model,
+        tiers=("cpu",),
+        min_offload_bytes=0,
+        gpu_budget=saved_bytes // 2,
+        hardware=_CPU_HARDWARE,
+    )
+    for _ in range(4):  # profile, first planned step (timed for refinement), refined plan
+        _manager_step(bd, bd_model, x0)
+    sources = [torch.full((16,), 0.999).view(torch.uint8) for _ in range(muls)]
+    hosts = [torch.empty_like(s) for s in sources]
+
+    def min_memory() -> None:
+        _manager_step(mm, mm_model, x0)
+
+    def budget() -> None:
+        _manager_step(bd, bd_model, x0)
+
+    def copies() -> None:
+        plain()
+        _copy_loop(sources, hosts)
+
     # Count packs once, then warm up every variant, then interleave the timed runs.
     rec_count = Recorder()
     with rec_count.attach(model), rec_count.hooks():
@@ -109,7 +171,14 @@ def main(argv: list[str] | None = None) -> dict:
         model(x0).sum().backward()
         rec_count.end_step()
     packs = len(rec_count.trace().records)
-    variants = {"none": plain, "identity": identity, "recorder": recorder}
+    variants = {
+        "none": plain,
+        "identity": identity,
+        "recorder": recorder,
+        "copies": copies,
+        "offload_min_memory": min_memory,
+        "offload_budget": budget,
+    }
     times: dict[str, list[float]] = {k: [] for k in variants}
     with rec.attach(hooked):
         for fn in variants.values():
@@ -118,6 +187,15 @@ def main(argv: list[str] | None = None) -> dict:
             for k, fn in variants.items():
                 times[k] += _time(fn, 1)
     med = {k: statistics.median(v) for k, v in times.items()}
+    mm_last, bd_last = mm.stats.last, bd.stats.last
+    if bd.plan is None or bd_last.unplanned_records or bd_last.min_memory_steps:
+        raise RuntimeError(f"the budget variant did not run its plan: {bd_last.as_dict()}")
+    mm.close()
+    bd.close()
+
+    def per_tensor(a: str, b: str) -> float:
+        return (med[a] - med[b]) / packs * 1e6
+
     result = {
         "benchmark": "bench_hooks",
         "machine": {
@@ -130,9 +208,29 @@ def main(argv: list[str] | None = None) -> dict:
         "packs_per_step": packs,
         "median_step_s": med,
         "us_per_tensor": {
-            "identity_hooks": (med["identity"] - med["none"]) / packs * 1e6,
-            "recorder": (med["recorder"] - med["none"]) / packs * 1e6,
-            "recorder_minus_identity": (med["recorder"] - med["identity"]) / packs * 1e6,
+            "identity_hooks": per_tensor("identity", "none"),
+            "recorder": per_tensor("recorder", "none"),
+            "recorder_minus_identity": per_tensor("recorder", "identity"),
+            "copies": per_tensor("copies", "none"),
+            "offload_min_memory": per_tensor("offload_min_memory", "none"),
+            "offload_min_memory_minus_identity": per_tensor("offload_min_memory", "identity"),
+            "offload_min_memory_python": per_tensor("offload_min_memory", "identity")
+            - per_tensor("copies", "none"),
+            "offload_budget": per_tensor("offload_budget", "none"),
+            "offload_budget_minus_identity": per_tensor("offload_budget", "identity"),
+        },
+        "offload": {
+            "min_memory": {
+                "records": mm_last.records,
+                "families_offloaded": mm_last.records_offloaded_cpu,
+                "records_kept": mm_last.records_kept,
+            },
+            "budget": {
+                "gpu_budget_bytes": saved_bytes // 2,
+                "records": bd_last.records,
+                "families_offloaded": bd_last.records_offloaded_cpu,
+                "records_kept": bd_last.records_kept,
+            },
         },
         "target_us_per_tensor": 10.0,
     }
@@ -151,9 +249,22 @@ def main(argv: list[str] | None = None) -> dict:
         f"| no hooks | {med['none'] * 1e3:.2f} | - |",
         f"| identity saved_tensors_hooks | {med['identity'] * 1e3:.2f} | {us['identity_hooks']:.2f} |",
         f"| lifecycle.Recorder | {med['recorder'] * 1e3:.2f} | {us['recorder']:.2f} |",
+        f"| copies alone (torch loop, no hooks) | {med['copies'] * 1e3:.2f} | {us['copies']:.2f} |",
+        f"| offload, min-memory | {med['offload_min_memory'] * 1e3:.2f} "
+        f"| {us['offload_min_memory']:.2f} |",
+        f"| offload, budget (planned) | {med['offload_budget'] * 1e3:.2f} | {us['offload_budget']:.2f} |",
         "",
         f"Recorder cost above the identity pair: {us['recorder_minus_identity']:.2f} us per saved tensor "
         "(target <= 10 us).",
+        "",
+        "Offload manager (forward + backward, per saved tensor, above the identity pair): "
+        f"min-memory {us['offload_min_memory_minus_identity']:.2f} us, of which the copies' torch "
+        f"work {us['copies']:.2f} us and the manager's Python {us['offload_min_memory_python']:.2f} us "
+        f"({mm_last.records_offloaded_cpu} families offloaded for {mm_last.records} saved tensors: "
+        "each mul saves its input twice); budget "
+        f"{us['offload_budget_minus_identity']:.2f} us (gpu_budget {saved_bytes // 2} bytes: "
+        f"{bd_last.records_offloaded_cpu} families offloaded, {bd_last.records_kept} saved tensors "
+        "kept).",
         "",
     ]
     with open(os.path.join(args.out, "hooks.md"), "w") as f:
