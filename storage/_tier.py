@@ -313,15 +313,21 @@ class Tier(ABC):
                 self._release(handle)
             return error
 
+        future: Future[Any] | None = None
         try:
             future = chain(prerequisite, start, finish)
-            with self._lock:
-                self._inflight.add(future)
         finally:
             with self._lock:
+                # One that finished already (a copy run at once) has nothing left for close()
+                # to wait for.
+                running = future is not None and not future.done()
+                if running:
+                    self._inflight.add(future)  # type: ignore[arg-type]  # not None: running
                 self._starting -= 1
                 self._started.notify_all()
-        future.add_done_callback(self._forget_inflight)
+        assert future is not None  # chain() returned, or its error left above
+        if running:
+            future.add_done_callback(self._forget_inflight)
         return Transfer(future, label)
 
     def _forget_inflight(self, future: Future[Any]) -> None:
