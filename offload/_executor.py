@@ -107,8 +107,11 @@ class _Member:
         self.dtensor = dtensor  # (mesh, placements, shape, stride) of a DTensor, else None
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # Once per saved tensor: try/except, not contextlib.suppress (an object per call).
+        try:  # noqa: SIM105
             self.executor.release(self.family)
+        except Exception:  # in a finalizer: nothing to raise to
+            pass
 
 
 class _StepState:
@@ -322,17 +325,29 @@ class Executor:
             assert step is not None, "offload outside a step"
             self.poll()
             fam = None
-            for f in step.by_storage.get(id(st), ()):
-                # See NOTE [ Alias handling ].
-                if (
-                    f.storage_ref() is st
-                    and f.root_ref() is root
-                    and f.version == version
-                    and f.covers(start, end)
-                    and f.life is not Life.FREED
-                ):
-                    fam = f
-                    break
+            same_id = step.by_storage.get(id(st))
+            if same_id:
+                dead = False
+                for f in same_id:
+                    # See NOTE [ Alias handling ].
+                    held = f.storage_ref()
+                    if held is not st:
+                        dead = dead or held is None
+                        continue
+                    if (
+                        f.root_ref() is root
+                        and f.version == version
+                        and f.covers(start, end)
+                        and f.life is not Life.FREED
+                    ):
+                        fam = f
+                        break
+                if dead:
+                    # Families of storages that died since: the id is another storage's now, and
+                    # they can match no pack again. Kept, the lists grew all step long (the
+                    # allocator hands a freed object's address out again soon), and each pack
+                    # walked them.
+                    same_id[:] = [f for f in same_id if f.storage_ref() is not None]
             if fam is None:
                 fam = self._new_family(step, t, st, root, view, version, start, end, module, tier)
             else:
@@ -544,17 +559,23 @@ class Executor:
     def poll(self) -> None:
         """Retire finished copies out (drop their sources) and free what waited for events."""
         with self.lock:
-            self._drain_releases()
-            while self._inflight and self._copy_out_done(self._inflight[0]):
-                fam = self._inflight.popleft()
+            # (Every pack and module boundary comes here: each step is skipped when it has
+            # nothing to do.)
+            if self._deferred_releases:
+                self._drain_releases()
+            inflight = self._inflight
+            while inflight and self._copy_out_done(inflight[0]):
+                fam = inflight.popleft()
                 self._inflight_bytes -= fam.nbytes
                 self._retire(fam)
             while self._orphans and self._orphans[0][0].done():
                 written, fam, tier = self._orphans.popleft()
                 self._orphan_bytes -= fam.nbytes
                 self._forget_failed_write(fam, written, tier)
-            self._poll_writes()
-            self._collect_pending()
+            if self._writing:
+                self._poll_writes()
+            if self._pending_regions or self._pending_free:
+                self._collect_pending()
 
     def _poll_writes(self) -> None:
         """GPU + NVMe: release the pinned copy of records whose file write completed; adopt it
@@ -900,7 +921,7 @@ class Executor:
 
     def _source_view(self, m: _Member) -> torch.Tensor:
         fam = m.family
-        item = torch.empty((), dtype=m.dtype).element_size()
+        item = m.dtype.itemsize
         base = torch.empty(0, dtype=m.dtype, device=fam.device)
         assert fam.source is not None
         return base.set_(fam.source.untyped_storage(), m.offset_bytes // item, m.size, m.stride)

@@ -53,6 +53,9 @@ _NEXT: dict[Life, frozenset[Life]] = {
     Life.RESIDENT: frozenset({Life.OFF_DEVICE, Life.FREED}),
     Life.FREED: frozenset(),
 }
+# The same table keyed and searched by identity, for Family.to (several moves per saved tensor):
+# a dict or set lookup of an Enum member calls Enum.__hash__, which is Python code.
+_NEXT_BY_ID: dict[int, tuple[Life, ...]] = {id(k): tuple(v) for k, v in _NEXT.items()}
 
 
 class IllegalTransition(OffloadError):
@@ -153,7 +156,7 @@ class Family:
 
     def to(self, new: Life) -> None:
         """Move to ``new``; an illegal move raises naming the family, its state and the legal ones."""
-        if new not in _NEXT[self.life]:
+        if new not in _NEXT_BY_ID[id(self.life)]:
             allowed = ", ".join(sorted(s.value for s in _NEXT[self.life])) or "none"
             raise IllegalTransition(
                 f"alias family {self.fid} ({self.module or '<root>'}, {self.nbytes} bytes) cannot go "
@@ -169,8 +172,11 @@ def span_of(t: torch.Tensor) -> tuple[int, int]:
     """Byte range ``[start, end)`` of ``t``'s storage that its elements touch."""
     item = t.element_size()
     start = int(t.storage_offset()) * item
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return start, start
+    if t.is_contiguous():  # the common case: its elements are one dense run
+        return start, start + n * item
     extent = 1 + sum(int(n - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True) if n > 0)
     return start, start + extent * item
 
@@ -202,7 +208,7 @@ def rebuild(
     offset_bytes: int,
 ) -> torch.Tensor:
     """One member as a view over a reloaded buffer; see NOTE [ Alias handling ]."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     start = off + offset_bytes - fam.span_start  # byte position of the member's element 0
     # ``raw`` is uint8 with storage offset 0; view it whole as ``dtype`` when lengths allow,
     # else view the piece starting at the member's first element.

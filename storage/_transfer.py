@@ -69,7 +69,8 @@ class Transfer:
 
     def done(self) -> bool:
         """Whether it finished (successfully or not); never blocks."""
-        return self._future.done()
+        future = self._future
+        return future is _SUCCEEDED or future.done()  # the first: no lock taken
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until it finished; re-raise its error.
@@ -87,7 +88,8 @@ class Transfer:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until it finished; return its error instead of raising it (``None`` on success)."""
-        return self._future.exception(timeout)
+        future = self._future
+        return None if future is _SUCCEEDED else future.exception(timeout)
 
     def add_done_callback(self, fn: Callable[[Transfer], object]) -> None:
         """Call ``fn(self)`` when it finishes (at once if it already has), on the finishing thread."""
@@ -531,6 +533,8 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor; got {type(tensor).__name__}")
+    if tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.is_contiguous():
+        return tensor  # already its bytes, flat (and uint8 never requires grad)
     if not tensor.is_contiguous():
         raise ValueError(
             f"tensor of shape {tuple(tensor.shape)} and stride {tensor.stride()} is not "
