@@ -99,8 +99,9 @@ class StepStats:
             if not f.name.startswith("_")
         }
 
-    def add(self, other: StepStats) -> None:
-        """Accumulate ``other`` (a finished step) into this total."""
+    def add(self, other: StepStats, *, median: bool = True) -> None:
+        """Accumulate ``other`` (a finished step) into this total; ``median=False`` leaves
+        ``prefetch_lead_s_p50`` for :meth:`finish` (a sort of up to 10,000 lead times)."""
         for f in dataclasses.fields(self):
             name = f.name
             if name == "_leads":
@@ -112,9 +113,11 @@ class StepStats:
                 setattr(self, name, max(getattr(self, name), getattr(other, name)))
             else:
                 setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.prefetch_lead_s_p50 = _median(self._leads)
+        if median:
+            self.prefetch_lead_s_p50 = _median(self._leads)
 
     def finish(self) -> None:
+        """Compute ``prefetch_lead_s_p50`` from the lead times held."""
         self.prefetch_lead_s_p50 = _median(self._leads)
 
 

@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from storage._errors import StorageError
-from storage._transfer import Transfer, byte_view, chain, finish_elsewhere, on_worker_thread
+from storage._transfer import (
+    Transfer,
+    byte_view,
+    chain,
+    finish_elsewhere,
+    finished,
+    on_worker_thread,
+)
 
 if TYPE_CHECKING:
     from storage._pool import HostRegion
@@ -320,7 +327,7 @@ class Tier(ABC):
             with self._lock:
                 # One that finished already (a copy run at once) has nothing left for close()
                 # to wait for.
-                running = future is not None and not future.done()
+                running = future is not None and not finished(future)
                 if running:
                     self._inflight.add(future)  # type: ignore[arg-type]  # not None: running
                 self._starting -= 1

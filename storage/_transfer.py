@@ -69,8 +69,7 @@ class Transfer:
 
     def done(self) -> bool:
         """Whether it finished (successfully or not); never blocks."""
-        future = self._future
-        return future is _SUCCEEDED or future.done()  # the first: no lock taken
+        return finished(self._future)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until it finished; re-raise its error.
@@ -78,13 +77,16 @@ class Transfer:
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the transfer keeps running).
         """
+        future = self._future
+        if future is _SUCCEEDED:
+            return  # see finished()
         try:
-            self._future.result(timeout)
+            future.result(timeout)
         finally:
             # A raised error's traceback holds this frame, which holds this transfer, whose future
             # holds the error: a cycle that would keep whatever the callers' frames hold (saved
             # tensors, host regions) alive until a GC pass. (concurrent.futures does the same.)
-            del self
+            del self, future
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until it finished; return its error instead of raising it (``None`` on success)."""
@@ -415,18 +417,34 @@ _SUCCEEDED: Future[Any] = Future()
 _SUCCEEDED.set_result(None)
 
 
+def finished(future: Future[Any]) -> bool:
+    """``future.done()``, without taking its lock for the shared finished future."""
+    return future is _SUCCEEDED or future.done()
+
+
+def _error_of(future: Future[Any] | None) -> BaseException | None:
+    """The error of a finished future (None: success, or no future)."""
+    if future is None or future is _SUCCEEDED:
+        return None
+    return future.exception()
+
+
 def run_now(fn: Callable[[], object]) -> Future[Any]:
     """Run ``fn`` here; its result or error lands in a finished future."""
     try:
         result = fn()
     except BaseException as e:  # the error belongs to whoever waits on the future
-        future: Future[Any] = Future()
-        future.set_exception(e)
-        return future
+        return _failed(e)  # (made elsewhere: this frame, in its traceback, holds no future)
     if result is None:
         return _SUCCEEDED  # see NOTE [ One finished future ]
-    future = Future()
+    future: Future[Any] = Future()
     future.set_result(result)
+    return future
+
+
+def _failed(error: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(error)
     return future
 
 
@@ -468,27 +486,28 @@ def chain(
 ) -> Future[Any]:
     """``start()`` once ``prerequisite`` succeeded; then ``finish(error)`` (cleanup, which may
     replace the error) runs before the returned future finishes. Nothing blocks a thread."""
-    if prerequisite is None or prerequisite.done():
+    if prerequisite is None or finished(prerequisite):
         # Often all of it is done here (the default engine runs copies at once): no callbacks,
-        # and on success the shared finished future (NOTE [ One finished future ]).
-        error = None if prerequisite is None else prerequisite.exception()
+        # and on success the shared finished future (NOTE [ One finished future ]), which is
+        # asked nothing (a Future's done() and exception() take its lock).
+        error = _error_of(prerequisite)
         inner: Future[Any] | None = None
         if error is None:
             try:
                 inner = start()
             except BaseException as e:
                 error = e
-        if inner is None or inner.done():
+        if inner is None or finished(inner):
             if inner is not None:
-                error = inner.exception()
+                error = _error_of(inner)
             try:
                 error = finish(error)
             except BaseException as e:
                 error = e
             if error is None:
                 return _SUCCEEDED
-            failed: Future[Any] = Future()
-            failed.set_exception(error)
+            failed = _failed(error)
+            error = None  # its traceback may hold this frame: no cycle through it
             return failed
         return chain(inner, lambda: _SUCCEEDED, finish)
     out: Future[Any] = Future()
