@@ -290,6 +290,7 @@ class ActivationOffloader:
         self._model_ref = weakref.ref(model)
         self._cpu_budget_default = cpu_budget is None
         self.device = compute_device(model)
+        self._cuda = self.device.type == "cuda"  # read at every pack
         # Budget mode (see NOTE [ Budget mode ] in _planned.py).
         user_plan = load_plan(plan)
         if user_plan is not None:
@@ -1356,7 +1357,7 @@ class ActivationOffloader:
         stats.records += 1
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
             return self._keep(t, stats)  # packed by a backward (recomputation, double backward)
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._cuda and torch.cuda.is_current_stream_capturing():
             self._warn_once("graphs", "CUDA graph capture: saved tensors are left in place")
             return self._keep(t, stats)
         dtensor = None
@@ -1575,19 +1576,20 @@ class ActivationOffloader:
                 fam = getattr(packed, "family", None)
                 if fam is not None and fam.step_ref is not None:
                     end.step = fam.step_ref()
-        if isinstance(packed, torch.Tensor):
-            _check_kept(packed)
-            if self._kept_seq and self._profiler is not None:
-                self._profiler.recorder.record_unpack(
-                    self._kept_seq.get(id(packed), -1), held=packed
-                )
-            return packed
-        if isinstance(packed, WeightCast):
-            if packed.seq >= 0 and self._profiler is not None:
-                self._profiler.recorder.record_unpack(packed.seq, held=packed)
-            return packed.rebuild()
-        if isinstance(packed, ActivationRecipe):
-            return self._rebuild(packed)
+        if type(packed) is not _Member:  # an offloaded tensor, the common case, goes on below
+            if isinstance(packed, torch.Tensor):
+                _check_kept(packed)
+                if self._kept_seq and self._profiler is not None:
+                    self._profiler.recorder.record_unpack(
+                        self._kept_seq.get(id(packed), -1), held=packed
+                    )
+                return packed
+            if isinstance(packed, WeightCast):
+                if packed.seq >= 0 and self._profiler is not None:
+                    self._profiler.recorder.record_unpack(packed.seq, held=packed)
+                return packed.rebuild()
+            if isinstance(packed, ActivationRecipe):
+                return self._rebuild(packed)
         if packed.seq >= 0 and self._profiler is not None:
             # What autograd holds: the recorder learns from it whether the graph outlives this
             # backward (NOTE [ Retained graphs ] in lifecycle's recorder).

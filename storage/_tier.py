@@ -331,7 +331,8 @@ class Tier(ABC):
                 if running:
                     self._inflight.add(future)  # type: ignore[arg-type]  # not None: running
                 self._starting -= 1
-                self._started.notify_all()
+                if self._closed:  # only close() waits on it, and it sets _closed first
+                    self._started.notify_all()
         assert future is not None  # chain() returned, or its error left above
         if running:
             future.add_done_callback(self._forget_inflight)
