@@ -259,9 +259,10 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         "Offload manager (forward + backward, per saved tensor, above the identity pair): "
         f"min-memory {us['offload_min_memory_minus_identity']:.2f} us, of which the copies' torch "
-        f"work {us['copies']:.2f} us and the manager's Python {us['offload_min_memory_python']:.2f} us "
-        f"({mm_last.records_offloaded_cpu} families offloaded for {mm_last.records} saved tensors: "
-        "each mul saves its input twice); budget "
+        f"work {us['copies']:.2f} us and Python {us['offload_min_memory_python']:.2f} us (the manager's, "
+        "and the host tier's CPU path, which a GPU run does not take); "
+        f"{mm_last.records_offloaded_cpu} families offloaded for {mm_last.records} saved tensors "
+        "(each mul saves its input twice). Budget "
         f"{us['offload_budget_minus_identity']:.2f} us (gpu_budget {saved_bytes // 2} bytes: "
         f"{bd_last.records_offloaded_cpu} families offloaded, {bd_last.records_kept} saved tensors "
         "kept).",
