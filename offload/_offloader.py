@@ -36,6 +36,7 @@ from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
     activation_output,
+    dtensor_spec,
     is_compiled,
     local_tensor,
     named_modules_stop_at_compiled,
@@ -1478,7 +1479,7 @@ class ActivationOffloader:
             if held is None:
                 return None
             link = parent.seq
-        elif key is not None and found.spec is None and self._kept_input(parent, out):
+        elif key is not None and self._kept_input(parent, out, found.spec):
             held = parent
             link = self._kept_seq.get(id(parent), -1)
         else:
@@ -1512,20 +1513,31 @@ class ActivationOffloader:
         self._rebuilds[id(saved)] = (weakref.ref(saved), saved._version, shared)
         return shared
 
-    def _kept_input(self, parent: Any, out: torch.Tensor) -> bool:
+    def _kept_input(self, parent: Any, out: torch.Tensor, spec: Any) -> bool:
         """Whether ``parent`` (what an activation's pack of its input returned) is a tensor this
-        manager kept in this step, not a parameter, laid out as the activation's output."""
-        if type(parent) is not torch.Tensor:
+        manager kept in this step, not a parameter, laid out as the activation's output ``out``
+        (a DTensor's shard). ``spec``: ``(mesh, placements)`` where the activation ran on
+        DTensors, whose input must then be a DTensor alike (NOTE [ DTensor activation
+        recipes ]), else None (a plain input)."""
+        if spec is None:
+            if type(parent) is not torch.Tensor:
+                return False
+            local = parent
+        elif dtensor_spec(parent) != spec:
             return False
+        else:
+            local = parent._local_tensor
+            if type(local) is not torch.Tensor:
+                return False
         ref = self._kept_refs.get(id(parent))
         if ref is None or ref() is not parent:
             return False  # packed by other hooks (only the innermost pair fires)
         return (
-            parent.device == out.device
-            and parent.dtype == out.dtype
-            and parent.shape == out.shape
-            and parent.stride() == out.stride()
-            and not self._params.holds(parent, parent.untyped_storage())
+            local.device == out.device
+            and local.dtype == out.dtype
+            and local.shape == out.shape
+            and local.stride() == out.stride()
+            and not self._params.holds(local, local.untyped_storage())
         )
 
     def _rebuild_link(self, t: torch.Tensor, ex: Executor) -> int:

@@ -94,7 +94,10 @@ NOTE [ DTensor activation recipes ]
     the collective), and a plain ``to_local()`` of a DTensor output (SequenceParallel's
     ``use_local_output=True``), whose DTensor's version counter the plain view does not see.
     Budget mode links them in traces alike (``TensorRecord.rebuild_from``; the recorder checks
-    the input's placements as above); a DTensor input the plan kept is not used (stored).
+    the input's placements as above). An input the plan kept qualifies as a moved one does: on
+    the first way a plain tensor, on the second a DTensor of the output's mesh and placements
+    whose shard is laid out as the output's; the recipe holds it and checks its versions (the
+    DTensor's and its shard's) at unpack.
 """
 
 from __future__ import annotations
@@ -224,7 +227,8 @@ class ActivationRecipe:
         self.offset = local.storage_offset()
         self.dtensor = found.wrap
         self.nbytes = found.saved.untyped_storage().nbytes()
-        self.version = parent._version if isinstance(parent, torch.Tensor) else -1
+        # A kept DTensor input: an in-place change counts on the DTensor or on its shard.
+        self.version = tensor_versions(parent) if isinstance(parent, torch.Tensor) else None
         self.key = key
         self.step_ref = None if step is None else weakref.ref(step)
         self.seq = -1  # the profiler's record number, during a recorded step
@@ -238,7 +242,7 @@ class ActivationRecipe:
     def kept_input(self) -> torch.Tensor:
         """The kept input (``parent`` is a tensor), checked unchanged since the pack."""
         parent = self.parent
-        if parent._version != self.version:
+        if tensor_versions(parent) != self.version:
             raise OffloadError(
                 f"the input of a {self.kind} of shape {list(parent.shape)} was changed in place "
                 "after the forward that saved it (autograd would refuse its backward too); "

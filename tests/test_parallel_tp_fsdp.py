@@ -25,6 +25,7 @@ row-wise output fed straight into a column-wise layer) is waited for before it i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import traceback
 from collections import Counter
@@ -766,3 +767,77 @@ def test_tensor_parallel_activation_outputs_rebuilt(ranks: RankPool, name: str) 
             assert got["links"] == (13 if name == "tp" else 4), f"{where}: {got['links']} links"
         assert r["min_memory"]["records_rebuilt"] == [r["min_memory"]["links"]] * STEPS, r
         assert all(n > 0 for n in r["budget"]["records_rebuilt"][1:]), r["budget"]
+
+
+def tp_mlp(mesh: Any, dtensor_gelu: bool) -> nn.Module:
+    """``Linear -> GELU -> Linear``, column-wise then row-wise. ``dtensor_gelu``: the column-wise
+    output stays a DTensor (``Shard(2)``), so the GELU runs on DTensors and saves a DTensor
+    input; else it runs on the plain local output."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
+    colwise = ColwiseParallel(use_local_output=not dtensor_gelu)
+    return parallelize_module(model, mesh, {"0": colwise, "2": RowwiseParallel()})
+
+
+def keep_inputs_rebuild_outputs(trace: offload.Trace) -> offload.Plan:
+    """The planner's plan of ``trace`` with every family kept except the activation outputs it
+    links to their inputs (``rebuild_from``), rebuilt: the inputs are kept."""
+    from lifecycle import Placement
+
+    plan = offload.plan(trace, 4 * trace.peak_saved_bytes, HARDWARE["fast"], min_offload_bytes=0)
+    rebuilt = {r.family for r in trace.records if r.rebuild_from >= 0}
+    assert rebuilt, "the trace links no activation output to its input"
+    entries = tuple(
+        dataclasses.replace(
+            e,
+            placement=Placement.REBUILD if e.family in rebuilt else Placement.KEEP,
+            reload=None,
+            reload_event=-1,
+        )
+        for e in plan.entries
+    )
+    return dataclasses.replace(plan, entries=entries)
+
+
+def _tp_kept_input_worker(rank: int, world_size: int, dtensor_gelu: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    want = run_steps(tp_mlp(mesh, dtensor_gelu), batch)
+    model = tp_mlp(mesh, dtensor_gelu)
+    trace = offload.profile(lambda: model(batch(0)).pow(2).sum().backward(), model, warmup_steps=0)
+    model.zero_grad(set_to_none=True)
+    with manager(model, rank, plan=keep_inputs_rebuild_outputs(trace)) as mgr:
+        got = run_steps(model, batch, mgr)
+    return compare(got, want) | {
+        "want_comms": want.comms,
+        "bytes_rebuilt": [s.bytes_rebuilt for s in got.stats],
+        "unplanned_records": [s.unplanned_records for s in got.stats],
+    }
+
+
+@pytest.mark.parametrize("dtensor_gelu", [False, True], ids=["plain_gelu", "dtensor_gelu"])
+def test_tensor_parallel_output_rebuilt_from_a_kept_input(
+    ranks: RankPool, dtensor_gelu: bool
+) -> None:
+    """A plan that keeps a GELU's input and rebuilds its output (``Placement.REBUILD``, NOTE
+    [ DTensor activation recipes ]): the output, which the row-wise Linear saves as a DTensor
+    (its local shard: BATCH x SEQ x HIDDEN / 2 floats, 4096 bytes per rank), is rebuilt from the
+    kept input at unpack, whether that input is a plain tensor or a DTensor; nothing is stored,
+    gradients are bitwise the reference's and no collective is added."""
+    shard_bytes = BATCH * SEQ * HIDDEN // 2 * 4
+    for rank, r in enumerate(ranks.run(_tp_kept_input_worker, dtensor_gelu)):
+        where = f"rank {rank}"
+        assert r["differing"] == [[]] * STEPS, f"{where}: gradients differ: {r['differing']}"
+        assert r["comms"] == r["want_comms"], f"{where}: {r['comms']} != {r['want_comms']}"
+        assert r["records_rebuilt"] == [1] * STEPS, (where, r)
+        assert r["bytes_rebuilt"] == [shard_bytes] * STEPS, (where, r)
+        assert r["bytes_offloaded_cpu"] == [0] * STEPS, (where, r)
+        assert r["unplanned_records"] == [0] * STEPS, (where, r)
