@@ -66,6 +66,7 @@ from lifecycle._tensors import (
     named_modules_stop_at_compiled,
     parameter_cast,
     tensors_in,
+    wraps_parameter,
 )
 from lifecycle._trace import Event, EventKind, TensorRecord, Trace
 from lifecycle._units import check_count
@@ -823,7 +824,8 @@ class Recorder:
                 fn, base = t.grad_fn, t._base
         else:  # a DTensor (its local shard), a Parameter, another subclass
             local = local_tensor(t)
-            fn, base, subclass_param = t.grad_fn, local._base, is_parameter(local)
+            fn, base = t.grad_fn, local._base
+            subclass_param = is_parameter(local) or wraps_parameter(t)
         backward = _current_graph_task_id is not None and _current_graph_task_id() != -1
         shape: Iterable[Any]
         stride: Iterable[Any]

@@ -43,6 +43,17 @@ def is_parameter(t: torch.Tensor) -> bool:
     return tt is not torch.Tensor and (tt is nn.Parameter or isinstance(t, nn.Parameter))
 
 
+def wraps_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t``, a tensor subclass (a DTensor), is a Parameter or a view of one itself.
+
+    Its local shard may be neither: FSDP2's unsharded parameter on a 2-D mesh (FSDP over tensor
+    parallel) is a DTensor Parameter whose shard is a plain view of FSDP2's all-gather output, a
+    storage no registered parameter holds and FSDP2 frees after the forward. (On a 1-D mesh the
+    unsharded parameter is a plain Parameter.)"""
+    base = t._base
+    return is_parameter(t) or (base is not None and is_parameter(base))
+
+
 def tensors_in(obj: Any) -> Iterable[torch.Tensor]:
     """The tensors in ``obj`` and in the tuples, lists and dicts it nests."""
     if isinstance(obj, torch.Tensor):

@@ -41,6 +41,7 @@ from lifecycle._tensors import (
     local_tensor,
     named_modules_stop_at_compiled,
     tensors_in,
+    wraps_parameter,
 )
 from lifecycle._units import parse_bytes
 from offload._device import compute_device
@@ -1338,7 +1339,7 @@ class ActivationOffloader:
             local = local_tensor(t)
             if local.device == self.device and _has_storage(local):
                 st = local.untyped_storage()
-                if not self._params.holds(local, st):
+                if not self._params.holds(local, st) and (local is t or not wraps_parameter(t)):
                     meter.watch(st)
         if self._profiling is not None and self._profiler is not None:
             seq = self._profiler.recorder.record_pack(t)
@@ -1389,6 +1390,7 @@ class ActivationOffloader:
             or local.layout is not torch.strided  # sparse: no one storage to copy
             or local.is_nested
             or self._params.holds(local, local.untyped_storage())
+            or (dtensor is not None and wraps_parameter(t))
         ):
             return self._keep(t, stats)
         active = self._active

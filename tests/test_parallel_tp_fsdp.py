@@ -841,3 +841,86 @@ def test_tensor_parallel_output_rebuilt_from_a_kept_input(
         assert r["bytes_rebuilt"] == [shard_bytes] * STEPS, (where, r)
         assert r["bytes_offloaded_cpu"] == [0] * STEPS, (where, r)
         assert r["unplanned_records"] == [0] * STEPS, (where, r)
+
+
+def fsdp_tp_transformer(mesh: Any) -> Transformer:
+    """FSDP2 over tensor parallel on a 2-D mesh ``(dp, tp)``: the transformer with sequence
+    parallel (its norms' weights Replicate DTensors of ``tp``), then ``fully_shard`` per block
+    and on the root over ``dp``. FSDP2's unsharded parameters are then DTensors (of ``tp``)
+    that are Parameters, whose shards view its all-gather outputs."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tp_transformer(mesh["tp"], sequence_parallel=True)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def counting(
+    probe: Callable[[torch.Tensor], bool], nbytes: list[int]
+) -> Callable[[torch.Tensor], bool]:
+    """``probe``, appending to ``nbytes`` the bytes of each tensor it holds for."""
+
+    def counted(t: torch.Tensor) -> bool:
+        if probe(t):
+            nbytes.append(t.numel() * t.element_size())
+            return True
+        return False
+
+    return counted
+
+
+def _fsdp_tp_worker(rank: int, world_size: int, modes: tuple[str, ...]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # 2 ranks: data parallel of 1, tensor parallel of 2 (still FSDP2's all-gather and free).
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+
+    def inputs(step: int) -> torch.Tensor:
+        return batch(step).chunk(world_size, dim=1)[rank]  # sequence parallel: a sequence shard
+
+    want = run_steps(fsdp_tp_transformer(mesh), inputs)
+    result: dict[str, Any] = {"want_comms": want.comms}
+    for mode in modes:
+        model = fsdp_tp_transformer(mesh)
+        kw = {}
+        if mode == "budget":
+            trace = offload.profile(
+                lambda m=model: m(inputs(0)).pow(2).sum().backward(), model, warmup_steps=0
+            )
+            model.zero_grad(set_to_none=True)
+            kw = {"gpu_budget": trace.peak_saved_bytes // 2, "hardware": HARDWARE["fast"]}
+            result["traced_parameters"] = sum(r.is_parameter for r in trace.records)
+        stored: list[int] = []
+        with spy_offloads(counting(is_unsharded_view(model), stored)) as calls:
+            if mode == "immediate":  # copies made in pack: the bytes can be counted safely
+                mgr = offload.ActivationOffloader(model, min_offload_bytes=0, cpu_budget="64MiB")
+                with contextlib.closing(mgr):
+                    result[mode] = compare(run_steps(model, inputs, mgr), want)
+            else:
+                with manager(model, rank, **kw) as mgr:
+                    result[mode] = compare(run_steps(model, inputs, mgr), want)
+        result[mode] |= {
+            "unsharded_offloaded": sorted({c.module for c in calls if c.probed}),
+            "unsharded_bytes": sum(stored),
+        }
+    return result
+
+
+def test_fsdp2_on_a_2d_mesh_unsharded_dtensor_parameters_stay(ranks: RankPool) -> None:
+    """FSDP2 over tensor parallel (a ``(dp, tp)`` mesh): the unsharded parameters the norms and
+    Linears save are DTensor Parameters (or their views), whose shards are plain views of
+    FSDP2's all-gather outputs, freed after forward. They count as parameters, as on a 1-D mesh:
+    none is copied (a deferred copy would read freed memory), gradients are bitwise the
+    reference's and no collective is added."""
+    modes = ("immediate", "min_memory", "budget")
+    for rank, r in enumerate(ranks.run(_fsdp_tp_worker, modes)):
+        for mode in modes:
+            got = r[mode]
+            where = check(rank, mode, got, r["want_comms"])
+            assert got["unsharded_offloaded"] == [], f"{where}: {got}"
+            assert got["unsharded_bytes"] == 0, f"{where}: {got}"
+        # The profile records them as parameters too (the plan gives them no place): per block
+        # 7 Linear weights and 2 norms' weight and bias, and the final norm's weight and bias.
+        assert r["traced_parameters"] == 2 * (7 + 2 * 2) + 2, r["traced_parameters"]
