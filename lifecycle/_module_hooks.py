@@ -77,7 +77,8 @@ class _OuterHandle:
     __slots__ = ("call", "entry", "kind")
 
     def __init__(self, call: _OuterCall, kind: str, entry: Any) -> None:
-        self.call, self.kind, self.entry = call, kind, entry
+        self.call: _OuterCall | None = call
+        self.kind, self.entry = kind, entry
 
     def remove(self) -> None:
         call, self.call = self.call, None
