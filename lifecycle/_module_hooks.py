@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 from torch import nn
@@ -16,6 +17,13 @@ from torch import nn
 # the compiled call instead, in registration order (as ``nn.Module`` runs its own), eager; the
 # module's own hooks (the user's) still run inside it. ``torch.compile(mod)`` (an
 # OptimizedModule) and a compiled ``forward`` run their hooks outside dynamo already.
+# ``mod.compile()`` again (new options, after ``torch._dynamo.reset()``) sets a new compiled call
+# over ours, and the hooks stopped running for ``mod``, silently: a submodule's packs took its
+# parent's keys (unplanned, over the budget), a root's left every step without a signature. No
+# hook of ours sees that assignment, so whoever steps (the manager's ``__enter__``, the
+# recorder's ``begin_step``) calls ``reinstate`` first: the hooks go back around the new call.
+# Hooks registered on ``mod`` in between join its ``_OuterCall`` (found in ``_installed``), so a
+# module never has two, one of them wrapping the other.
 
 
 class _OuterCall:
@@ -55,18 +63,31 @@ class _OuterCall:
     def __reduce__(self) -> tuple[Any, ...]:
         return (_identity, (self.compiled,))
 
+    def reinstate(self) -> bool:
+        """Put this call back around the module's compiled call if ``mod.compile()`` replaced
+        it. Returns False when the module has no compiled call any more (nothing to run
+        around: its hooks do not run)."""
+        current = self.module.__dict__.get("_compiled_call_impl")
+        if current is None:
+            return False
+        if current is not self:
+            self.compiled = current
+            self.module._compiled_call_impl = self
+        return True
+
     def drop(self, kind: str, entry: Any) -> None:
         hooks: list[Any] = self.pre if kind == "pre" else self.post
         for i, e in enumerate(hooks):
             if e is entry:
                 del hooks[i]
                 break
-        if (
-            not self.pre
-            and not self.post
-            and self.module.__dict__.get("_compiled_call_impl") is self
-        ):
+        if self.pre or self.post:
+            return
+        if self.module.__dict__.get("_compiled_call_impl") is self:
             self.module._compiled_call_impl = self.compiled
+        ref = _installed.get(self.module)
+        if ref is not None and ref() is self:
+            del _installed[self.module]
 
 
 def _identity(x: Any) -> Any:
@@ -86,14 +107,33 @@ class _OuterHandle:
             call.drop(self.kind, self.entry)
 
 
+def outer_calls(handles: list[Any]) -> list[_OuterCall]:
+    """The compiled calls that ``handles`` (from :func:`register_forward_hooks`) run hooks
+    around, each once: what to ``reinstate`` at each step."""
+    calls = {id(h.call): h.call for h in handles if isinstance(h, _OuterHandle) and h.call}
+    return list(calls.values())
+
+
+# A module -> its _OuterCall while that has hooks (the module's ``__dict__`` may no longer
+# hold it: see NOTE [ Hooks of a compiled call ]); weakly both ways, as the _OuterCall holds
+# the module (its hooks' handles keep it).
+_installed: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_OuterCall]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _outer_call(mod: nn.Module) -> _OuterCall | None:
     compiled = getattr(mod, "_compiled_call_impl", None)
     if compiled is None:
         return None
-    if not isinstance(compiled, _OuterCall):
-        compiled = _OuterCall(mod, compiled)
-        mod._compiled_call_impl = compiled
-    return compiled
+    ref = _installed.get(mod)
+    call = ref() if ref is not None else None
+    if call is not None and call.reinstate():
+        return call
+    call = _OuterCall(mod, compiled)
+    mod._compiled_call_impl = call
+    _installed[mod] = weakref.ref(call)
+    return call
 
 
 def register_forward_hooks(

@@ -53,7 +53,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from lifecycle._clock import Clock, MonotonicClock
 from lifecycle._inert import BoundHook
-from lifecycle._module_hooks import register_forward_hooks
+from lifecycle._module_hooks import outer_calls, register_forward_hooks
 from lifecycle._tensors import (
     ACTIVATION_NODES,
     NormOutputs,
@@ -311,6 +311,8 @@ class Recorder:
         # device (see NOTE [ Fill after pack ]), so the trace names them as kept modules.
         self._fill_after_pack: set[str] = set()
         self._compiled: set[int] = set()  # ids of the compiled modules attached (leaves)
+        # The compiled calls our hooks run around (see NOTE [ Hooks of a compiled call ]).
+        self._outer_calls: list[Any] = []
         # See NOTE [ Retained graphs ]: each begun step's serial (a warm-up or discarded step's
         # index is taken again by the next one), the serials of the kept steps, in order, those
         # seen retained, and the backward being watched (a _Watch), if any.
@@ -367,6 +369,8 @@ class Recorder:
             # ran), or of another thread's: either way a new one may begin.
             self._watch = None
             self._step_first = (len(self._events), self._n_records, len(self._dims))
+            for call in self._outer_calls:  # a module compiled again meanwhile
+                call.reinstate()
             if self._pause_gc and gc.isenabled():
                 # A full collection with torch loaded took 0.2 s on the CI machine: inside a
                 # recorded step it lands in some module's span and corrupts the durations the
@@ -457,11 +461,14 @@ class Recorder:
                 mod, BoundHook(self._forward_pre_hook), BoundHook(self._forward_hook)
             )
         self.add_parameters(model)
+        calls = outer_calls(handles)
+        self._outer_calls += calls
         try:
             yield self
         finally:
             for h in handles:
                 h.remove()
+            self._outer_calls = [c for c in self._outer_calls if c not in calls]
 
     @contextmanager
     def attach_global(self) -> Iterator[Recorder]:

@@ -30,7 +30,7 @@ import lifecycle
 import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
 from lifecycle._inert import ModuleHook
-from lifecycle._module_hooks import register_forward_hooks
+from lifecycle._module_hooks import outer_calls, register_forward_hooks
 from lifecycle._recorder import UnendedCalls, foreign_call
 from lifecycle._tensors import (
     NormOutputs,
@@ -424,6 +424,7 @@ class ActivationOffloader:
         self._warned: set[str] = set()
         self._params = ParameterStorages()
         self._module_handles = self._install_module_hooks(model)
+        self._outer_calls = outer_calls(self._module_handles)
         # The root and every module with buffers (whose train / eval mode may decide whether its
         # forward changes them): their modes are part of a budgeted step's signature.
         self._mode_modules = [
@@ -555,6 +556,7 @@ class ActivationOffloader:
                     )
                 raise OffloadError("a step of this manager is already running; steps do not nest")
             self._warn_traced()  # a compiled call outside steps (evaluation) traced the hooks
+            self._reinstate_outer_calls()
             rnd = self._round
             continuing = rnd is not None and rnd.steps > 0
             if self._budget_bytes is not None and not continuing:
@@ -789,6 +791,22 @@ class ActivationOffloader:
             # Around a ``mod.compile()``d call, not in it (NOTE [ Hooks of a compiled call ]).
             handles += register_forward_hooks(mod, pre, _ForwardPost(self), with_kwargs=name == "")
         return handles
+
+    def _reinstate_outer_calls(self) -> None:
+        # Before anything of the step (the profiler's hooks join ours): see NOTE [ Hooks of a
+        # compiled call ] for ``mod.compile()`` called again.
+        for call in self._outer_calls:
+            if not call.reinstate():
+                model = self._model_ref()
+                names = {m: n for n, m in model.named_modules()} if model is not None else {}
+                self._warn_once(
+                    f"uncompiled {id(call)}",
+                    f"module {names.get(call.module, '?')!r} no longer has the compiled call "
+                    "this manager's hooks for it run around (its _compiled_call_impl was set "
+                    "to None), so they no longer run for it. Make a new ActivationOffloader "
+                    "for the model as it is now",
+                    stacklevel=4,
+                )
 
     def _refresh_params(self) -> None:
         # By storage, refreshed every step: FSDP2 and users swap parameters between steps.

@@ -54,9 +54,11 @@ def compiled_blocks(where: str) -> Blocks:
     return model
 
 
-def steps(model: nn.Module, mgr: Any = None, n: int = 3) -> list[dict[str, torch.Tensor]]:
+def steps(
+    model: nn.Module, mgr: Any = None, n: int = 3, first: int = 0
+) -> list[dict[str, torch.Tensor]]:
     out = []
-    for s in range(n):
+    for s in range(first, first + n):
         model.zero_grad(set_to_none=True)
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(s))
         with mgr if mgr is not None else contextlib.nullcontext():
@@ -103,6 +105,80 @@ def test_module_compile_fullgraph_runs_its_hooks_outside_dynamo(
             assert torch.equal(g[k], w[k]), k
     # close() leaves the module compiled as it was, without the manager.
     assert target._compiled_call_impl is compiled_call
+
+
+@pytest.mark.parametrize("again_before", [1, 4], ids=["before_step_1", "before_step_4"])
+@pytest.mark.parametrize("budget", [False, True], ids=["min_memory", "budget"])
+@pytest.mark.parametrize("where", ["root", "submodule"])
+def test_a_module_compiled_again_keeps_its_hooks(
+    where: str, budget: bool, again_before: int
+) -> None:
+    """``mod.compile()`` again, after the manager was made, replaces the compiled call its hooks
+    ran around (NOTE [ Hooks of a compiled call ]): the manager's and the recorder's hooks of
+    that module stopped running, silently. Compiled again before step 4, a submodule's packs
+    took its parent's keys: 3 unplanned records a step, 81920 saved bytes held against a plan
+    of 40960 under a 48 KiB budget; at the root no step had a signature, and every step ran in
+    min-memory mode (131072 bytes offloaded instead of the plan's 49152). Each step now puts
+    the hooks back around the new compiled call; gradients bitwise, no graph break."""
+    from offload._live import SavedBytes
+
+    name = "" if where == "root" else "blocks.1"
+
+    def run(make: Any) -> tuple[list[dict[str, torch.Tensor]], list[Any]]:
+        model = compiled_blocks(where)
+        target = model.get_submodule(name)
+        mgr = make(model) if make is not None else None
+        grads, seen, compiled_call = [], [], None
+        for s in range(6):
+            if s + 1 == again_before:
+                target.compile(backend="eager", fullgraph=True)
+                compiled_call = target.__dict__["_compiled_call_impl"]
+            with SavedBytes.on(mgr) if mgr is not None else contextlib.nullcontext() as saved:
+                grads += steps(model, mgr, n=1, first=s)
+            if mgr is not None:
+                seen.append((mgr.stats.last, saved.peak_planned, mgr._calls.get(name, 0)))
+        if mgr is not None:
+            mgr.close()
+        # close() leaves the module compiled the second time, without the manager.
+        assert target._compiled_call_impl is compiled_call
+        return grads, seen
+
+    torch._dynamo.reset()
+    want, _ = run(None)
+    torch._dynamo.reset()
+    kw: dict[str, Any] = dict(gpu_budget=48 << 10, hardware=SLOW) if budget else {}
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    got, seen = run(lambda m: offload.ActivationOffloader(m, min_offload_bytes=0, **kw))
+    assert sum(counters["graph_break"].values()) == 0
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for k in w:
+            assert torch.equal(g[k], w[k]), k
+    if budget:
+        for stats, peak, _ in seen[1:]:  # planned from step 2 on
+            assert stats.unplanned_records == 0 and stats.min_memory_steps == 0
+            assert 0 < peak <= stats.predicted_peak_bytes <= 48 << 10
+    # The module's hooks ran in every step: one call of it each.
+    assert [calls for _, _, calls in seen] == [1] * 6
+
+
+def test_a_module_whose_compiled_call_is_gone_warns_once() -> None:
+    """A ``.compile()``d module whose ``_compiled_call_impl`` is set back to None runs its
+    eager call, without the manager's hooks (they ran around the compiled call, and its
+    submodules have none): nothing is left to put them back around. That went unsaid; now one
+    RuntimeWarning names the module, and gradients stay bitwise."""
+    want = steps(compiled_blocks("submodule"), n=3)
+    model = compiled_blocks("submodule")
+    with contextlib.closing(offload.ActivationOffloader(model, min_offload_bytes=0)) as mgr:
+        got = steps(model, mgr, n=1)
+        model.blocks[1]._compiled_call_impl = None
+        with pytest.warns(RuntimeWarning, match="'blocks.1' no longer has the compiled") as record:
+            got += steps(model, mgr, n=2, first=1)
+    assert len(record) == 1 and record[0].filename == __file__
+    for g, w in zip(got, want, strict=True):
+        for k in w:
+            assert torch.equal(g[k], w[k]), k
 
 
 def _identity_hooks() -> Any:

@@ -588,3 +588,52 @@ def test_family_spans_are_what_the_offloader_copies(tmp_path) -> None:
     assert spans[(5, 63)] == [5 * 63 * 4] * 3  # each piece its own
     trace.save(tmp_path / "t.json")  # the records say which were views
     assert Trace.load(tmp_path / "t.json").families() == trace.families()
+
+
+def test_a_module_compiled_again_is_still_recorded_as_itself() -> None:
+    """``mod.compile()`` again after the recorder attached replaces the compiled call its hooks
+    ran around, and its hooks stopped: in the second step the block's 4 records took the root's
+    name (``""``) instead of ``"1"``. Each step now puts the hooks back around the new call."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh())
+    model = nn.Sequential(nn.Linear(16, 16), block)
+    block.compile(backend="eager")
+    x = torch.randn(8, 16)
+    rec = Recorder()
+    with rec.attach(model), rec.hooks():
+        for _ in range(2):
+            rec.begin_step()
+            model(x).sum().backward()
+            rec.end_step()
+            block.compile(backend="eager")
+    compiled_call = block._compiled_call_impl
+    trace = rec.trace()
+    by_step = [sorted(r.module for r in trace.activation_records if r.step == s) for s in (0, 1)]
+    assert by_step[0] == by_step[1] == ["0", "1", "1", "1", "1"]
+    # Detached, the module keeps its latest compiled call.
+    assert block._compiled_call_impl is compiled_call
+
+
+def test_hooks_added_after_a_module_is_compiled_again_join_the_earlier_ones() -> None:
+    """One recorder attached, ``mod.compile()`` again, a second recorder attached: the second's
+    hooks join the first's around the new compiled call. (Given a wrapper of their own, each
+    recorder putting its wrapper back at its step's start made the two wrap each other, and
+    the next forward recursed until RecursionError.) Both see the block in both steps."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    model = nn.Sequential(nn.Linear(16, 16), block)
+    block.compile(backend="eager")
+    x = torch.randn(8, 16)
+    first, second = Recorder(), Recorder()
+    with first.attach(model):
+        block.compile(backend="eager")
+        with second.attach(model), second.hooks():
+            for _ in range(2):
+                first.begin_step()
+                second.begin_step()
+                model(x).sum().backward()
+                second.end_step()
+                first.end_step()
+    for rec in (first, second):
+        spans = [s for s in rec.trace().module_spans() if s.module == "1" and s.phase == "forward"]
+        assert len(spans) == 2
