@@ -31,8 +31,17 @@ _DEFAULT_SLAB_BYTES = 256 << 20
 #   * slabs are never returned before ``close()`` (or ``trim()``): once the working set fits, a
 #     step allocates nothing from the host (``host_allocations`` stays constant). The one
 #     exception: at the cap, unused slabs make way for a region larger than any of them.
+
+# NOTE [ Slab sizes ]
 # Slabs are powers of two because torch's pinned host allocator rounds every request up to one
-# (768 MiB pinned 1 GiB); asking for powers of two means the cap is what is really pinned.
+# (768 MiB pinned 1 GiB); asking for powers of two means the cap is what is really pinned. A cap
+# that is no power of two (3 MiB, 96 MiB, 100 MB) is then held as the powers of two it is the sum
+# of (2 + 1 MiB; 64 + 32 MiB), at most ``slab_bytes`` each, and a region never spans two slabs.
+# A new slab is the smallest of those powers that holds the region, not the largest: a small
+# first record took the largest, and a larger record after it found only the small ones left
+# (cap 3 MiB: a 1 MiB record took a 2 MiB slab, then a 2 MiB record was refused with 1 MiB of
+# the cap never allocated). What no choice of slabs avoids: each region needs a slab of at least
+# its size rounded up to a power of two (a 3 MiB cap holds one 1.5 MiB record, not two).
 
 
 @dataclass(eq=False)
@@ -266,18 +275,30 @@ class HostPool:
         return HostRegion(self, slab, offset, slab.memory[start : start + capacity], nbytes)
 
     def reserve(self, nbytes: int) -> None:
-        """Grow now (not at the first allocation) until at least ``nbytes`` are held in slabs.
+        """Grow now (not at the first allocation) until at least ``nbytes`` are held in slabs
+        (or every whole 4 KiB page of the cap is: regions are made of them).
 
         Lets a caller that knows its working set pay the allocation once, up front.
 
         Raises:
-            StorageFullError: ``nbytes`` exceeds the cap.
+            StorageFullError: ``nbytes`` exceeds the cap (nothing is reserved then).
         """
         _check_bytes("nbytes", nbytes)
         with self._lock:
             self._check_open()
-            while self._reserved < nbytes:
-                want = min(round_up(nbytes - self._reserved), self._slab_bytes)
+            if nbytes > self._capacity:
+                raise StorageFullError(
+                    f"host pool is full: a reservation of {format_bytes(nbytes)} exceeds its "
+                    f"{format_bytes(self._capacity)} cap",
+                    bytes_needed=nbytes,
+                )
+            # Slab by slab, each no larger than the room left allows (see NOTE [ Slab sizes ]):
+            # one slab for all that was missing was larger than the room when the cap is no
+            # power of two (80 MiB of a 96 MiB cap wanted a 128 MiB slab). Regions are whole
+            # 4 KiB pages, so a cap's last part page is never reserved.
+            while self._reserved < nbytes and self._capacity - self._reserved >= ALIGNMENT_BYTES:
+                room = self._capacity - self._reserved
+                want = min(round_up(nbytes - self._reserved), self._slab_bytes, prev_pow2(room))
                 self._grow(want, reason=f"a reservation of {format_bytes(nbytes)}")
 
     def _place(self, capacity: int) -> tuple[_Slab, int] | None:
@@ -292,8 +313,15 @@ class HostPool:
         return (best, offset) if offset is not None else None
 
     def _slab_size(self, need: int) -> int:
-        size = min(self._slab_bytes, prev_pow2(self._capacity - self._reserved))
-        return size if size >= need else next_pow2(need)
+        # See NOTE [ Slab sizes ]: the smallest power of two of the room left that holds ``need``.
+        room = self._capacity - self._reserved
+        largest = min(self._slab_bytes, prev_pow2(room))
+        if largest < need:
+            return next_pow2(need)  # a slab of its own; over the cap, _grow says the pool is full
+        size = next_pow2(need)
+        while size < largest and not room & size:
+            size <<= 1
+        return size
 
     def _grow(self, need: int, *, reason: str, make_room: bool = False) -> None:
         # ``make_room``: for a region; a reservation only adds slabs (dropping some for it would

@@ -1101,6 +1101,42 @@ def test_cpu_budget_counts_the_host_regions_padding(tmp_path) -> None:
         assert mgr._executor.host_bytes == host.used_bytes == 0
 
 
+class _TwoSins(nn.Module):
+    """Saves ``a + w`` then ``b + w`` (one record each, of ``a``'s and ``b``'s bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.sin(a + self.w).sum() + torch.sin(b + self.w).sum()
+
+
+def test_a_cpu_budget_of_no_power_of_two_holds_a_small_then_a_large_record(monkeypatch) -> None:
+    """cpu_budget=3MiB, host tier only, a step saving 1 MiB then 2 MiB: the budget has room for
+    both, but the pool (slabs are powers of two: 2 + 1 MiB) gave the 1 MiB record the 2 MiB slab
+    and refused the 2 MiB one, so the step raised StorageFullError with 1 MiB of the budget
+    never used. Now both are stored (3 MiB), gradients are exact, and the second step
+    allocates nothing."""
+    monkeypatch.setattr(storage._pool, "_shared_pools", {})
+    monkeypatch.setattr(storage._pool, "_shared_claims", {})
+    torch.manual_seed(0)
+    model, a, b = _TwoSins(), torch.randn(1 << 18), torch.randn(1 << 19)
+    model(a, b).backward()
+    want = model.w.grad.clone()
+    with manager(model, tiers=("cpu",), cpu_budget="3MiB") as mgr:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with mgr:
+                loss = model(a, b)
+            loss.backward()
+            assert torch.equal(model.w.grad, want)
+            assert mgr.stats.last.bytes_offloaded_cpu == 3 << 20
+            assert mgr.stats.last.records_offloaded_cpu == 2
+        assert mgr.stats.last.host_allocations == 0
+        assert mgr._executor.host_bytes == 0
+
+
 def test_a_step_whose_nvme_tier_cannot_be_made_gives_its_pool_claim_back(
     tmp_path, monkeypatch
 ) -> None:

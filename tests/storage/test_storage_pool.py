@@ -128,6 +128,28 @@ def test_unused_slabs_at_the_cap_make_room_for_a_larger_region():
         kept.release()
 
 
+def test_a_cap_of_no_power_of_two_keeps_its_larger_slab_for_a_larger_region():
+    """A 3 MiB cap is held as a 2 and a 1 MiB slab (see NOTE [ Slab sizes ]). The first region,
+    1 MiB, took the 2 MiB slab, so a 2 MiB region after it was refused with 1 MiB of the cap
+    never allocated: 1 MiB stored of 3 (96 MiB cap: 32 of 96 MiB; 100 MB: 16 of 95.37 MiB).
+    Now a new slab is the smallest that holds its region: both fit, step after step, in two
+    slabs allocated once."""
+    for cap, small, large in (
+        (3 * MiB, 1 * MiB, 2 * MiB),
+        (96 * MiB, 32 * MiB, 64 * MiB),
+        (100_000_000, 16 * MiB, 64 * MiB),
+    ):
+        with HostPool(cap) as pool:
+            for _ in range(3):
+                a = pool.allocate(small)
+                b = pool.allocate(large)
+                assert pool.used_bytes == small + large
+                a.release()
+                b.release()
+            assert sorted(s.memory.numel() for s in pool._slabs) == [small, large]
+            assert pool.host_allocations == 2
+
+
 def test_steady_state_allocates_nothing_over_200_cycles():
     sizes = [1, 4096, 10_000, 300_000, 2 * MiB + 5]
     with HostPool(32 * MiB, slab_bytes=4 * MiB) as pool:
@@ -158,6 +180,29 @@ def test_reserve_allocates_up_front():
             r.release()
         with pytest.raises(StorageFullError):
             pool.reserve(9 * MiB)
+
+
+def test_reserve_fills_a_cap_of_no_power_of_two():
+    """reserve() asked for one slab as large as all it missed: 80 MiB of a 96 MiB cap wanted a
+    128 MiB slab and raised StorageFullError with nothing reserved, and so did reserving a
+    whole 3 MiB or 100 MB cap. Now it grows slab by slab within the room left."""
+    with HostPool(96 * MiB) as pool:
+        pool.reserve(80 * MiB)
+        assert sorted(s.memory.numel() for s in pool._slabs) == [32 * MiB, 64 * MiB]
+    with HostPool(3 * MiB) as pool:
+        pool.reserve(3 * MiB)
+        assert pool.reserved_bytes == 3 * MiB and pool.host_allocations == 2
+        regions = [pool.allocate(2 * MiB), pool.allocate(1 * MiB)]
+        assert pool.host_allocations == 2
+        for r in regions:
+            r.release()
+    with HostPool(100_000_000) as pool:
+        pool.reserve(100_000_000)  # every whole 4 KiB page of the cap; the last 256 B are none
+        assert pool.reserved_bytes == 100_000_000 // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+    with HostPool(8 * MiB) as pool:
+        with pytest.raises(StorageFullError, match=r"exceeds its 8\.00 MiB cap"):
+            pool.reserve(9 * MiB)
+        assert pool.reserved_bytes == 0  # refused before reserving part of it
 
 
 def test_release_is_idempotent_and_released_region_refuses_access():
@@ -289,7 +334,7 @@ def test_claims_on_the_shared_pool_add_up_and_the_last_one_returns_the_slabs(mon
     d.close()
     c.close()  # the pool keeps no more than the claims left: that slab goes back
     assert pool.capacity_bytes == 3 * MiB + 256 * KiB and pool.reserved_bytes == 0
-    pool.allocate(512 * KiB).release()  # a 2 MiB slab (the largest power of two under the cap)
+    pool.allocate(2 * MiB).release()  # a 2 MiB slab
     a.close()
     a.close()  # idempotent
     assert pool.capacity_bytes == 2 * MiB
