@@ -37,11 +37,14 @@ _DEFAULT_SLAB_BYTES = 256 << 20
 # (768 MiB pinned 1 GiB); asking for powers of two means the cap is what is really pinned. A cap
 # that is no power of two (3 MiB, 96 MiB, 100 MB) is then held as the powers of two it is the sum
 # of (2 + 1 MiB; 64 + 32 MiB), at most ``slab_bytes`` each, and a region never spans two slabs.
-# A new slab is the smallest of those powers that holds the region, not the largest: a small
-# first record took the largest, and a larger record after it found only the small ones left
-# (cap 3 MiB: a 1 MiB record took a 2 MiB slab, then a 2 MiB record was refused with 1 MiB of
-# the cap never allocated). What no choice of slabs avoids: each region needs a slab of at least
-# its size rounded up to a power of two (a 3 MiB cap holds one 1.5 MiB record, not two).
+# Once less than ``slab_bytes`` of the cap is left (a small cap, or the last part of a large one
+# such as the default, half the available RAM), a new slab is the smallest of those powers that
+# holds the region, not the largest: a small first record took the largest, and a larger record
+# after it found only the small ones left (cap 3 MiB: a 1 MiB record took a 2 MiB slab, then a
+# 2 MiB record was refused with 1 MiB of the cap never allocated). Before that, every slab is a
+# regular one (a cap of 12.3 GB: four 256 MiB slabs for a first step of 200 records up to
+# 16 MiB, not nine from 4 MiB up). What no choice of slabs avoids: each region needs a slab of at
+# least its size rounded up to a power of two (a 3 MiB cap holds one 1.5 MiB record, not two).
 
 
 @dataclass(eq=False)
@@ -318,6 +321,8 @@ class HostPool:
         largest = min(self._slab_bytes, prev_pow2(room))
         if largest < need:
             return next_pow2(need)  # a slab of its own; over the cap, _grow says the pool is full
+        if largest == self._slab_bytes:
+            return largest  # a regular slab: the cap's smaller powers are for its last part
         size = next_pow2(need)
         while size < largest and not room & size:
             size <<= 1

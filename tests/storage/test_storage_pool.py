@@ -150,6 +150,17 @@ def test_a_cap_of_no_power_of_two_keeps_its_larger_slab_for_a_larger_region():
             assert pool.host_allocations == 2
 
 
+def test_a_large_cap_of_no_power_of_two_still_grows_by_regular_slabs():
+    """The smallest-slab rule is for a cap's last part only: with room for regular slabs, a
+    small region still gets one (a cap of 10 MiB + 12 KiB gave a 4 KiB region a 4 KiB slab, and
+    the next regions 8 KiB, then 1 MiB slabs: three host allocations where one serves)."""
+    with HostPool(10 * MiB + 12 * 1024, slab_bytes=MiB) as pool:
+        regions = [pool.allocate(4096) for _ in range(3)]
+        assert [s.memory.numel() for s in pool._slabs] == [MiB]
+        for r in regions:
+            r.release()
+
+
 def test_steady_state_allocates_nothing_over_200_cycles():
     sizes = [1, 4096, 10_000, 300_000, 2 * MiB + 5]
     with HostPool(32 * MiB, slab_bytes=4 * MiB) as pool:
