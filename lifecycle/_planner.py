@@ -133,7 +133,14 @@ from lifecycle._plan import (
     _bulk,
 )
 from lifecycle._simulate import Decision, Placement, _step_index, simulate
-from lifecycle._trace import WHOLE_STORAGE_FACTOR, Event, EventKind, TensorRecord, Trace
+from lifecycle._trace import (
+    WHOLE_STORAGE_FACTOR,
+    Event,
+    EventKind,
+    TensorRecord,
+    Trace,
+    with_small_casts_kept,
+)
 from lifecycle._units import format_bytes, parse_bytes
 
 _MIN_MARGIN_BYTES = 256 << 20  # DESIGN.md "Budget": max(5% of the budget, 256 MiB) on a GPU
@@ -252,6 +259,9 @@ def _plan(
         if max_inflight_bytes is None
         else parse_bytes(max_inflight_bytes, name="max_inflight_bytes")
     )
+    # A weight cast under the floor stays on the device, as the manager leaves it (NOTE
+    # [ Weight casts ] in offload): counted as a kept activation, by the simulator too.
+    trace = with_small_casts_kept(trace, floor_bytes)
     view = _Step(trace, _step_index(trace, step), floor_bytes)
     on_cuda = str(trace.metadata.get("device", view.device)).startswith("cuda")
     excess = int(trace.metadata.get("reserved_excess_bytes", 0) or 0) if on_cuda else 0

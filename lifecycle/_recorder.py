@@ -175,6 +175,7 @@ _RECORD_FIELDS = (  # the columns of a record row (Recorder._records)
     "in_backward",
     "rebuild_from",
     "is_view",
+    "weight_cast",
 )
 
 
@@ -726,7 +727,8 @@ class Recorder:
 
         For a manager whose own hooks must run (only the innermost pair of saved-tensor hooks
         fires): ``offload.ActivationOffloader`` records its profiling step this way.
-        ``parameter=True`` records it as a parameter: the caller rebuilds it from one at unpack
+        ``parameter=True`` records it as a parameter and a weight cast
+        (``TensorRecord.weight_cast``): the caller rebuilds it from a parameter at unpack
         (``offload``'s autocast weight casts), so no plan needs to place it. ``rebuild_from``:
         the ``seq`` of the record ``t`` can be rebuilt from (an activation output and the input
         its node saved; ``TensorRecord.rebuild_from``), or -1.
@@ -925,6 +927,7 @@ class Recorder:
                 backward,
                 rebuild_from,
                 base is not None,
+                parameter,  # only a weight cast is recorded as a parameter by its caller's word
             )
         )
         return seq

@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 
 from lifecycle._hardware import HardwareModel
 from lifecycle._nogc import gc_paused
-from lifecycle._trace import Event, EventKind, ModuleSpan, Trace
+from lifecycle._trace import Event, EventKind, ModuleSpan, Trace, with_small_casts_kept
 from lifecycle._units import parse_bytes
 
 _DEFAULT_MIN_INFLIGHT_BYTES = 256 << 20  # DESIGN: max_inflight_bytes defaults to at least 256 MiB
@@ -410,8 +410,13 @@ def predict_anchors(
     step: int = -1,
     max_inflight_bytes: int | str | None = None,
     prefetch_bytes: int | str | None = None,
+    min_offload_bytes: int | str = 0,
 ) -> dict[str, Simulation]:
     """Simulate DESIGN.md's three anchors: keep all, offload all (to CPU), checkpoint every block.
+
+    ``min_offload_bytes``: the manager's setting; families smaller than it stay, and so do
+    weight casts smaller than it (``TensorRecord.weight_cast``: the manager keeps those as they
+    are, and casts larger ones again at unpack).
 
     Returns:
         ``{"keep_all": ..., "offload_all": ..., "checkpoint_blocks": ...}``.
@@ -425,9 +430,10 @@ def predict_anchors(
         >>> list(predict_anchors(trace, HardwareModel.h200()))
         ['keep_all', 'offload_all', 'checkpoint_blocks']
     """
+    trace = with_small_casts_kept(trace, parse_bytes(min_offload_bytes, name="min_offload_bytes"))
     anchors = {
         "keep_all": None,
-        "offload_all": offload_all(trace, step=step),
+        "offload_all": offload_all(trace, step=step, min_offload_bytes=min_offload_bytes),
         "checkpoint_blocks": checkpoint_blocks(trace, step=step),
     }
     return {

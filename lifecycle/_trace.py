@@ -7,6 +7,7 @@ touches CUDA or autograd.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -103,6 +104,11 @@ class TensorRecord:
             record is a view spanning at least a quarter of its storage counts the whole storage,
             as the offloader copies it (:meth:`Trace.families`). False in traces written before
             this field existed.
+        weight_cast: an autocast weight cast (NOTE [ Weight casts ] in ``offload``), recorded
+            as a parameter (``is_parameter``): ``offload`` casts it again at unpack, so a plan
+            need not place it. One smaller than ``min_offload_bytes`` the manager keeps as it
+            is, though: :func:`lifecycle.plan` counts those as kept activations. False in traces
+            written before this field existed.
     """
 
     seq: int
@@ -127,6 +133,7 @@ class TensorRecord:
     unpack_times_s: tuple[float, ...] = ()
     rebuild_from: int = -1
     is_view: bool = False
+    weight_cast: bool = False
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -538,6 +545,33 @@ class Trace:
                 )
 
 
+def with_small_casts_kept(trace: Trace, floor_bytes: int) -> Trace:
+    """``trace`` as a manager with ``min_offload_bytes=floor_bytes`` would record it: each weight
+    cast (``TensorRecord.weight_cast``) smaller than the floor an activation, not a parameter.
+
+    The manager casts a weight again at unpack only from ``min_offload_bytes`` up (NOTE [ Weight
+    casts ] in ``offload``); a smaller cast it keeps where it is, and its own profiling step
+    records it as any tensor it keeps. A recorder without a manager marks every cast, since it
+    cannot know the floor a plan will use: the planner calls this with its own (without it a
+    plan's peak left those casts out). ``trace`` itself when no cast is that small.
+    """
+
+    def build() -> Trace:
+        small = [
+            i
+            for i, r in enumerate(trace.records)
+            if r.weight_cast and r.is_parameter and r.nbytes < floor_bytes
+        ]
+        if not small:
+            return trace
+        records = list(trace.records)
+        for i in small:
+            records[i] = dataclasses.replace(records[i], is_parameter=False)
+        return dataclasses.replace(trace, records=tuple(records))
+
+    return trace._derived(("small casts kept", floor_bytes), build)
+
+
 def _check_indices(trace: Trace) -> None:
     """Raise ``ValueError`` when a record names an event, or an event a record, that is not in
     ``trace``: a bad file fails at load rather than deep inside the planner or the simulator.
@@ -686,7 +720,7 @@ _INT64 = 2**63
 _RECORD_INTS = ("seq", "step", "family", "call_index", "ordinal", "pack_event")
 _RECORD_SIZES = ("nbytes", "storage_nbytes", "storage_offset")
 _RECORD_STRS = ("module", "dtype", "device", "grad_fn")
-_RECORD_BOOLS = ("is_parameter", "in_backward")  # and is_view, when present
+_RECORD_BOOLS = ("is_parameter", "in_backward")  # and is_view, weight_cast, when present
 
 
 def _check_fields(
@@ -732,7 +766,7 @@ def _record_from_json(d: Mapping[str, Any]) -> TensorRecord:
         ints=_RECORD_INTS if "rebuild_from" not in d else (*_RECORD_INTS, "rebuild_from"),
         sizes=_RECORD_SIZES,
         strs=_RECORD_STRS,
-        bools=_RECORD_BOOLS if "is_view" not in d else (*_RECORD_BOOLS, "is_view"),
+        bools=(*_RECORD_BOOLS, *(k for k in ("is_view", "weight_cast") if k in d)),
         times=("pack_time_s",),
     )
     shape, stride = d["shape"], d["stride"]

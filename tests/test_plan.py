@@ -18,6 +18,7 @@ import pytest
 import torch
 from models import ALL_MODELS, Block
 
+import lifecycle
 import offload
 from lifecycle import (
     BudgetInfeasibleError,
@@ -832,3 +833,45 @@ def test_swiglu_trace_saves_what_a_llama_layer_saves() -> None:
         transformer_trace(layers=1, hidden=8, tokens=8, mlp="relu")
     with pytest.raises(ValueError, match="ffn_hidden"):
         transformer_trace(layers=1, hidden=8, tokens=8, ffn_hidden=0)
+
+
+def test_weight_casts_under_min_offload_bytes_count_as_kept() -> None:
+    """NOTE [ Weight casts ] in offload: the manager casts a weight again at unpack only from
+    min_offload_bytes up and keeps a smaller cast as it is. A trace recorded without the
+    manager marks every cast (TensorRecord.weight_cast), and the plan counts the small ones:
+    its keep_all anchor, and the plan that keeps everything, equal the saved bytes measured on
+    a run keeping everything (each Linear's 8 KiB bf16 weight cast under a 64 KiB floor)."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(4096, 64)
+    floor = 64 << 10
+
+    def forward() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().sum()
+
+    trace = offload.profile(lambda: forward().backward(), model)
+    casts = [r for r in trace.records if r.weight_cast]
+    # The first Linear's input needs no gradient: its weight cast is not saved.
+    assert len(casts) == 3 and all(r.is_parameter and r.nbytes == 64 * 64 * 2 for r in casts)
+    assert Trace.from_dict(trace.to_dict()).records == trace.records
+
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=1 << 40)  # keeps everything
+    with SavedBytes.on(mgr) as meter:
+        with mgr:
+            loss = forward()
+        loss.backward()
+    mgr.close()
+    casts_bytes = sum(r.nbytes for r in casts)
+    assert meter.peak == simulate(trace, H200).peak_bytes + casts_bytes  # casts free at floor 0
+
+    p = plan(trace, 1 << 40, H200, min_offload_bytes=floor, margin=0)
+    assert p.anchors["keep_all"].peak_bytes == p.predicted_peak_bytes == meter.peak
+    anchors = lifecycle.predict_anchors(trace, H200, min_offload_bytes=floor)
+    assert anchors["keep_all"].peak_bytes == meter.peak
+    # From the floor up the manager casts them again: a plan counts nothing for them.
+    p0 = plan(trace, 1 << 40, H200, min_offload_bytes=0, margin=0)
+    assert p0.anchors["keep_all"].peak_bytes == meter.peak - casts_bytes
