@@ -1420,7 +1420,8 @@ class ActivationOffloader:
             if self._profiling is not None and self._profiler is not None:
                 recipe.seq = self._profiler.recorder.record_pack(t, parameter=True)
             return recipe
-        if self._budget_bytes is None:
+        if active is None:
+            # Min-memory mode, a budget's profiling step included (NOTE [ Activation recipes ]).
             rebuilt = self._activation_recipe(t, ex, stats)
             if rebuilt is not None:
                 return rebuilt
@@ -1495,6 +1496,8 @@ class ActivationOffloader:
                 or _member_spec(parent) != found.spec
             ):
                 return None
+            if self._profiling is not None and key is None and not _whole_input(parent, out):
+                return None  # stored: a trace links only an input stored whole (_rebuild_link)
             held: Any = ex.share(parent)
             if held is None:
                 return None
@@ -1572,12 +1575,9 @@ class ActivationOffloader:
         if (
             not isinstance(parent, _Member)
             or parent.executor is not ex
-            or parent.seq < 0
             or not _same_layout(parent, out)
             or _member_spec(parent) != found.spec
-            or parent.offset_bytes != 0
-            or parent.family.span_start != 0
-            or parent.family.nbytes != out.numel() * out.element_size()
+            or not _whole_input(parent, out)
         ):
             return -1
         return parent.seq
@@ -1696,6 +1696,17 @@ def _same_layout(parent: _Member, out: torch.Tensor) -> bool:
         parent.size == tuple(out.shape)
         and parent.dtype == out.dtype
         and parent.stride == _contiguous_strides(parent.size)
+    )
+
+
+def _whole_input(parent: _Member, out: torch.Tensor) -> bool:
+    """An activation's offloaded input ``parent`` was recorded by this step's profiler and is
+    its family's whole storage, as ``lifecycle.Recorder`` links an output to its input."""
+    return (
+        parent.seq >= 0
+        and parent.offset_bytes == 0
+        and parent.family.span_start == 0
+        and parent.family.nbytes == out.numel() * out.element_size()
     )
 
 

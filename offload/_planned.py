@@ -35,9 +35,12 @@ NOTE [ Budget mode ]
     trigger of its own: its input's (kept, or moved with its own planned trigger, which the
     planner puts before this unpack) is all it needs. A record whose recipe cannot be built
     (not an activation output, input not this manager's, another layout) is unplanned, as
-    above. The profiling step stores such outputs like any other (its memory probe must see
-    them) and records the link. Autocast weight casts are rebuilt in both modes (NOTE
-    [ Weight casts ]).
+    above. The profiling step, in min-memory mode, rebuilds such outputs as that mode does,
+    where their input was stored whole (the trace links no other), and records each with its
+    link; the rest it stores and records unlinked. (Its memory probe on a GPU sees a rebuilt
+    output from its unpack on, as it sees a stored one brought back: it leaves out only the
+    executor's reloads not yet unpacked and copies out in flight.) Autocast weight casts are
+    rebuilt in both modes (NOTE [ Weight casts ]).
 
 NOTE [ Refinement ]
     DESIGN.md "Data flow" 2: the profiling step's times are not compute times (its own copy

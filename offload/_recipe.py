@@ -60,10 +60,11 @@ NOTE [ Activation recipes ]
     it, so it is held from that unpack to the last of them (as the planner models a rebuilt
     family), and its bytes count once in ``bytes_rebuilt``.
     In budget mode the plan decides (``Placement.REBUILD``, NOTE [ Budget mode ] in
-    _planned.py): the profiling step stores these outputs and records the link to their input
-    (``TensorRecord.rebuild_from``: where the input was offloaded whole, at offset 0 of its own
-    storage, as ``lifecycle.Recorder`` links them), and a planned step builds the recipe for the
-    keys the plan rebuilds. There the input may also have been kept by the plan (the
+    _planned.py): the profiling step (min-memory mode) rebuilds these outputs too, but only
+    where it can record the link to their input (``TensorRecord.rebuild_from``: where the input
+    was offloaded whole, at offset 0 of its own storage, as ``lifecycle.Recorder`` links them;
+    the others it stores), and a planned step builds the recipe for the keys the plan
+    rebuilds. There the input may also have been kept by the plan (the
     activation's pack returned a plain tensor this manager kept in this step, not a parameter):
     the recipe then holds that tensor itself, whose bytes autograd holds anyway until the
     activation's backward, which comes after this unpack; its version is checked at unpack (an

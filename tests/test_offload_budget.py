@@ -1567,3 +1567,43 @@ def test_min_memory_and_profiling_steps_bring_back_a_window_not_the_whole_step()
     assert [s.stalls for s in mstats + bstats[:1]] == [wide[0].stalls] * 3
     assert max(minimal) <= everything // 2, (minimal, everything)
     assert budget[0] <= everything // 2, (budget, everything)  # the profiling step
+
+
+def test_the_profiling_step_stores_no_more_than_min_memory_mode() -> None:
+    """Step 1 of a budget runs in min-memory mode, and now as min-memory mode runs: each GELU
+    and LayerNorm output its next Linear saves is rebuilt from the input stored for the
+    activation's own backward, not stored too (on 4 GPT blocks: 2,179,072 bytes offloaded
+    and 727,040 saved bytes peak before, 1,392,640 and 648,192 now), and the trace still links
+    each to that input (TensorRecord.rebuild_from). Gradients bitwise, profiled and planned."""
+    from models import block_stack
+
+    from offload._live import SavedBytes
+
+    case = block_stack(seed=0, n_layer=4)
+    want = []
+    for s in range(3):
+        case.step(s)
+        want.append(case.grads())
+    measured = {}
+    for budget in (None, int(0.6 * keep_all_peak(case))):
+        mgr = offload.ActivationOffloader(
+            case.model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0
+        )
+        try:
+            with SavedBytes.on(mgr) as saved:
+                grads, stats = run(case, mgr, steps=1)
+            measured[budget is None] = (stats[0].as_dict(), saved.peak)
+            if budget is not None:
+                assert mgr._profiler is not None
+                links = [r for r in mgr._profiler.trace().records if r.rebuild_from >= 0]
+                more, _ = run(case, mgr, steps=2, first=1)  # planned
+                assert_bitwise(grads + more, want)
+            else:
+                assert_bitwise(grads, want[:1])
+        finally:
+            mgr.close()
+    (plain, plain_peak), (profiled, profiled_peak) = measured[True], measured[False]
+    assert profiled["records_rebuilt"] == plain["records_rebuilt"] == len(links) == 12
+    for k in ("bytes_offloaded_cpu", "bytes_rebuilt"):
+        assert profiled[k] == plain[k], k
+    assert profiled_peak == plain_peak

@@ -1780,17 +1780,18 @@ def test_parameter_changed_before_backward_fails_loudly() -> None:
 
 def test_planned_steps_leave_weight_casts_out_of_the_plan() -> None:
     """Budget mode profiles the casts as parameters: no plan entry places them, every planned
-    step rebuilds them, and gradients stay bitwise."""
+    step rebuilds them, and gradients stay bitwise. (The profiling step rebuilds the GELU
+    output too, as min-memory mode does; this plan, with room, stores it.)"""
     model, x = _autocast_mlp()
     want = _autocast_step(model, x)
     hw = offload.HardwareModel.cpu_only(
         copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
     )
     mgr = offload.ActivationOffloader(model, min_offload_bytes=0, gpu_budget="200KiB", hardware=hw)
-    for _ in range(3):
+    for rebuilt in (3, 2, 2):
         got = _autocast_step(model, x, mgr)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        assert mgr.stats.last.records_rebuilt == 2
+        assert mgr.stats.last.records_rebuilt == rebuilt
     plan = mgr.plan
     assert plan is not None and mgr.stats.last.unplanned_records == 0
     # The plan holds the activations only: 64 x (128 + 256 + 256) bf16 + 64 x 128 fp32 bytes.
