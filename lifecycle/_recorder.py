@@ -309,7 +309,7 @@ class Recorder:
         # iteration): the trace names them, so that no plan recomputes them.
         self._stateful: set[str] = set()
         # nn.RReLU modules called in a recorded step: offload keeps their saved tensors on the
-        # device (see NOTE [ Fill after pack ]), so the trace names them as kept modules.
+        # device (NOTE [ Fill after pack ] in offload/_offloader.py), so the trace names them as kept modules.
         self._fill_after_pack: set[str] = set()
         self._compiled: set[int] = set()  # ids of the compiled modules attached (leaves)
         # The compiled calls our hooks run around (see NOTE [ Hooks of a compiled call ]).
@@ -639,9 +639,9 @@ class Recorder:
             for m in (module.modules() if leaf else (module,))
         ):
             self._stateful.add(name)
-        # NOTE [ Fill after pack ]: F.rrelu in training saves its noise tensor and then fills
-        # it, and the fill leaves the version counter as it was (torch 2.13): a copy taken at
-        # pack holds the bytes from before the fill, and no check can tell. offload keeps every
+        # F.rrelu in training saves its noise tensor and then fills it, and the fill leaves the
+        # version counter as it was (torch 2.13; NOTE [ Fill after pack ] in
+        # offload/_offloader.py: offload defers such copies). offload also keeps every
         # nn.RReLU's saved tensors where they are; a plan made from this trace must count them
         # kept too (a plan that moved them on paper was 1.6x over its budget).
         if isinstance(module, nn.RReLU):

@@ -90,6 +90,8 @@ _autograd = torch._C._autograd
 _top_hooks = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
 _pop_hooks = getattr(_autograd, "_pop_saved_tensors_default_hooks", None)
 _push_hooks = getattr(_autograd, "_push_saved_tensors_default_hooks", None)
+# The number the next autograd node of this thread will get (see NOTE [ Fill after pack ]).
+_sequence_nr = getattr(_autograd, "_get_sequence_nr", None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -398,6 +400,10 @@ class ActivationOffloader:
         # Under a plan that rebuilds: what this step's kept packs returned, by id (a rebuilt
         # record's input may be one of them; see _activation_recipe).
         self._kept_refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        # Packs whose copy waits for their op to return, and the autograd sequence number when
+        # the last of them was packed (NOTE [ Fill after pack ]).
+        self._deferred: list[weakref.ref[_Deferred]] = []
+        self._deferred_at = -1
         # Norm outputs and what they were made with (eps is not on their autograd node).
         self._norms = NormOutputs()
         # Per step: the outputs recipes stood for, by id (one rebuild serves all their packs).
@@ -585,6 +591,7 @@ class ActivationOffloader:
             self._task_ends.clear()
             self._stack.clear()
             self._backward_entries.clear()
+            self._deferred.clear()
             if continuing:
                 assert rnd is not None
                 self._continue_round(rnd)
@@ -643,11 +650,14 @@ class ActivationOffloader:
                         "compile first, then make the manager on the compiled model",
                     )
                 # The traceback keeps the graph (and every packed handle) alive: release now.
+                self._deferred.clear()
                 self._executor.fail_step()
                 if self._profiling is not None and self._profiler is not None:
                     self._profiler.discard()
                     self._profiling = None
             else:
+                if self._deferred:
+                    self._flush_deferred()  # backward runs after the step's exit
                 self._executor.poll()
                 self._check_given_plan()
             self._stack.clear()
@@ -1377,6 +1387,8 @@ class ActivationOffloader:
         stats.records += 1
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
             return self._keep(t, stats)  # packed by a backward (recomputation, double backward)
+        if self._deferred and _sequence_nr is not None and _sequence_nr() != self._deferred_at:
+            self._flush_deferred()  # an op that made a node since: theirs has returned
         if self._cuda and torch.cuda.is_current_stream_capturing():
             self._warn_once("graphs", "CUDA graph capture: saved tensors are left in place")
             return self._keep(t, stats)
@@ -1449,31 +1461,84 @@ class ActivationOffloader:
                 stats.unplanned_records += 1  # to the first tier with room
             elif tier == KEEP:
                 return self._keep(t, stats)
+        # Reloaded when the backward of the module that saved it starts (and the look-ahead
+        # window). Not a record the plan placed: that one reloads at its planned trigger, or at
+        # its unpack, since a module's backward starts before its children's, and a parent
+        # running ops of its own (the root, a block's residual) would bring it back before the
+        # plan's kept tensors are freed. An unplanned record has no trigger.
+        own = self._stack[-1][2] if self._stack and (active is None or tier is None) else None
+        if not t.requires_grad:
+            # NOTE [ Fill after pack ]: no gradient, so possibly an op's buffer that the op
+            # itself fills after saving it: copied once the op has returned.
+            d = _Deferred(t, local, module, dtensor, tier, key, own)
+            self._deferred.append(weakref.ref(d))
+            if _sequence_nr is not None:
+                self._deferred_at = _sequence_nr()
+            if self._profiling is not None and self._profiler is not None:
+                d.seq = self._profiler.recorder.record_pack(t)
+            return d
+        member = self._offload(ex, local, module, dtensor, tier, key, own, -1)
+        if self._profiling is not None and self._profiler is not None:
+            member.seq = self._profiler.recorder.record_pack(
+                t, rebuild_from=self._rebuild_link(t, ex)
+            )
+        return member
+
+    def _offload(
+        self,
+        ex: Executor,
+        local: torch.Tensor,
+        module: str,
+        dtensor: Any,
+        tier: str | None,
+        key: tuple[str, int, int],
+        own: list[Any] | None,
+        seq: int,
+    ) -> _Member:
+        """Store ``local`` (a pack's tensor, or its DTensor's shard) and return its handle."""
         held = self._held_clock()
         started = time.perf_counter() if held is not None else 0.0
         member = ex.offload(local, module, dtensor, tier)
         if held is not None:
             held.held_s += time.perf_counter() - started
-        member.key = key
+        member.key, member.seq = key, seq
         fam = member.family
-        if self._profiling is not None and self._profiler is not None:
-            member.seq = self._profiler.recorder.record_pack(
-                t, rebuild_from=self._rebuild_link(t, ex)
-            )
+        active = self._active
         if active is not None and fam.members == 1:
             trigger = active.trigger.get(key)
             if trigger is not None and ex.step is not None:
                 ex.step.triggers.setdefault(trigger, []).append(fam)
-        if self._stack and (active is None or tier is None):
-            # Reloaded when the backward of the module that saved it starts (and the look-ahead
-            # window). Not a record the plan placed: that one reloads at its planned trigger,
-            # or at its unpack, since a module's backward starts before its children's, and a
-            # parent running ops of its own (the root, a block's residual) would bring it back
-            # before the plan's kept tensors are freed. An unplanned record has no trigger.
-            own = self._stack[-1][2]
-            if not own or own[-1] is not fam:
-                own.append(fam)
+        if own is not None and (not own or own[-1] is not fam):
+            own.append(fam)
         return member
+
+    def _flush_deferred(self) -> None:
+        """Store the deferred packs (NOTE [ Fill after pack ]): their ops have returned."""
+        pending, self._deferred = self._deferred, []
+        ex = self._executor
+        for ref in pending:
+            d = ref()
+            if d is None or d.tensor is None or ex is None or ex.step is None:
+                continue  # its graph is gone already, or the step failed
+            t, local = d.tensor, d.local
+            assert local is not None
+            if t._version != d.version:
+                # Changed in place before its copy: autograd's check, as for any saved tensor.
+                d.error = modified_after_save(f"a tensor saved by {d.module}", t, d.version)
+                continue
+            d.member = self._offload(ex, local, d.module, d.dtensor, d.tier, d.key, d.own, d.seq)
+            d.tensor = d.local = None
+            d.own = None
+
+    def _keep_deferred(self) -> None:
+        """Backward has begun: a pack still waiting stays where it is (copied now, it would
+        come back at once)."""
+        pending, self._deferred = self._deferred, []
+        stats = self._step_stats
+        for ref in pending:
+            d = ref()
+            if d is not None and d.tensor is not None and stats is not None:
+                stats.records_kept += 1
 
     def _activation_recipe(
         self,
@@ -1489,6 +1554,8 @@ class ActivationOffloader:
         if found is None:
             return None
         parent, out = found.packed, found.out
+        if type(parent) is _Deferred:  # an input without gradient, stored by now (this pack's
+            parent = parent.member  # op came after its own)
         if isinstance(parent, _Member):
             if (
                 parent.executor is not ex
@@ -1572,6 +1639,8 @@ class ActivationOffloader:
         if found is None:
             return -1
         parent, out = found.packed, found.out
+        if type(parent) is _Deferred:
+            parent = parent.member
         if (
             not isinstance(parent, _Member)
             or parent.executor is not ex
@@ -1609,7 +1678,22 @@ class ActivationOffloader:
                 if fam is not None and fam.step_ref is not None:
                     end.step = fam.step_ref()
         if type(packed) is not _Member:  # an offloaded tensor, the common case, goes on below
-            if isinstance(packed, torch.Tensor):
+            if type(packed) is _Deferred:
+                if self._deferred:
+                    self._keep_deferred()
+                if packed.seq >= 0 and self._profiler is not None:
+                    self._profiler.recorder.record_unpack(packed.seq, held=packed)
+                if packed.error is not None:
+                    raise packed.error
+                if packed.member is None:
+                    assert packed.tensor is not None
+                    if packed.tensor._version != packed.version:
+                        raise modified_after_save(
+                            f"a tensor saved by {packed.module}", packed.tensor, packed.version
+                        )
+                    return packed.tensor.detach()
+                packed = packed.member
+            elif isinstance(packed, torch.Tensor):
                 _check_kept(packed)
                 if self._kept_seq and self._profiler is not None:
                     self._profiler.recorder.record_unpack(
@@ -1622,7 +1706,7 @@ class ActivationOffloader:
                 return packed.rebuild()
             if isinstance(packed, ActivationRecipe):
                 return self._rebuild(packed)
-        if packed.seq >= 0 and self._profiler is not None:
+        elif packed.seq >= 0 and self._profiler is not None:
             # What autograd holds: the recorder learns from it whether the graph outlives this
             # backward (NOTE [ Retained graphs ] in lifecycle's recorder).
             self._profiler.recorder.record_unpack(packed.seq, held=packed)
@@ -1781,6 +1865,62 @@ def _add_note(exc: BaseException, note: str) -> None:
         add(note)
 
 
+# NOTE [ Fill after pack ]
+#     An op may save a buffer it fills itself afterwards, in the same call: F.rrelu in training
+#     saves its noise tensor (from empty_like) and then writes the noise into it, and the write
+#     leaves the version counter as it was (torch 2.13). A copy started at pack holds the bytes
+#     from before the fill (on CUDA, a D2H copy ordered after an event recorded at pack can run
+#     before the fill kernel), and no version check can tell. So a pack of a tensor that needs
+#     no gradient (such buffers, masks, indices, a batch's inputs) returns a _Deferred and is
+#     stored once its op has returned, which is at the first of:
+#       * the next pack after a new autograd node: every op that saves creates its node before
+#         saving, and the thread's sequence number (torch._C._autograd._get_sequence_nr) moves
+#         only then; rrelu's own later pack (its input, saved after the noise) sees none;
+#       * a module boundary (forward pre- or post-hook), or the step's exit;
+#     and the first unpack keeps the ones still waiting (copied then, they would come back at
+#     once). The wait is one op long in a model and costs no device memory that autograd did
+#     not hold anyway. An in-place change before the copy (a version bump) raises at unpack, as
+#     autograd would. nn.RReLU modules stay kept as well (lifecycle/_recorder.py).
+
+
+class _Deferred:
+    """What a pack returns for a tensor whose copy waits until its op has returned (NOTE [ Fill
+    after pack ]): the tensor until then, the stored member after."""
+
+    __slots__ = (
+        "__weakref__",
+        "dtensor",
+        "error",
+        "key",
+        "local",
+        "member",
+        "module",
+        "own",
+        "seq",
+        "tensor",
+        "tier",
+        "version",
+    )
+
+    def __init__(
+        self,
+        t: torch.Tensor,
+        local: torch.Tensor,
+        module: str,
+        dtensor: Any,
+        tier: str | None,
+        key: tuple[str, int, int],
+        own: list[Any] | None,
+    ) -> None:
+        self.tensor: torch.Tensor | None = t.detach()
+        self.local: torch.Tensor | None = local
+        self.version = t._version
+        self.module, self.dtensor, self.tier, self.key, self.own = module, dtensor, tier, key, own
+        self.member: _Member | None = None
+        self.error: RuntimeError | None = None
+        self.seq = -1
+
+
 # The module hooks hold their manager weakly: the model outlives a manager dropped without
 # close(), whose finalizer must still run (the hooks are removed then).
 
@@ -1826,6 +1966,8 @@ class _ForwardPre(ModuleHook):
         if budget and grad and not mgr._stack and self.name == "" and not mgr._signature_begun:
             mgr._signature_begun = True
             mgr._begin_signature(args, kwargs)
+        if mgr._deferred and not compiling:  # (traced, it would break the graph; a pack will)
+            mgr._flush_deferred()  # packed in the caller: stored before this call's packs
         # [module path, kept, families this call packed itself, call index, packs so far]
         entry: list[Any] = [self.name, self.kept or outer_kept, [], call, 0]
         mgr._stack.append(entry)
@@ -1848,6 +1990,8 @@ class _ForwardPost(ModuleHook):
             return
         if foreign_call(mgr._step_thread):
             return
+        if mgr._deferred and not torch.compiler.is_compiling():
+            mgr._flush_deferred()  # this call's last ops have returned
         name, _, own, call, _ = mgr._stack.pop()
         noted = mgr._norms.note(module, output)
         if noted is not None:

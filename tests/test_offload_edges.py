@@ -367,45 +367,96 @@ class _FunctionalRReLU(nn.Module):
         return torch.nn.functional.rrelu(x, training=self.training)
 
 
-@pytest.mark.parametrize(
-    "act",
-    [
-        "module",
-        pytest.param(
-            "functional",
-            marks=pytest.mark.xfail(
-                strict=False,  # nvme: a write still running at unpack hands back the source (it passes then)
-                reason="F.rrelu outside an nn.RReLU: its noise is saved before its kernel fills "
-                "it, without a version bump; pack copies the bytes from before (README, Limits)",
-            ),
-        ),
-    ],
-)
-@pytest.mark.parametrize("tiers", [("cpu",), ("nvme",)])
-def test_rrelu_noise_filled_after_pack(act: str, tiers, tmp_path) -> None:
-    """F.rrelu(training=True) saves its noise tensor, then fills it in the same op: the bytes
-    seen at pack are not the ones backward needs, and its version counter does not move. An
-    ``nn.RReLU`` is kept (its gradients were wrong: 0.weight, 0.bias and 2.weight differed);
-    a bare F.rrelu elsewhere still is not (a known defect, xfail)."""
+class _InlineRReLU(nn.Module):
+    """F.rrelu between two functional linears of one module: no module boundary after it."""
 
-    def run(mgr: Any) -> dict[str, torch.Tensor]:
-        torch.manual_seed(0)
-        middle = nn.RReLU() if act == "module" else _FunctionalRReLU()
-        model = nn.Sequential(nn.Linear(16, 16), middle, nn.Linear(16, 4))
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(16, 16) / 4)
+        self.b = nn.Parameter(torch.randn(4, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F = torch.nn.functional
+        return F.linear(F.rrelu(F.linear(x, self.a), training=self.training), self.b)
+
+
+def _rrelu_model(act: str) -> nn.Module:
+    torch.manual_seed(0)
+    if act == "inline":
+        return _InlineRReLU()
+    if act == "last":
+        return nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    middle = nn.RReLU() if act == "module" else _FunctionalRReLU()
+    return nn.Sequential(nn.Linear(16, 16), middle, nn.Linear(16, 4))
+
+
+def _rrelu_loss(act: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(7)
+    if act == "last":  # F.rrelu outside every module, the last op that saves before backward
+        return torch.nn.functional.rrelu(model(x), training=True).sum()
+    return model(x).pow(2).sum()
+
+
+@pytest.mark.parametrize("backward", ["after", "inside"])
+@pytest.mark.parametrize("act", ["module", "functional", "inline", "last"])
+@pytest.mark.parametrize("tiers", [("cpu",), ("nvme",)])
+def test_rrelu_noise_filled_after_pack(act: str, tiers, backward: str, tmp_path) -> None:
+    """F.rrelu(training=True) saves its noise tensor, then fills it in the same op: the bytes
+    seen at pack are not the ones backward needs, and its version counter does not move. Its
+    copy waits until the op has returned (NOTE [ Fill after pack ]): at the next module
+    boundary, the next pack of a later op, the step's exit or backward's first unpack.
+    Before, a bare F.rrelu gave wrong gradients (0.weight, 0.bias and 2.weight differed)."""
+
+    def run(mgr: Any) -> tuple[dict[str, torch.Tensor], Any]:
+        model = _rrelu_model(act)
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
         ctx = mgr(model) if mgr is not None else contextlib.nullcontext()
         with ctx as m:
             with m if m is not None else contextlib.nullcontext():
-                torch.manual_seed(7)
-                loss = model(x).pow(2).sum()
-            loss.backward()
-        return local_grads(model)
+                loss = _rrelu_loss(act, model, x)
+                if backward == "inside":
+                    loss.backward()
+            if backward == "after":
+                loss.backward()
+            stats = m.stats.last if m is not None else None
+        return local_grads(model), stats
 
-    want = run(None)
-    got = run(lambda model: manager(model, tiers=tiers, **nvme_kw(tiers, tmp_path)))
+    want, _ = run(None)
+    got, stats = run(lambda model: manager(model, tiers=tiers, **nvme_kw(tiers, tmp_path)))
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    if act == "inline":
+        # x and the noise (no gradient: deferred), h, rrelu's output and the model's output
+        # (pow's): all five stored; b.t() kept (a parameter's view).
+        stored = stats.records_offloaded_cpu + stats.records_offloaded_nvme
+        assert (stored, stats.records_kept) == (5, 1)
+
+
+def test_a_deferred_pack_changed_in_place_raises_like_autograd() -> None:
+    """A saved tensor without gradient changed in place before its deferred copy: backward
+    raises autograd's error, as it does without offload, instead of using the new bytes."""
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = torch.rand(4, 8).round()
+            y = (x @ self.w) * mask  # saves mask (deferred)
+            mask.add_(1)  # no node: the copy still waits
+            return y
+
+    x = torch.randn(4, 8)
+    model = Scale()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    with manager(model) as mgr:
+        with mgr:
+            loss = model(x).sum()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -1346,7 +1397,8 @@ def test_writes_of_freed_families_count_toward_the_in_flight_bound() -> None:
     want = [reference_grads("mlp", s) for s in range(2)]
     with manager(case.model) as probe:
         with probe:
-            case.loss(case.batch(0)).backward()
+            loss = case.loss(case.batch(0))
+        loss.backward()  # as below: the loss's target is stored at the step's exit
         step_bytes = probe.stats.last.bytes_offloaded_cpu
     assert step_bytes > 0
     engine = storage.CopyEngine(deferred=True, max_delay_s=0.0005, seed=0)
