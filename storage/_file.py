@@ -13,6 +13,7 @@ import weakref
 import numpy as np
 
 from storage._errors import StorageError, StorageFullError
+from storage._transfer import abandoned_at_exit
 from storage._units import ALIGNMENT_BYTES, format_bytes
 
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -187,9 +188,12 @@ class SpillFile:
 
 
 def _cleanup(fds: list[int], directory: str, path: str) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    # A thread abandoned at exit may still write through them; see NOTE [ Exiting with I/O in
+    # flight ]. The process's end closes them.
+    if not abandoned_at_exit():
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
     fds.clear()
     # Best effort (this also runs at exit): the file was unlinked at creation, so no bytes leak.
     with contextlib.suppress(OSError):

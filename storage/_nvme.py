@@ -6,7 +6,7 @@ import os
 import threading
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -21,12 +21,12 @@ from storage._pool import HostPool, HostRegion, shared_host_pool
 from storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
 from storage._transfer import (
     CopyEngine,
+    IoThreads,
     Transfer,
     chain,
     check_waitable,
     gather,
     in_gc_pass,
-    mark_worker_thread,
     track_gc_passes,
     wait_for,
 )
@@ -139,7 +139,7 @@ class NvmeTier(Tier):
         self._pool = pool
         self._own_engine = copy_engine is None
         self._engine = copy_engine if copy_engine is not None else CopyEngine()
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: IoThreads | None = None
         self._executor_lock = threading.Lock()
         self._stopped = False  # _stop() ran: no new I/O threads
 
@@ -460,16 +460,14 @@ class NvmeTier(Tier):
             self._pool = shared_host_pool()
         return self._pool
 
-    def _io(self) -> ThreadPoolExecutor:
+    def _io(self) -> IoThreads:
         with self._executor_lock:
             if self._executor is None:
                 if self._stopped:
                     raise StorageError("the nvme tier is closed")
                 track_gc_passes()
-                self._executor = ThreadPoolExecutor(
-                    self._io_threads,
-                    thread_name_prefix="storage-io",
-                    initializer=mark_worker_thread,
+                self._executor = IoThreads(
+                    self._io_threads, "storage-io", f"NVMe I/O in {self.private_directory}"
                 )
             return self._executor
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -11,11 +13,15 @@ import queue
 import random
 import threading
 import time
+import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
+
+from storage._errors import StorageError
 
 logger = logging.getLogger("storage")
 
@@ -143,7 +149,7 @@ class CopyEngine:
         self._random_lock = threading.Lock()
         self._gate = threading.Event()
         self._gate.set()
-        self._worker: ThreadPoolExecutor | None = None
+        self._worker: IoThreads | None = None
         self._worker_lock = threading.Lock()
         self._stopped: threading.Event | None = None  # set once the last close's worker stopped
 
@@ -167,11 +173,10 @@ class CopyEngine:
         with self._worker_lock:
             if self._worker is None:
                 track_gc_passes()
-                self._worker = ThreadPoolExecutor(
-                    1, thread_name_prefix="storage-copy", initializer=mark_worker_thread
-                )
+                self._worker = IoThreads(1, "storage-copy", "deferred copies")
             worker = self._worker
 
+        @functools.wraps(fn)  # named as fn in the warning about tasks abandoned at exit
         def late() -> object:
             self.delay()
             return fn()
@@ -275,7 +280,7 @@ def in_gc_pass() -> bool:
 
 
 def mark_worker_thread() -> None:
-    """The ``initializer`` of storage's thread pools (see :func:`on_worker_thread`)."""
+    """Called first on each of storage's threads (see :func:`on_worker_thread`)."""
     _worker_state.active = True
 
 
@@ -383,6 +388,180 @@ def _forget_closer() -> None:
     # A forked child has no closer thread: a queue nobody reads would swallow its closes.
     global _closer_jobs
     _closer_jobs = None
+
+
+# NOTE [ Exiting with I/O in flight ]
+# The interpreter's exit must not wait for ever on a write that never ends (a disk that stalls,
+# an ``after=`` whose D2H never completes). The I/O threads were a ThreadPoolExecutor's, whose
+# exit hook joins every worker: one stuck write held the process at exit for ever. They are
+# daemon threads of storage's own (IoThreads), and one exit hook waits for their tasks for as
+# long as they make progress: each task that finishes restarts a stall clock of EXIT_STALL_S,
+# so a normal exit still waits for every write that completes, however many are queued. When
+# none finished for that long, it logs one warning naming the tasks left and fails their
+# futures with StorageError: whatever waits on them next (a close, the manager's finalizer, the
+# background closer) goes on, releases what their transfers held and removes the private
+# directory. The stuck threads are never joined, and the spill file's descriptors stay open to
+# the end of the process: a thread that wakes late writes into the unlinked spill file, never
+# into a file opened later under a reused descriptor number (the bytes its task was given, freed
+# by then, nothing reads any more). The hook is threading's own exit hook (concurrent.futures
+# uses it too): it runs where the executor's join ran, before the interpreter joins non-daemon
+# threads (a storage-close thread may wait on the stuck write) and before atexit hooks
+# (finalizers close tiers there).
+EXIT_STALL_S = 5.0
+
+_pools: weakref.WeakSet[IoThreads] = weakref.WeakSet()
+_pools_lock = threading.Lock()
+_exit_hooked = False
+_abandoned = False  # the exit hook gave up on a task
+
+
+_Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]  # future, fn, args
+
+
+class IoThreads:
+    """A fixed set of daemon threads that run tasks in the order submitted, for a tier's file
+    I/O or a copy engine's copies. See NOTE [ Exiting with I/O in flight ].
+
+    Args:
+        threads: how many threads (started at once).
+        name: the threads' name prefix.
+        label: what the tasks are for, named in the warning about tasks abandoned at exit.
+
+    Example:
+        >>> io = IoThreads(2, "storage-example", "an example")
+        >>> io.submit(sum, [1, 2]).result()
+        3
+        >>> io.shutdown()
+    """
+
+    def __init__(self, threads: int, name: str, label: str) -> None:
+        self.label = label
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._pending: dict[Future[Any], str] = {}  # submitted, not finished -> the task's name
+        self._lock = threading.Lock()
+        self._abandoned = False
+        _watch_at_exit(self)
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on a thread; its result or error lands in the returned future."""
+        future: Future[Any] = Future()
+        with self._lock:
+            self._pending[future] = getattr(fn, "__name__", "task")
+        self._tasks.put((future, fn, args))
+        return future
+
+    def pending(self) -> list[Future[Any]]:
+        """The futures of the tasks submitted and not finished."""
+        with self._lock:
+            return [f for f in self._pending if not f.done()]
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the threads once the tasks queued ran; with ``wait``, join them, unless the exit
+        hook abandoned a task on them (it may never end)."""
+        for _ in self._threads:
+            self._tasks.put(None)
+        if wait and not self._abandoned:
+            for thread in self._threads:
+                thread.join()
+
+    def _abandon(self, why: str) -> Counter[str]:
+        """Fail the futures of the tasks not finished with StorageError(why); count them by
+        name."""
+        with self._lock:
+            left = {f: name for f, name in self._pending.items() if not f.done()}
+            self._abandoned = bool(left)
+        for future in left:
+            _settle(future, None, StorageError(why))
+        return Counter(left.values())
+
+    def _work(self) -> None:
+        mark_worker_thread()
+        while (task := self._tasks.get()) is not None:
+            future, fn, args = task
+            if not future.done():  # else abandoned at exit before it started
+                try:
+                    result = fn(*args)
+                except BaseException as e:
+                    _settle(future, None, e)
+                else:
+                    _settle(future, result, None)
+            with self._lock:
+                self._pending.pop(future, None)
+            del task, future, fn, args  # the task's sources go with it, not with the next wait
+
+
+def _settle(future: Future[Any], result: object, error: BaseException | None) -> None:
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass  # the exit hook failed it meanwhile
+
+
+def _watch_at_exit(pool: IoThreads) -> None:
+    global _exit_hooked
+    with _pools_lock:
+        _pools.add(pool)
+        if not _exit_hooked:
+            try:
+                threading._register_atexit(_finish_io_at_exit)  # type: ignore[attr-defined]
+            except RuntimeError:  # the interpreter is exiting already: nothing waits for these
+                return
+            if hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=_forget_pools)
+            _exit_hooked = True
+
+
+def _forget_pools() -> None:
+    # A forked child (a DataLoader worker) has none of the threads, and their tasks are the
+    # parent's: its exit waited EXIT_STALL_S for them, and warned.
+    global _pools, _pools_lock
+    _pools, _pools_lock = weakref.WeakSet(), threading.Lock()
+
+
+def _finish_io_at_exit() -> None:
+    global _abandoned
+    while True:
+        with _pools_lock:
+            pools = list(_pools)
+        pending = [f for pool in pools for f in pool.pending()]
+        if not pending:
+            return
+        done, _ = concurrent.futures.wait(
+            pending, EXIT_STALL_S, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        if not done:
+            break
+    _abandoned = True
+    why = f"abandoned at interpreter exit: no I/O task of storage finished for {EXIT_STALL_S} s"
+    count, left = 0, []
+    for pool in pools:
+        names = pool._abandon(why)
+        if names:
+            count += names.total()
+            tasks = ", ".join(f"{n} x{k}" for n, k in sorted(names.items()))
+            left.append(f"{tasks} ({pool.label})")
+    logger.warning(
+        "storage: exiting with %d I/O task(s) that made no progress for %s s; abandoned them "
+        "(their transfers fail): %s",
+        count,
+        EXIT_STALL_S,
+        "; ".join(left),
+    )
+
+
+def abandoned_at_exit() -> bool:
+    """Whether the exit hook gave up on a task that may still run (NOTE [ Exiting with I/O in
+    flight ]): its thread may yet use the files its tier holds."""
+    return _abandoned
 
 
 def wait_for(after: object) -> None:

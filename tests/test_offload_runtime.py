@@ -661,7 +661,7 @@ def test_soak_1000_steps_no_growth(tmp_path) -> None:
             step(case, mgr, s % 7)
         others, io = threads()
         assert (pool.host_allocations, nvme.file_bytes, len(open_files()), others) == base
-        # The I/O pool starts threads as requests overlap, up to its size (storage.IO_THREADS).
+        # The I/O pool starts its threads (storage.IO_THREADS) at its first request.
         assert 0 < io <= storage.IO_THREADS
         assert mgr._executor.live_families() == 0
         assert mgr.stats.total.steps == 1050
@@ -770,3 +770,52 @@ def test_a_manager_collected_while_its_writes_hang_is_closed_in_the_background(t
     assert "OPENED BY training thread" in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0, done.stderr
     assert "LEFT False 0 0" in done.stdout, done.stdout  # directory, staging bytes, fds
+
+
+def test_exit_with_a_managers_writes_stuck_ends_and_leaves_nothing(tmp_path) -> None:
+    """A manager left open at exit is closed by its finalizer, which waits for its writes. With
+    the disk stalled for good (the deferred engine held paused), the exit hung for ever: first
+    in the join of the copy and I/O threads, then in that close. Now the stuck copies are
+    abandoned with one warning, their transfers fail, the close goes on and nvme_dir is left
+    empty. Run in a child (a hang there stays there)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path[:0] = [{tests!r}, {os.path.dirname(tests)!r}]
+        import offload, storage
+        from models import gpt_block
+
+        case = gpt_block(seed=0)
+        engine = storage.CopyEngine(deferred=True, max_delay_s=0.0, seed=0)
+        mgr = offload.ActivationOffloader(
+            case.model, min_offload_bytes=0, tiers=("nvme",), nvme_dir={str(tmp_path)!r},
+            _copy_engine=engine,
+        )
+        with mgr:
+            loss = case.loss(case.batch(0))
+        loss.backward()
+        assert mgr.stats.last.bytes_offloaded_nvme > 0  # (waits for the writes)
+        stall = engine.paused()  # the disk stalls from here on, for ever
+        stall.__enter__()
+        with mgr:
+            loss = case.loss(case.batch(1))
+        assert mgr._tiers[0].transfers_running
+        print("EXITING", flush=True)
+        """
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the child hung at exit; its output: {e.stdout!r}")
+    assert done.returncode == 0, done.stderr
+    assert "EXITING" in done.stdout
+    assert done.stderr.startswith("storage: exiting with "), done.stderr
+    assert done.stderr.count("\n") == 1 and "(deferred copies)" in done.stderr, done.stderr
+    assert os.listdir(tmp_path) == []

@@ -319,6 +319,51 @@ def test_a_tier_closed_by_a_gc_pass_in_a_starting_thread_does_not_hang(tmp_path)
     assert "CLOSED" in result.stdout
 
 
+def test_exit_waits_for_writes_that_end_and_abandons_a_stuck_one(tmp_path):
+    """At exit the interpreter joined the I/O threads (a ThreadPoolExecutor's exit hook): a write
+    that never ends (its ``after=``, a D2H copy, never completes) held the process there for
+    ever, and the private directory stayed behind once it was killed. Now the exit waits for the
+    writes that end (one whose D2H ends during exit is stored), abandons the stuck one with a
+    warning naming it (its transfer fails), and leaves nothing in nvme_dir. Run in a child."""
+    script = textwrap.dedent(
+        f"""
+        import multiprocessing, threading, time
+        import torch
+        from storage import HostPool, NvmeTier
+        pool = HostPool(8 << 20)
+        tier = NvmeTier({str(tmp_path)!r}, capacity_bytes=8 << 20, pool=pool)
+        late, never = threading.Event(), threading.Event()  # two D2H copies
+        ends = tier.write(pool.allocate(1 << 20), after=late)
+        stuck = tier.write(pool.allocate(1 << 20), after=never)
+        for name, h in (("ENDS", ends), ("STUCK", stuck)):
+            h.written.add_done_callback(
+                lambda t, name=name: print(name, repr(t.exception()), flush=True)
+            )
+        # A forked child (a DataLoader worker) has none of these threads and none of their
+        # tasks: its exit has nothing to wait for, nor to warn about.
+        child = multiprocessing.get_context("fork").Process(target=print, args=("CHILD",))
+        child.start()
+        child.join()
+        threading.Thread(target=lambda: (time.sleep(1), late.set()), daemon=True).start()
+        print("EXITING", child.exitcode, flush=True)
+        """
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the child hung at exit; its output: {e.stdout!r}")
+    assert result.returncode == 0, result.stderr
+    assert "EXITING 0" in result.stdout and "ENDS None" in result.stdout, result.stdout
+    assert "STUCK StorageError('abandoned at interpreter exit" in result.stdout, result.stdout
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("storage:")]
+    assert len(warnings) == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "1 I/O task(s)" in warnings[0] and "_write_piece x1" in warnings[0]
+    assert str(tmp_path) in warnings[0]
+    assert os.listdir(tmp_path) == []
+
+
 def test_corrupted_record_raises_checksum_error_naming_the_range(tier, pool):
     x = random_bytes(9 * MiB)  # three checksum chunks; corrupt the middle one
     h = tier.write(x)
