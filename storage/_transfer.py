@@ -511,8 +511,11 @@ def _watch_at_exit(pool: IoThreads) -> None:
     with _pools_lock:
         _pools.add(pool)
         if not _exit_hooked:
+            # threading's own exit hook (private; CPython 3.9 on): before non-daemon threads
+            # are joined. Where it is missing, atexit's, which runs only after that join.
+            register = getattr(threading, "_register_atexit", atexit.register)
             try:
-                threading._register_atexit(_finish_io_at_exit)  # type: ignore[attr-defined]
+                register(_finish_io_at_exit)
             except RuntimeError:  # the interpreter is exiting already: nothing waits for these
                 return
             if hasattr(os, "register_at_fork"):
