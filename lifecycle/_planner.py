@@ -77,8 +77,9 @@ NOTE [ Planner ]
       Memory: the trace's memory outside saved tensors, kept families from first pack to last
       use (to the step's end where the graph outlived its backward: ``Trace.retained_steps``),
       recomputed ones from the first unpack of their block, offloaded ones until their copy
-      out completes and from their reload's start (to their last use, retained or not). To bound the simulator's peak from above, the
-      D2H rate after backward begins is the shared-duplex rate, and memory is tracked over at
+      out completes and from their reload's start (to their last use, retained or not; in a step
+      of several backwards, to their last use in each: NOTE [ Backward passes ] in _trace.py).
+      To bound the simulator's peak from above, the D2H rate after backward begins is the shared-duplex rate, and memory is tracked over at
       most ``_MAX_FRAMES`` frames of consecutive events, an item held in part of a frame counting
       in all of it. Not modelled: what the simulator also leaves out (see NOTE [ Simulation
       model ]), duplex sharing in time, and the time shift a stall causes (which only makes
@@ -135,6 +136,7 @@ from lifecycle._plan import (
 from lifecycle._simulate import Decision, Placement, _step_index, simulate
 from lifecycle._trace import (
     WHOLE_STORAGE_FACTOR,
+    BackwardPasses,
     Event,
     EventKind,
     TensorRecord,
@@ -490,6 +492,7 @@ class _Step:
         self.first_seq = self.records[0].seq if self.records else 0
         self.device = self.records[0].device if self.records else "cpu"
         self._families(floor_bytes)
+        self._passes()
         act = ~self.param
         live = _diff(n, self.fp[act], self.keep_end[act] + 1, self.nbytes[act])
         rest = np.maximum(0.0, mem - self.base - live)
@@ -641,6 +644,50 @@ class _Step:
             np.maximum.at(hi_p, pos, via)
             one = (lo_p == hi_p) & (lo_p >= 0) & (lo_p != np.arange(n_fam))
             self.rebuild_parent[one] = lo_p[one]
+
+    def _passes(self) -> None:
+        """Per family, its first and last unpack in each backward pass (local events, -1: not
+        counted per pass), and where each backward event's reload trigger fires again in each
+        later pass (NOTE [ Backward passes ] in _trace.py). Nothing to do in a step of one
+        backward, nor where a backward built a graph (it may hold what it unpacked)."""
+        self.n_passes = 1
+        passes = BackwardPasses(self.records)
+        if passes.count < 2 or self.create_graph:
+            return
+        n, first = passes.count, self.first_event
+        n_fam = len(self.fid)
+        self.n_passes = n
+        self.pass_first = np.full((n, n_fam), -1, np.int64)
+        self.pass_last = np.full((n, n_fam), -1, np.int64)
+        members: list[list[int]] = [[] for _ in range(n_fam)]
+        for r, p in zip(self.records, self.record_pos.tolist(), strict=True):
+            members[p].append(r.seq)
+        for p, seqs in enumerate(members):
+            for k, (lo, hi) in enumerate(passes.of_family(seqs)):
+                self.pass_first[k, p], self.pass_last[k, p] = lo - first, hi - first
+        self.again = np.full((n, len(self.trig)), -1, np.int64)
+        for k in range(1, n):
+            at = [passes.again(e + first, k) for e in self.trig.tolist()]
+            self.again[k] = np.where(np.asarray(at) >= 0, np.asarray(at) - first, -1)
+
+    def between_passes(
+        self, fams: np.ndarray, trigger: np.ndarray, nbytes: np.ndarray
+    ) -> np.ndarray:
+        """Bytes per frame that families ``fams``, reloaded at local events ``trigger`` for
+        their first backward pass, give back between their passes: from after their last unpack
+        of a pass until their trigger fires again (else their first unpack) in the next."""
+        out = np.zeros(self.n_frames)
+        if self.n_passes < 2 or not len(fams):
+            return out
+        col = np.searchsorted(self.trig, trigger)  # a trigger is a backward event
+        for k in range(1, self.n_passes):
+            first = self.pass_first[k, fams]
+            has = first >= 0
+            start = self.pass_last[k - 1, fams] + 1
+            at = self.again[k, col]
+            stop = np.minimum(np.maximum(np.where(at >= 0, at, first), start), first)
+            out += self.freed(start[has], stop[has], nbytes[has])
+        return out
 
 
 def _view_spans(views: list[TensorRecord], nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1257,6 +1304,9 @@ class _Model:
                 step_s += max(late, float(do[ready >= u].sum()))
         else:
             step_s += float(d2h.sum()) + float(do.sum())
+            if v.n_passes > 1:  # each later backward pass reloads again
+                again = (v.pass_first[1:, fam] >= 0).sum(axis=0)
+                step_s += float((rd * again).sum())
         if not memory:
             return _Candidate(
                 col.m, lead, k, math.nan, step_s, none, none.astype(bool), none, col.rebuilt
@@ -1294,6 +1344,8 @@ class _Model:
             # A reloaded family is freed after its last use, not kept to the step's end.
             back = trigger >= 0
             freed += v.freed(v.end[fam[back]] + 1, v.keep_end[fam[back]] + 1, b[back])
+            # And after its last use in each backward pass (NOTE [ Backward passes ]).
+            freed += v.between_passes(fam[back], trigger[back], b[back])
         peak = float(np.max(col.base - freed))
         return _Candidate(col.m, lead, k, peak, step_s, fam, nvme, trigger, col.rebuilt)
 

@@ -32,7 +32,8 @@ NOTE [ Simulation model ]
     step's end in a step of ``Trace.retained_steps``, whose graph outlived its backward, and every
     family to the step's end in one of ``Trace.create_graph_steps``), moved
     families from their pack until their D2H completes and from their reload's start until their
-    last use, recomputed families from their recomputation until their last use, rebuilt families
+    last use (in each backward pass of a step with several: NOTE [ Backward passes ] in
+    _trace.py), recomputed families from their recomputation until their last use, rebuilt families
     from their first through their last pack event (the op saving one still uses it) and from
     their rebuild until their last use. Bytes are freed at the event after their last use, as in
     :meth:`Trace.live_saved_bytes`; a rebuild is a use of its parent, so a parent stays at least
@@ -81,7 +82,14 @@ from dataclasses import dataclass, field
 
 from lifecycle._hardware import HardwareModel
 from lifecycle._nogc import gc_paused
-from lifecycle._trace import Event, EventKind, ModuleSpan, Trace, with_small_casts_kept
+from lifecycle._trace import (
+    BackwardPasses,
+    Event,
+    EventKind,
+    ModuleSpan,
+    Trace,
+    with_small_casts_kept,
+)
 from lifecycle._units import parse_bytes
 
 _DEFAULT_MIN_INFLIGHT_BYTES = 256 << 20  # DESIGN: max_inflight_bytes defaults to at least 256 MiB
@@ -465,6 +473,8 @@ class _FamilyFacts:
     movable: bool  # an activation not packed during backward
     records: tuple[int, ...]  # seq of each member
     rebuild_from: tuple[int, ...]  # each member's TensorRecord.rebuild_from (-1: none)
+    # (first unpack, last unpack) per backward pass, or (): see NOTE [ Backward passes ]
+    passes: tuple[tuple[int, int], ...] = ()
 
 
 class _StepView:
@@ -493,7 +503,13 @@ class _StepView:
             e.index: max(0, e.memory_bytes - self.base_bytes - live.get(e.index, 0))
             for e in self.events
         }
-        self.facts = {f.family: f for f in _family_facts(trace, step)}
+        # See NOTE [ Backward passes ] in _trace.py. A graph built by a backward may hold what
+        # it unpacked to the step's end: no family of such a step is counted per pass.
+        self.passes = BackwardPasses(r for r in trace.records if r.step == step)
+        self.facts = {
+            f.family: f
+            for f in _family_facts(trace, step, None if self.create_graph else self.passes)
+        }
         spans = [s for s in trace.module_spans() if s.step == step]
         self.forward_spans = [s for s in spans if s.phase == "forward"]
         self.forward_spans_of: dict[str, list[ModuleSpan]] = {}
@@ -515,7 +531,7 @@ class _StepView:
         self.family_of_record = {r.seq: r.family for r in trace.records if r.step == step}
 
 
-def _family_facts(trace: Trace, step: int) -> Iterable[_FamilyFacts]:
+def _family_facts(trace: Trace, step: int, passes: BackwardPasses | None) -> Iterable[_FamilyFacts]:
     for fam in trace.families():
         if fam.step != step or fam.is_parameter:
             continue
@@ -533,6 +549,7 @@ def _family_facts(trace: Trace, step: int) -> Iterable[_FamilyFacts]:
             movable=not any(r.in_backward for r in members),
             records=fam.records,
             rebuild_from=tuple(r.rebuild_from for r in members),
+            passes=passes.of_family(fam.records) if passes is not None else (),
         )
 
 
@@ -905,6 +922,7 @@ class _FamilyState:
     unpacked: bool = False  # its first unpack (or, for a parent, its first rebuild) happened
     source_used: bool = False  # unpacked before its D2H completed: the source stays in use
     parent: _FamilyState | None = None  # REBUILD: the family it is rebuilt from
+    backward_pass: int = 0  # NOTE [ Backward passes ]: the pass its next unpacks belong to
 
 
 class _Simulator:
@@ -945,12 +963,14 @@ class _Simulator:
         self.inflight_bytes = 0  # D2H bytes not yet copied out
         self.ahead_bytes = 0  # requested, not yet unpacked
         self.free_at: dict[int, list[_FamilyState]] = {}
+        self.pass_end_at: dict[int, list[_FamilyState]] = {}  # see NOTE [ Backward passes ]
         self._plan_reloads(decisions)
 
     def _plan_reloads(self, decisions: Mapping[int, Decision]) -> None:
         """Where each moved family's reload may start. See NOTE [ Reload policy ]."""
         self.explicit_at: dict[int, list[_FamilyState]] = {}
         self.trigger_at: dict[int, list[_FamilyState]] = {}
+        self.again_at: dict[int, list[tuple[_FamilyState, int]]] = {}
         window = []
         for fid, d in decisions.items():
             if not d.placement.moves:
@@ -958,6 +978,7 @@ class _Simulator:
             fam = self.fams[fid]
             if d.reload_event >= 0:
                 self.explicit_at.setdefault(d.reload_event, []).append(fam)
+                self._plan_later_passes(fam, d.reload_event)
                 continue
             facts = fam.facts
             if facts.first_unpack < 0:
@@ -969,9 +990,21 @@ class _Simulator:
             ]
             if triggers:
                 self.trigger_at.setdefault(min(triggers), []).append(fam)
+                self._plan_later_passes(fam, min(triggers))
             window.append(fam)
         self.window = sorted(window, key=lambda f: f.facts.first_unpack)
         self.window_next = 0
+
+    def _plan_later_passes(self, fam: _FamilyState, trigger: int) -> None:
+        """Where the reload trigger at event ``trigger`` fires again in each later backward pass
+        of ``fam`` (NOTE [ Backward passes ]); one that does not fire leaves the unpack to
+        reload (a stall)."""
+        passes = fam.facts.passes
+        for k in range(1, len(passes)):
+            at = self.view.passes.again(trigger, k)
+            if at >= 0:
+                at = min(max(at, passes[k - 1][1] + 1), passes[k][0])
+                self.again_at.setdefault(at, []).append((fam, k))
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -980,7 +1013,7 @@ class _Simulator:
         advance, set_rest, free_at = self.channels.advance, self.memory.set_rest, self.free_at
         pack, unpack = EventKind.PACK, EventKind.UNPACK
         # Before backward begins, only the planned reload points start reloads.
-        reload_at = self.explicit_at.keys() | self.trigger_at.keys()
+        reload_at = self.explicit_at.keys() | self.trigger_at.keys() | self.again_at.keys()
         backward_begins = self.view.backward_begins
         t0 = events[0].time_s
         for e in events:
@@ -989,6 +1022,8 @@ class _Simulator:
             if free_at:
                 for fam in free_at.pop(e.index, ()):
                     self._hold(fam, -fam.device_bytes)
+            for fam in self.pass_end_at.pop(e.index, ()):
+                self._end_pass(fam)
             set_rest(self.now, rest[e.index])
             kind = e.kind
             if kind is pack:
@@ -1055,6 +1090,11 @@ class _Simulator:
             # What the step brings back (a reload, a rebuild, a recomputation) dies after its
             # last use even when the graph lives on; a kept tensor lives with the graph.
             self.free_at.setdefault(fam.facts.last_use + 1, []).append(fam)
+            if fam.placement.moves:
+                # A reload dies after its last use in each backward pass (NOTE [ Backward
+                # passes ] in _trace.py).
+                for _, last in fam.facts.passes[:-1]:
+                    self.pass_end_at.setdefault(last + 1, []).append(fam)
 
     def _room_for(self, nbytes: int) -> bool:
         # NOTE [ Stream ordering ] rule 2 (DESIGN.md): one copy larger than the bound still goes.
@@ -1079,6 +1119,16 @@ class _Simulator:
             self._hold(fam, -fam.device_bytes)
             if fam.requested:
                 self._reload(fam, from_compute=False)
+
+    def _end_pass(self, fam: _FamilyState) -> None:
+        """``fam``'s last unpack of a backward pass is done: its reload buffer goes, and the
+        next pass brings it back again. One whose source was used stays (cautious: the executor
+        drops the source once its copy out completes)."""
+        fam.backward_pass += 1
+        if fam.source_used or not fam.unpacked:
+            return
+        self._hold(fam, -fam.device_bytes)
+        fam.unpacked = fam.requested = False
 
     # -- unpack ----------------------------------------------------------------------------
 
@@ -1150,6 +1200,9 @@ class _Simulator:
             self._request(fam)
         for fam in self.trigger_at.get(index, ()):
             self._request(fam)
+        for fam, k in self.again_at.get(index, ()):
+            if fam.backward_pass == k:
+                self._request(fam)
         if index < self.view.backward_begins:
             return
         while self.window_next < len(self.window):

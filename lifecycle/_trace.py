@@ -7,6 +7,7 @@ touches CUDA or autograd.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import functools
@@ -543,6 +544,66 @@ class Trace:
                 raise ValueError(
                     f"events must be in index order with index == position; event {i} has index {e.index}"
                 )
+
+
+# NOTE [ Backward passes ]
+#     A step may run several backwards over one graph (``loss1.backward(retain_graph=True);
+#     loss2.backward()``): every saved tensor is then unpacked once per backward, and the k-th
+#     unpack of a record is taken as backward pass k. A moved family's reload buffer lives only
+#     as long as autograd's use of it in one pass: offload's executor drops its reference once
+#     every member has been unpacked, and the next pass reloads it. Its reload for pass k starts
+#     where the trigger of its first reload fires again in pass k (a plan's trigger is a
+#     pre-hook on a module output's ``grad_fn`` or an unpack, and both fire in every pass):
+#     an unpack trigger at the same record's k-th unpack; a backward start (which the recorder
+#     notes in the first pass only) right after the unpack before the k-th unpack of the record
+#     first unpacked after it, no later than where the executor sees it (the events between are
+#     no unpacks). A family is counted per pass only when each member is unpacked equally often
+#     and each pass's unpacks of it all come before the next pass's; otherwise, as before, it
+#     is held from its first reload to its last use.
+class BackwardPasses:
+    """The backward passes of one step: which unpack is which pass, per NOTE [ Backward passes ].
+
+    Args:
+        records: the step's records.
+    """
+
+    def __init__(self, records: Iterable[TensorRecord]) -> None:
+        self._unpacks: dict[int, tuple[int, ...]] = {}
+        self._at: dict[int, tuple[int, int]] = {}  # unpack event -> (seq, pass)
+        for r in records:
+            self._unpacks[r.seq] = r.unpack_events
+            for j, u in enumerate(r.unpack_events):
+                self._at[u] = (r.seq, j)
+        self._order = sorted(self._at)
+        self.count = max(map(len, self._unpacks.values()), default=0)
+
+    def again(self, event: int, k: int) -> int:
+        """Where a reload trigger at ``event`` (of pass 0) fires in pass ``k``; -1: it does not."""
+        i = bisect.bisect_left(self._order, event)
+        if i == len(self._order):
+            return -1
+        unpack = self._order[i]
+        seq, j = self._at[unpack]
+        uses = self._unpacks[seq]
+        if j + k >= len(uses):
+            return -1
+        target = uses[j + k]
+        if unpack == event:
+            return target
+        before = bisect.bisect_left(self._order, target) - 1
+        return self._order[before] + 1 if before >= 0 else target
+
+    def of_family(self, seqs: Iterable[int]) -> tuple[tuple[int, int], ...]:
+        """(first unpack, last unpack) of each pass of the family of records ``seqs``; () when
+        the family is not counted per pass (NOTE [ Backward passes ])."""
+        uses = [self._unpacks[s] for s in seqs]
+        n = len(uses[0]) if uses else 0
+        if n < 2 or any(len(u) != n for u in uses):
+            return ()
+        out = tuple((min(u[k] for u in uses), max(u[k] for u in uses)) for k in range(n))
+        if any(out[k][1] >= out[k + 1][0] for k in range(n - 1)):
+            return ()
+        return out
 
 
 def with_small_casts_kept(trace: Trace, floor_bytes: int) -> Trace:

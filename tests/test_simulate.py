@@ -1041,3 +1041,42 @@ def test_gc_paused_restores_the_collector(enabled: bool) -> None:
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_a_reload_lives_for_one_backward_of_a_step_with_two() -> None:
+    """Two backwards of one graph in a step: the k-th unpack of a record is backward pass k, and
+    a reload dies after its family's last unpack of a pass (NOTE [ Backward passes ]). The
+    simulator held each reload to its last use in the second backward: offloading everything
+    peaked at 524,288 B, 8 of the 9 families of 65,536 B, back by the end of the first backward.
+    Now it peaks as a single backward does, at 196,608."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.GELU())])
+    x = torch.randn(64, 256)
+
+    def step(twice: bool) -> None:
+        y = model(x)
+        y.pow(2).mean().backward(retain_graph=twice)
+        if twice:
+            y.sum().backward()
+
+    hw = HardwareModel.h200()
+    two = offload.profile(lambda: step(True), model, warmup_steps=0)
+    one = offload.profile(lambda: step(False), model, warmup_steps=0)
+    peaks = [simulate(t, hw, offload_all(t)).peak_bytes for t in (one, two)]
+    assert peaks == [196_608, 196_608]
+    # Where each pass-0 trigger fires again in the second backward: an unpack at its record's
+    # second unpack, a module's backward start right after the unpack before that one.
+    from lifecycle._trace import BackwardPasses
+
+    passes = BackwardPasses(two.records)
+    assert passes.count == 2
+    by_seq = {r.seq: r for r in two.records}
+    for r in two.records:
+        if len(r.unpack_events) == 2:
+            assert passes.again(r.unpack_events[0], 1) == r.unpack_events[1]
+            assert passes.of_family([r.seq]) == tuple((u, u) for u in r.unpack_events)
+    starts = [e for e in two.events if e.kind is EventKind.BACKWARD_START and e.module == "6"]
+    (start,) = starts
+    u6 = min(by_seq[s].unpack_events[1] for s in by_seq if by_seq[s].module == "6")
+    assert passes.again(start.index, 1) == u6 - 1  # right after module 7's second unpack
+    assert two.events[u6 - 1].kind is EventKind.BACKWARD_END
