@@ -651,6 +651,8 @@ class _Step:
         later pass (NOTE [ Backward passes ] in _trace.py). Nothing to do in a step of one
         backward, nor where a backward built a graph (it may hold what it unpacked)."""
         self.n_passes = 1
+        if self.create_graph or all(len(r.unpack_events) < 2 for r in self.records):
+            return  # (the common case, without building the per-unpack maps)
         passes = BackwardPasses(self.records)
         if passes.count < 2 or self.create_graph:
             return
