@@ -920,11 +920,18 @@ class Executor:
         fam.to(Life.RESIDENT)
 
     def _source_view(self, m: _Member) -> torch.Tensor:
+        # Views of the source only (slice, dtype view, as_strided), no ``set_``: on CUDA the D2H
+        # stream may still read these bytes, and torch's CUDA sanitizer counts ``set_``'s return
+        # (``Tensor(a!)``) as a write on the compute stream, unordered with that read: a data race
+        # reported where there is none (torch/cuda/_sanitizer.py, ArgumentHandler.parse_outputs).
         fam = m.family
         item = m.dtype.itemsize
-        base = torch.empty(0, dtype=m.dtype, device=fam.device)
-        assert fam.source is not None
-        return base.set_(fam.source.untyped_storage(), m.offset_bytes // item, m.size, m.stride)
+        src = fam.source  # uint8: the storage's bytes [span_start, span_start + nbytes)
+        assert src is not None
+        lo = -fam.span_start % item  # the first byte at a multiple of the item size
+        usable = (src.numel() - lo) // item * item
+        typed = src[lo : lo + usable].view(m.dtype)
+        return typed.as_strided(m.size, m.stride, m.offset_bytes // item)
 
     @staticmethod
     def _wrap(m: _Member, local: torch.Tensor) -> torch.Tensor:

@@ -2138,3 +2138,59 @@ def test_calls_a_checkpoint_recomputation_leaves_unfinished_end_with_its_backwar
             moved = two_pairs(model, x, mgr)
         assert moved[0] > 0 and moved[1] == moved[0], moved
         assert_bitwise(local_grads(model), want)
+
+
+class _SanitizerWrites(torch.utils._python_dispatch.TorchDispatchMode):
+    """The addresses each op writes, read from its schema as torch's CUDA sanitizer reads them
+    (``ArgumentHandler`` in torch/cuda/_sanitizer.py): a mutable argument (``Tensor(a!)``), and a
+    return of a non-factory op that is not a read-only alias. The sanitizer checks CUDA tensors
+    only; this sees CPU ones, so its rule can be checked here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.cuda._sanitizer import FACTORY_FUNCTION_REGEX
+
+        schema = func._schema
+        for arg, value in zip(schema.arguments, args, strict=False):
+            mutable = arg.alias_info is not None and arg.alias_info.is_write
+            if mutable and isinstance(value, torch.Tensor):
+                self.writes.append((str(func), value.data_ptr()))
+        out = func(*args, **(kwargs or {}))
+        if not FACTORY_FUNCTION_REGEX.match(schema.name):
+            ret = schema.returns[0] if schema.returns else None
+            written = ret is not None and (ret.alias_info is None or ret.alias_info.is_write)
+            if written and isinstance(out, torch.Tensor):
+                self.writes.append((str(func), out.data_ptr()))
+        return out
+
+
+def test_unpack_of_a_record_still_copying_out_writes_nothing_the_copy_reads() -> None:
+    """While a record's copy out is in flight, unpack hands back a view of the source the copy
+    reads (NOTE [ Stream ordering ] rule 3). It builds that view from views only: an op the CUDA
+    sanitizer counts as a write to those bytes (``set_``, whose return is ``Tensor(a!)``) on the
+    compute stream, against the D2H stream's unfinished read, is reported as a data race."""
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0, _copy_engine=engine)
+    try:
+        with engine.paused():
+            with mgr:
+                out = model(torch.randn(32, 64))
+            (fam,) = [
+                f for f in mgr._executor.step.families if f.storage_ref() is out.untyped_storage()
+            ]
+            assert fam.life is Life.COPYING_OUT and fam.source is not None
+            first, last = fam.source.data_ptr(), fam.source.data_ptr() + fam.nbytes
+            with _SanitizerWrites() as seen:
+                saved = out.grad_fn._saved_result  # tanh's output: unpacked from its source
+            assert fam.life is Life.COPYING_OUT
+        assert torch.equal(saved, out)
+        assert [(op, p) for op, p in seen.writes if first <= p < last] == []
+        del out, saved
+    finally:
+        mgr.close()
+        engine.close()
