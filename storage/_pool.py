@@ -387,9 +387,22 @@ class HostPool:
         )
         return slab
 
-    def _drop_slab(self, slab: _Slab) -> None:
+    def _drop_slab(self, slab: _Slab) -> int:
+        """Take ``slab`` out of the pool; returns its bytes."""
         self._slabs.remove(slab)
         self._reserved -= slab.memory.numel()
+        return slab.memory.numel()
+
+    def _give_back_pinned(self) -> None:
+        """Hand the pinned slabs just dropped back to the driver. torch's pinned allocator keeps
+        a freed block cached until its cache is emptied, and reuses it only for a request of the
+        same power of two (ATen/core/CachingHostAllocator.h: free -> maybe_cache_block,
+        get_free_block by size_index; empty_cache frees the free list only): a dropped slab
+        stayed pinned beside the larger one replacing it, or after the last claim on the pool
+        closed. The caller must hold no reference to them (no loop variable either): a block
+        still in use is not freed by the emptying."""
+        if self._ever_pinned:
+            _empty_host_cache()
 
     @staticmethod
     def _unused(slab: _Slab) -> bool:
@@ -403,13 +416,9 @@ class HostPool:
         if sum(s.memory.numel() for s in unused) < nbytes:
             return
         freed = 0
-        for slab in unused:
-            if freed >= nbytes:
-                break
-            freed += slab.memory.numel()
-            self._drop_slab(slab)
-        if self._ever_pinned:
-            _empty_host_cache()  # torch keeps freed pinned blocks cached: give them back first
+        while freed < nbytes:
+            freed += self._drop_slab(unused.pop(0))
+        self._give_back_pinned()  # before the larger slab is allocated
 
     def _release(self, region: HostRegion) -> None:
         if region._released:
@@ -432,13 +441,12 @@ class HostPool:
         no free slab is left); returns the bytes given back."""
         _check_bytes("keep_bytes", keep_bytes)
         with self._lock:
+            unused = [s for s in self._slabs if self._unused(s)]
             freed = 0
-            for slab in list(self._slabs):
-                if self._reserved <= keep_bytes:
-                    break
-                if self._unused(slab):
-                    freed += slab.memory.numel()
-                    self._drop_slab(slab)
+            while unused and self._reserved > keep_bytes:
+                freed += self._drop_slab(unused.pop(0))
+            if freed:
+                self._give_back_pinned()
             return freed
 
     def close(self) -> None:

@@ -406,3 +406,63 @@ def test_pinned_slabs_go_back_through_torchs_private_host_cache_call_on_torch_2_
     monkeypatch.setattr(_pool.torch._C, "_host_emptyCache", lambda: calls.append(1), raising=False)
     _pool._empty_host_cache()
     assert calls == [1]
+
+
+def _count_host_cache_empties(monkeypatch, dropped: list[weakref.ref]) -> list[bool]:
+    """Each call of torch's host-cache emptying, in place of the real one (a CPU build has none),
+    records whether every slab dropped so far was gone by then: a pinned slab still referenced
+    when the cache is emptied is not freed then, and stays page-locked in torch's cache."""
+    from storage import _pool
+
+    calls: list[bool] = []
+    monkeypatch.setattr(_pool.torch, "accelerator", type("NoHostCache", (), {})())
+    monkeypatch.delattr(_pool.torch.cuda, "empty_host_cache", raising=False)
+    monkeypatch.setattr(
+        _pool.torch._C,
+        "_host_emptyCache",
+        lambda: calls.append(all(ref() is None for ref in dropped)),
+        raising=False,
+    )
+    return calls
+
+
+def test_slabs_given_back_are_gone_before_torchs_host_cache_is_emptied(monkeypatch):
+    """torch's pinned allocator caches a freed block until its cache is emptied, and reuses it
+    only for a request of the same power of two (ATen/core/CachingHostAllocator.h: free ->
+    maybe_cache_block, get_free_block by size_index, empty_cache frees the free list). A slab
+    given back must be unreferenced when the cache is emptied, and trim() must empty it: else
+    the slab stays pinned beside the larger one that replaces it, or after the last claim
+    closed. The slabs here are plain (a CPU build pins nothing) and counted as pinned."""
+    with HostPool(2 * MiB, slab_bytes=1 * MiB) as pool:
+        pool._ever_pinned = True  # what a pinned slab sets (see _new_slab)
+        dropped: list[weakref.ref] = []
+        calls = _count_host_cache_empties(monkeypatch, dropped)
+        pool.allocate(512 * KiB).release()
+        dropped.append(weakref.ref(pool._slabs[0].memory))
+        pool.allocate(MiB + 1).release()  # a 2 MiB slab: the unused 1 MiB one makes room
+        assert calls == [True]
+        dropped.append(weakref.ref(pool._slabs[0].memory))
+        assert pool.trim() == 2 * MiB
+        assert calls == [True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_slabs_given_back_leave_torchs_host_cache():
+    """The CUDA side of the test above, read from torch's pinned allocator: a slab dropped for a
+    larger one, and a trimmed slab, are no longer pinned (allocated_bytes counts cached blocks)."""
+    if not hasattr(torch.cuda, "host_memory_stats"):
+        pytest.skip("this torch has no torch.cuda.host_memory_stats")
+
+    def pinned() -> int:
+        return torch.cuda.host_memory_stats()["allocated_bytes.current"]
+
+    storage._pool._empty_host_cache()
+    before = pinned()
+    with HostPool(32 * MiB, pin_memory=True, slab_bytes=16 * MiB) as pool:
+        pool.allocate(MiB).release()
+        assert pinned() - before == 16 * MiB
+        pool.allocate(17 * MiB).release()  # a 32 MiB slab: the unused 16 MiB one makes room
+        assert pinned() - before == 32 * MiB  # not 48 MiB
+        assert pool.trim() == 32 * MiB
+        assert pinned() == before
