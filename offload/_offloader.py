@@ -1387,11 +1387,11 @@ class ActivationOffloader:
         stats.records += 1
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
             return self._keep(t, stats)  # packed by a backward (recomputation, double backward)
-        if self._deferred and _sequence_nr is not None and _sequence_nr() != self._deferred_at:
-            self._flush_deferred()  # an op that made a node since: theirs has returned
         if self._cuda and torch.cuda.is_current_stream_capturing():
             self._warn_once("graphs", "CUDA graph capture: saved tensors are left in place")
             return self._keep(t, stats)
+        if self._deferred and _sequence_nr is not None and _sequence_nr() != self._deferred_at:
+            self._flush_deferred()  # an op that made a node since: theirs has returned
         dtensor = None
         local = t
         if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):  # a DTensor: its shard
@@ -1514,6 +1514,8 @@ class ActivationOffloader:
 
     def _flush_deferred(self) -> None:
         """Store the deferred packs (NOTE [ Fill after pack ]): their ops have returned."""
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            return  # no copy inside a CUDA graph: after the capture, or kept at unpack
         pending, self._deferred = self._deferred, []
         ex = self._executor
         for ref in pending:
