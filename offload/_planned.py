@@ -90,6 +90,7 @@ from lifecycle import (
 from lifecycle._recorder import OUTSIDE
 from lifecycle._units import format_bytes
 from offload._device import clock_and_probe
+from offload._planning import load_arg_file
 
 log = logging.getLogger("offload")
 
@@ -563,7 +564,7 @@ def load_plan(plan: Plan | str | os.PathLike[str] | None) -> Plan | None:
     if plan is None or isinstance(plan, Plan):
         return plan
     if isinstance(plan, (str, os.PathLike)):
-        return Plan.load(plan)
+        return load_arg_file(Plan.load, plan, "plan")
     raise TypeError(
         f"plan must be a lifecycle.Plan, a path to one saved as JSON, or None; got {type(plan).__name__}"
     )

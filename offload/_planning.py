@@ -8,7 +8,8 @@ file path, and a budget given as a share of the device's memory ("85%").
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 
@@ -17,6 +18,21 @@ from lifecycle import HardwareModel, Plan, Trace
 from lifecycle._units import parse_bytes
 from offload._errors import from_infeasible
 from offload._probe import probe_hardware
+
+_T = TypeVar("_T")
+
+
+def load_arg_file(load: Callable[[str], _T], path: str | os.PathLike[str], name: str) -> _T:
+    """``load(path)`` for the argument ``name``, whose errors name it and the file: a missing
+    file raised a bare ``[Errno 2] No such file or directory``, a wrong one "not valid JSON",
+    with nothing saying which argument. The exception's type is kept."""
+    shown = f"{name}={os.fspath(path)!r}"
+    try:
+        return load(os.fspath(path))
+    except OSError as e:
+        raise type(e)(f"{shown}: cannot read it: {e.strerror or e}") from e
+    except ValueError as e:
+        raise ValueError(f"{shown}: {e}") from e
 
 
 def resolve_hardware(
@@ -28,7 +44,7 @@ def resolve_hardware(
     if isinstance(hardware, HardwareModel):
         return hardware
     if isinstance(hardware, (str, os.PathLike)):
-        return HardwareModel.load(hardware)
+        return load_arg_file(HardwareModel.load, hardware, "hardware")
     raise TypeError(
         "hardware must be a lifecycle.HardwareModel, a path to one saved as JSON, or None (probe "
         f"this machine); got {type(hardware).__name__}"

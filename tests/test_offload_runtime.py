@@ -540,7 +540,11 @@ def test_steps_do_not_nest() -> None:
         ({"gpu_budget": "0GiB"}, ValueError, r"gpu_budget='0GiB' is 0 bytes.*int bytes > 0"),
         ({"plan": object()}, TypeError, "plan"),
         ({"hardware": 3}, TypeError, "hardware"),
-        ({"hardware": "/definitely/not/here.json"}, FileNotFoundError, "not/here"),
+        # A missing or wrong file named the argument nowhere (a bare "[Errno 2] No such file").
+        ({"hardware": "/definitely/not/here.json"}, FileNotFoundError, r"hardware=.*not/here"),
+        ({"plan": "/definitely/not/here.json"}, FileNotFoundError, r"plan=.*not/here"),
+        ({"hardware": __file__}, ValueError, r"hardware=.*test_offload_runtime.py.*not valid JSON"),
+        ({"plan": __file__}, ValueError, r"plan=.*test_offload_runtime.py.*not valid JSON"),
         ({"tiers": None}, TypeError, "tiers"),
         ({"tiers": ("nvme",), "nvme_dir": 5}, TypeError, "nvme_dir"),
         ({"tiers": ("nvme",), "nvme_dir": __file__}, ValueError, r"nvme_dir.*not a directory"),
