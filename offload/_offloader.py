@@ -108,13 +108,7 @@ class OffloadConfig:
     on_infeasible: str
 
     def __post_init__(self) -> None:
-        if not self.tiers:
-            raise ValueError("tiers must name at least one of 'cpu', 'nvme'")
-        for t in self.tiers:
-            if t not in _TIERS:
-                raise ValueError(f"tiers: {t!r} is not a tier; use 'cpu' and/or 'nvme'")
-        if len(set(self.tiers)) != len(self.tiers):
-            raise ValueError(f"tiers: {self.tiers!r} names a tier twice")
+        _check_tiers(self.tiers)
         if "nvme" in self.tiers and self.nvme_dir is None:
             raise ValueError("nvme_dir is required when 'nvme' is in tiers")
         if self.nvme_dir is not None:
@@ -128,6 +122,16 @@ class OffloadConfig:
             raise ValueError(
                 f"on_infeasible must be 'raise' or 'min_memory'; got {self.on_infeasible!r}"
             )
+
+
+def _check_tiers(tiers: tuple[str, ...]) -> None:
+    if not tiers:
+        raise ValueError("tiers must name at least one of 'cpu', 'nvme'")
+    for t in tiers:
+        if t not in _TIERS:
+            raise ValueError(f"tiers: {t!r} is not a tier; use 'cpu' and/or 'nvme'")
+    if len(set(tiers)) != len(tiers):
+        raise ValueError(f"tiers: {tiers!r} names a tier twice")
 
 
 def _inflight_arg(value: Any) -> int:
@@ -265,6 +269,7 @@ class ActivationOffloader:
                 f"{type(nvme_dir).__name__}"
             )
         tiers = tuple(tiers)
+        _check_tiers(tiers)  # before the warning below, which reads them
         if nvme_dir is not None and "nvme" not in tiers:
             # Not an error (a script's settings may name a spill directory it does not always
             # use), but said: nothing goes there, and the directory is not checked.

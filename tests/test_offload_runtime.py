@@ -9,6 +9,7 @@ import os
 import stat
 import threading
 import time
+import warnings
 
 import psutil
 import pytest
@@ -579,6 +580,16 @@ def test_nvme_dir_without_nvme_in_tiers_is_ignored_with_a_warning(where: str, tm
     with pytest.warns(RuntimeWarning, match=ignored) as w:
         offload.activations(case.model, nvme_dir=nvme_dir).close()
     assert len(w) == 1 and w[0].filename == __file__
+
+
+def test_a_tiers_string_with_a_comma_is_refused_without_a_warning_about_nvme_dir(tmp_path):
+    """``tiers="cpu,nvme"`` (the CLI's spelling) with ``nvme_dir``: the ValueError about tiers
+    came after a RuntimeWarning that nvme_dir was ignored because 'nvme' was not in tiers,
+    which sent the user after the wrong argument."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"tiers: 'cpu,nvme' is not a tier"):
+            offload.ActivationOffloader(nn.Linear(2, 2), tiers="cpu,nvme", nvme_dir=tmp_path)
 
 
 def test_cpu_budget_zero_with_nvme_sends_everything_to_nvme(tmp_path) -> None:
