@@ -613,6 +613,7 @@ class ActivationOffloader:
             if rnd is not None:
                 rnd.steps += 1
             self._refresh_params()
+            self._check_device()
             if self.device.type == "cuda" and self._reset_peaks:
                 torch.cuda.reset_peak_memory_stats(self.device)
             if _top_hooks is not None and _top_hooks(False) is not None:
@@ -829,6 +830,25 @@ class ActivationOffloader:
         self._params.clear()
         if model is not None:
             self._params.add(model)
+
+    def _check_device(self) -> None:
+        """From ``__enter__``: warn once when the model's parameters left the device the manager
+        was made on (a manager made before ``model.cuda()``, or on a meta model materialized
+        later). The device is fixed when the manager is made and only tensors saved there move,
+        so such steps moved nothing, and said nothing."""
+        model = self._model_ref()
+        if "device" in self._warned or model is None:
+            return
+        now = compute_device(model)
+        if now != self.device:
+            self._warn_once(
+                "device",
+                f"the model's parameters are on {now}, but this ActivationOffloader was made "
+                f"when they were on {self.device}: it moves only tensors saved on "
+                f"{self.device}, so nothing saved on {now} leaves it. Move the model first, "
+                "then make the manager on it",
+                stacklevel=_user_stacklevel() + 1,  # + 1: _warn_once calls warnings.warn
+            )
 
     def _maybe_hide_from_compile(self) -> None:
         # Pack and unpack are torch.compiler.disable'd, but only once dynamo is in use: importing

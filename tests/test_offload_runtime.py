@@ -592,6 +592,33 @@ def test_a_tiers_string_with_a_comma_is_refused_without_a_warning_about_nvme_dir
             offload.ActivationOffloader(nn.Linear(2, 2), tiers="cpu,nvme", nvme_dir=tmp_path)
 
 
+def test_a_model_moved_after_its_manager_was_made_warns() -> None:
+    """The manager fixes its device when it is made. Made on a meta model and the model moved
+    to its device afterwards (or made before ``model.cuda()``), every saved tensor is on
+    another device than the manager's: steps ran, offloaded 0 bytes and said nothing."""
+    with torch.device("meta"):
+        case_model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1))
+    mgr = offload.ActivationOffloader(case_model, min_offload_bytes=0)
+    case_model.to_empty(device="cpu")
+    for p in case_model.parameters():
+        nn.init.normal_(p)
+    try:
+        x = torch.randn(32, 64)
+        with pytest.warns(RuntimeWarning, match=r"on cpu.*made when they were on meta") as w:
+            with mgr:
+                loss = case_model(x).sum()
+        loss.backward()
+        assert len(w) == 1 and w[0].filename == __file__
+        assert mgr.stats.last.bytes_offloaded_cpu == 0  # as documented: only meta tensors move
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per manager
+            with mgr:
+                loss = case_model(x).sum()
+            loss.backward()
+    finally:
+        mgr.close()
+
+
 def test_cpu_budget_zero_with_nvme_sends_everything_to_nvme(tmp_path) -> None:
     """0 means no host room (it used to mean the default): with 'nvme' in tiers, every record
     goes there."""
