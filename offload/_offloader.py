@@ -85,6 +85,11 @@ _UNFINISHED_PROFILES = 2
 # Steps of one signature not profiled because older steps' tensors lived on, before it runs in
 # min-memory mode.
 _OVERLAP_SKIPS = 8
+# NOTE [ Structure ]: forward structures profiled per signature, and re-profiles in a row that
+# found the structure that had just diverged, before a signature is no longer profiled again.
+MAX_STRUCTURES = 4
+_FUTILE_REPROFILES = 2
+_NEW_STRUCTURE = " [structure ?]"  # the name of a step profiling a structure not yet named
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _autograd = torch._C._autograd
 _top_hooks = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
@@ -388,6 +393,21 @@ class ActivationOffloader:
         self._overlap_skips: dict[str, int] = {}  # steps not profiled for it, per signature
         self._last_signature: str | None = None
         self._active: ActivePlan | None = None
+        # NOTE [ Structure ]: per signature, the name of the plan of its current structure
+        # (the signature itself for the first), the forward's record keys of each profiled
+        # structure, signatures whose next step profiles its structure again, those no longer
+        # profiled again, and re-profiles in a row that found the structure that had diverged.
+        # Per step: the keys a profiling step packed, where a planned step is in its plan's
+        # sequence (-1: not followed), the first key off it, and storages the plan kept.
+        self._structure: dict[str, str] = {}
+        self._structures: dict[str, dict[tuple[tuple[str, int, int], ...], str]] = {}
+        self._reprofile: dict[str, str] = {}  # signature -> the structure that diverged
+        self._structure_fixed: set[str] = set()
+        self._futile: dict[str, int] = {}
+        self._step_keys: list[tuple[str, int, int]] | None = None
+        self._cursor = -1
+        self._diverged: tuple[int, tuple[str, int, int], Any] | None = None
+        self._plan_kept: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         # Signatures running the plan given with plan=, and this step's (or pipeline round's)
         # eligible packs under a plan and how many of their keys the plan knew (see
         # _check_given_plan).
@@ -609,6 +629,8 @@ class ActivationOffloader:
                 self._rebuilds.clear()
                 self._active = None
                 self._keys_looked_up = self._keys_matched = 0
+                self._step_keys, self._cursor, self._diverged = None, -1, None
+                self._plan_kept.clear()
                 self._drop_unfinished_profile()
             if rnd is not None:
                 rnd.steps += 1
@@ -666,6 +688,7 @@ class ActivationOffloader:
                     self._flush_deferred()  # backward runs after the step's exit
                 self._executor.poll()
                 self._check_given_plan()
+                self._end_structure()
             self._stack.clear()
             self._backward_entries.clear()
             self._warn_traced()
@@ -992,6 +1015,10 @@ class ActivationOffloader:
         sig = signature_of(args, kwargs) + self._modes()
         if self._round is not None:
             sig += self._round.label
+        elif self._begin_structure(sig):
+            return  # its structure is profiled again (NOTE [ Structure ])
+        else:
+            sig = self._structure.get(sig, sig)
         self._last_signature = sig
         ex, stats = self._executor, self._step_stats
         assert ex is not None and stats is not None
@@ -1027,6 +1054,8 @@ class ActivationOffloader:
                 if self._round is not None:
                     self._round.triggers = ex.step.triggers
             self._install_recompute(active)
+            if self._round is None and sig not in self._given and sig not in self._shared:
+                self._cursor = 0  # followed through the plan's sequence (NOTE [ Structure ])
             stats.predicted_peak_bytes = plan.predicted_peak_bytes
             stats.predicted_step_s = plan.predicted_step_s
             if (
@@ -1069,6 +1098,8 @@ class ActivationOffloader:
             return
         self._profiler.begin(self._step_thread)
         self._profiling = sig
+        if self._round is None:
+            self._step_keys = []  # its structure (NOTE [ Structure ])
 
     def _check_given_plan(self) -> None:
         """At a step's end: warn once when the plan given with ``plan=`` knew none of the
@@ -1097,6 +1128,161 @@ class ActivationOffloader:
             "(leave plan= out) or plan it offline",
             stacklevel=_user_stacklevel() + 1,  # from _warn_once
         )
+
+    # NOTE [ Structure ]
+    #     A signature names what the root call was given (NOTE [ Signatures ] in _planned.py),
+    #     not everything that picks the forward's structure: a float that switches a branch
+    #     (``if p > 0``), a module attribute or a global flag set between steps, data-dependent
+    #     control flow. A plan met by another structure misplaces records: keys shift within a
+    #     call, so a pack takes another tensor's decision, and two members of one storage can get
+    #     two (kept and moved: the storage stays and a reloaded copy joins it). Measured on CPU
+    #     (three Linears with an extra branch in the root's forward under a budget of 192 KiB):
+    #     6 records unplanned and 249,856 saved bytes held, above the budget and above keeping
+    #     everything (180,224), every such step, said nowhere.
+    #     So a planned step follows its plan's sequence (``ActivePlan.sequence``, the keys in pack
+    #     order; packs of recomputed calls and of backwards are not in it): at the first pack off
+    #     it, the rest of the step is not the plan's: every later record goes to the first tier
+    #     with room (``stats.unplanned_records``; one whose storage the plan kept earlier in the
+    #     step stays kept: it is on the device anyway), and no call is recomputed. A warning
+    #     (once per signature) names the causes and the fix, and the signature's next step is
+    #     profiled again in min-memory mode. Its keys name its structure: a new one gets a plan of
+    #     its own, ``"<signature> [structure N]"`` in ``mgr.plans`` (it counts toward
+    #     ``MAX_SIGNATURES``), a known one its plan back; later steps of the signature run the
+    #     plan of the structure last profiled. A structure cannot be known before the forward
+    #     runs, so a forward whose structure changes at every step keeps running tails off its
+    #     plan: after ``_FUTILE_REPROFILES`` re-profiles in a row that found the structure that
+    #     had just diverged, or past ``MAX_STRUCTURES`` structures, the signature is no longer
+    #     re-profiled (said once). Plans given with ``plan=``, the merged plan past
+    #     ``MAX_SIGNATURES`` and pipeline rounds are not followed.
+
+    def _begin_structure(self, sig: str) -> bool:
+        """At a step's start: True when it profiles ``sig``'s structure again (NOTE
+        [ Structure ])."""
+        if (
+            sig not in self._reprofile
+            or self._profiler is None
+            or self._overlapping
+            or not torch.is_grad_enabled()
+        ):
+            return False
+        self._last_signature = self._profiling = sig + _NEW_STRUCTURE
+        self._profiler.begin(self._step_thread)
+        self._step_keys = []
+        return True
+
+    def _follow(self, key: tuple[str, int, int]) -> None:
+        """A pack of a planned step: is it the next key of its plan's sequence? (NOTE
+        [ Structure ])"""
+        active = self._active
+        if active is None or (key[0], key[1]) in active.recompute_calls:
+            return
+        seq, at = active.sequence, self._cursor
+        if at < len(seq) and seq[at] == key:
+            self._cursor = at + 1
+            return
+        if at < len(seq):
+            self._diverged = (at, key, seq[at])
+        # else: packs past the plan's whole sequence (a second forward in the block) shift no
+        # key of it: unknown keys, unplanned as they are.
+        self._cursor = -1
+
+    def _kept_by_plan(self, local: torch.Tensor) -> bool:
+        st = local.untyped_storage()
+        ref = self._plan_kept.get(st._cdata)
+        return ref is not None and ref() is st
+
+    def _end_structure(self) -> None:
+        """At a step's end (NOTE [ Structure ]): name the structure a profiling step packed;
+        a planned step that left its plan's sequence has its signature profiled again."""
+        self._close_structure(self._profiling)
+        if self._diverged is None:
+            return
+        at, got, expected = self._diverged
+        sig = self._last_signature
+        base = next((b for b, n in self._structure.items() if n == sig), sig)
+        assert sig is not None and base is not None
+        if self._profiling == sig:
+            # Its first planned step, timed for refinement: not its structure's times.
+            self._drop_profile(sig)
+            self._refine_next.add(sig)
+        self._warn_once(
+            f"structure:{base}",
+            f"a planned step of signature {base} left its plan at pack {at} (saved key {got}, "
+            f"the plan's next: {expected}): the forward's structure changed while its "
+            "signature did not. Likely causes: a float argument that switches a branch (a float "
+            "counts by its type only), a module attribute or global flag set between steps, or "
+            "data-dependent control flow. The rest of that step went unplanned to the first "
+            "tier with room (stats.unplanned_records), and the signature's next step profiles "
+            "its structure again. Pass such a switch to the model as a bool, int or str "
+            "argument (part of the signature), or keep= the module whose saves vary",
+            stacklevel=_user_stacklevel() + 1,  # from _warn_once
+        )
+        if base not in self._structure_fixed:
+            self._reprofile[base] = sig
+
+    def _close_structure(self, name: str | None) -> None:
+        """A profiling step's forward or profile ended, whichever came first: its keys so far
+        are its structure."""
+        keys, self._step_keys = self._step_keys, None
+        if keys is not None and name is not None:
+            self._name_structure(name, tuple(keys))
+
+    def _name_structure(self, name: str, keys: tuple[tuple[str, int, int], ...]) -> None:
+        if not name.endswith(_NEW_STRUCTURE):
+            self._structures.setdefault(name, {})[keys] = name  # a signature's first profile
+            return
+        base = name[: -len(_NEW_STRUCTURE)]
+        diverged = self._reprofile.pop(base, None)
+        structures = self._structures.setdefault(base, {})
+        known = structures.get(keys)
+        if known is None and len(structures) < MAX_STRUCTURES:
+            new = f"{base} [structure {len(structures) + 1}]"
+            structures[keys] = self._structure[base] = new
+            self._futile.pop(base, None)
+            self._last_signature = new
+            if self._profiling == name:
+                self._profiling = new
+            if name in self._profiled:  # its backward ran inside the step
+                self._profiled[new] = self._profiled.pop(name)
+            for end in self._task_ends.values():
+                if end.profiling == name:
+                    end.profiling = new
+            return
+        self._drop_profile(name)
+        if known is None:
+            self._structure_fixed.add(base)
+            self._warn_once(
+                f"structures:{base}",
+                f"signature {base} showed more than {MAX_STRUCTURES} forward structures; it is "
+                "no longer profiled again, and steps off their plan run their rest unplanned. "
+                "Pass what switches the structure to the model as a bool, int or str argument",
+            )
+            return
+        self._structure[base] = self._last_signature = known
+        if known != diverged:
+            self._futile.pop(base, None)
+            log.info("offload: signature %s runs the plan of its structure %s again", base, known)
+            return
+        futile = self._futile[base] = self._futile.get(base, 0) + 1
+        if futile >= _FUTILE_REPROFILES:
+            self._structure_fixed.add(base)
+            self._warn_once(
+                f"structures:{base}",
+                f"signature {base} changes its forward's structure from step to step: "
+                f"{futile} re-profiles in a row found the structure that had just diverged. It "
+                "is no longer profiled again; steps off their plan run their rest unplanned "
+                "(slower, and not planned for the budget). Pass what switches the structure to "
+                "the model as a bool, int or str argument",
+            )
+
+    def _drop_profile(self, name: str) -> None:
+        """Forget the recording of the current step (a profile or a timing step)."""
+        if self._profiling == name:
+            self._profiling = None
+            if self._profiler is not None:
+                self._profiler.discard()
+        self._profiled.pop(name, None)
+        self._timed.pop(name, None)
 
     def _share(self, sig: str, plan: Plan) -> None:
         """``sig`` runs the merged plan. Only the ``MAX_SHARED_SIGNATURES`` most recent such
@@ -1160,6 +1346,7 @@ class ActivationOffloader:
             else:
                 self._profiled[sig] = step
             self._profiling = None
+            self._close_structure(sig)  # its backward ran inside the step
 
     def _merged_plan(self) -> Plan | None:
         """Past ``MAX_SIGNATURES`` profiled signatures: one plan for every new one, from per-key
@@ -1329,6 +1516,8 @@ class ActivationOffloader:
             return None  # another thread's call: as it is (no stack entry of its own is on top)
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
             return None  # a recomputation or double backward runs it: as it is
+        if self._diverged is not None:
+            return None  # off the plan's sequence (NOTE [ Structure ])
         top = self._stack[-1]
         call = (top[0], top[3])
         if top[0] != name or call not in active.recompute_calls:
@@ -1412,6 +1601,10 @@ class ActivationOffloader:
         stats.records += 1
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
             return self._keep(t, stats)  # packed by a backward (recomputation, double backward)
+        if self._step_keys is not None:
+            self._step_keys.append(key)  # a profiling step's structure (NOTE [ Structure ])
+        elif self._cursor >= 0:
+            self._follow(key)
         if self._cuda and torch.cuda.is_current_stream_capturing():
             self._warn_once("graphs", "CUDA graph capture: saved tensors are left in place")
             return self._keep(t, stats)
@@ -1469,7 +1662,11 @@ class ActivationOffloader:
                 self._keys_looked_up += 1
                 if tier is not None or (key[0], key[1]) in active.recompute_calls:
                     self._keys_matched += 1
-            if tier is not None and _extent(local) > active.limit[key]:
+            if self._diverged is not None:
+                # Off the plan's sequence: the rest of the step is not the plan's to place
+                # (NOTE [ Structure ]), save a storage it kept, which stays on the device anyway.
+                tier = KEEP if self._kept_by_plan(local) else None
+            elif tier is not None and _extent(local) > active.limit[key]:
                 tier = None  # larger than planned (DESIGN.md: Keys and signatures)
             if tier == REBUILD:
                 # See NOTE [ Activation recipes ] in _recipe.py; if its conditions fail, the
@@ -1478,13 +1675,20 @@ class ActivationOffloader:
                 if rebuilt is not None:
                     return rebuilt
                 tier = None
-            if tier is None and (key[0], key[1]) in active.recompute_calls:
+            if (
+                tier is None
+                and self._diverged is None
+                and (key[0], key[1]) in active.recompute_calls
+            ):
                 # Non-reentrant checkpoint saves the recomputed call's inputs itself, as packs
                 # of that call: kept, as the planner assumed (its inputs stay on the device).
                 tier = KEEP
             if tier is None:
                 stats.unplanned_records += 1  # to the first tier with room
             elif tier == KEEP:
+                if self._cursor >= 0:
+                    st = local.untyped_storage()
+                    self._plan_kept[st._cdata] = weakref.ref(st)
                 return self._keep(t, stats)
         # Reloaded when the backward of the module that saved it starts (and the look-ahead
         # window). Not a record the plan placed: that one reloads at its planned trigger, or at

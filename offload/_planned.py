@@ -143,12 +143,12 @@ def signature_of(args: Any, kwargs: Mapping[str, Any] | None = None) -> str:
 #     maxima (NOTE [ Budget mode ]), whose lookup tables every later one shares; ``mgr.plans``
 #     keeps the ``MAX_SHARED_SIGNATURES`` most recent of those, so a counter grows nothing. A
 #     float is only its type: its value is a schedule or a temperature more often than a switch,
-#     and keying on it would spend 8 profiling steps on a float schedule for nothing. Not seen:
-#     a float that switches the structure (``if p > 0``), data-dependent branches, attributes
-#     set between steps; their records go unplanned (``stats.unplanned_records``, first tier
-#     with room: exact, the budget not planned). Pass such a switch as a bool or an int. Other
-#     objects (a config instance, a callable) are left out: their identity or repr may change
-#     every step.
+#     and keying on it would spend 8 profiling steps on a float schedule for nothing. Not seen
+#     here: a float that switches the structure (``if p > 0``), data-dependent branches,
+#     attributes set between steps; a planned step they change leaves its plan's key sequence,
+#     which the manager notices and profiles again (NOTE [ Structure ] in _offloader.py). Pass
+#     such a switch as a bool or an int. Other objects (a config instance, a callable) are left
+#     out: their identity or repr may change every step.
 _LONG_STR = 32
 
 
@@ -230,6 +230,8 @@ class ActivePlan:
             (t[1], t[2]) for t in self.trigger.values() if t is not None and t[0] == "backward"
         )
         self.expected = frozenset(plan.expected_keys)
+        # The keys in the order a forward of the plan's structure packs them (NOTE [ Structure ]).
+        self.sequence = tuple(plan.expected_keys)
         # The plan rebuilds some family: packs the manager keeps are remembered (a rebuilt
         # record's input may be one of them, see ActivationOffloader._activation_recipe).
         self.rebuilds = any(e.placement is Placement.REBUILD for e in plan.entries)

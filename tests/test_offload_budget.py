@@ -1371,6 +1371,113 @@ def test_plain_arguments_of_the_root_are_part_of_the_signature() -> None:
         mgr.close()
 
 
+class Switched(nn.Module):
+    """A forward whose structure something outside its signature switches (NOTE [ Structure ]):
+    a float argument (``cause="float"``), an attribute set between steps (``"attr"``), or the
+    data (``"data"``). The branch runs ops in the root's own call, so the root's later packs
+    shift their ordinals, and a module of its own."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__()
+        self.cause, self.use_extra = cause, False
+        self.a, self.b, self.c = nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 64)
+        self.extra = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+
+    def forward(self, x: torch.Tensor, p: float = 0.0) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        switch = {"float": p > 0, "attr": self.use_extra, "data": bool(x[0, 0] > 0)}
+        if switch[self.cause]:
+            h = torch.sigmoid(self.extra(h)) * h
+        return self.c(torch.tanh(self.b(h)))
+
+
+def _switched_step(model: Switched, mgr: Any, s: int, on: bool) -> dict[str, torch.Tensor]:
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(s))
+    x[0, 0] = 1.0 if on else -1.0
+    model.use_extra = on
+    model.zero_grad(set_to_none=True)
+    with mgr if mgr is not None else contextlib.nullcontext():
+        loss = model(x, 0.5 if on else 0.0).pow(2).sum()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run_switched(cause: str, pattern: list[bool]) -> tuple[Any, list[Any], list[int], list[str]]:
+    """Steps of ``pattern`` (True: the branch runs) under a budget above keeping everything of
+    either structure (80 KiB without the branch, 176 KiB with it); gradients checked bitwise."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    model = Switched(cause)
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=192 << 10, hardware=FAST, min_offload_bytes=0
+    )
+    stats, peaks, said = [], [], []
+    for s, on in enumerate(pattern):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with SavedBytes.on(mgr) as saved:
+                got = _switched_step(model, mgr, s, on)
+        said += [str(w.message) for w in caught if "offload" in str(w.message)]
+        assert_bitwise([got], [_switched_step(model, None, s, on)])
+        stats.append(mgr.stats.last)
+        peaks.append(saved.peak)
+    return mgr, stats, peaks, said
+
+
+@pytest.mark.parametrize("cause", ["float", "attr", "data"])
+def test_a_structure_outside_the_signature_is_followed_and_profiled_again(cause: str) -> None:
+    """NOTE [ Structure ]: a planned step whose forward packs off its plan's sequence runs the
+    rest unplanned (first tier with room), warns once naming the causes and the fix, and the
+    signature's next step profiles the new structure, which gets a plan of its own; back to the
+    old structure, the next profile finds it and its plan runs again. Before, every step with
+    the branch ran the plan of the step without it: 6 of 16 records unplanned, 249,856 saved
+    bytes held against a budget of 196,608 (keeping everything holds 180,224: a storage kept
+    under one shifted key and reloaded under another), said nowhere; now 114,688 at the step
+    that left its plan, 180,224 under the branch's own plan."""
+    budget = 192 << 10
+    pattern = [False, False, False, True, True, True, False, False, False]
+    mgr, stats, peaks, said = _run_switched(cause, pattern)
+    try:
+        base = "float32[32,64];float"
+        assert max(peaks) <= budget, peaks
+        assert sorted(mgr.plans) == [base, f"{base} [structure 2]"]
+        # Step 3 left the plan of the structure without the branch; step 4 profiled the new
+        # one; step 5 ran its plan, as predicted.
+        assert stats[3].unplanned_records > 0 and stats[4].predicted_peak_bytes == 0
+        assert stats[5].unplanned_records == 0
+        assert 0 < peaks[5] <= stats[5].predicted_peak_bytes <= budget
+        # Back without the branch: step 6 left structure 2's plan, step 7 profiled and found
+        # the first structure, whose plan step 8 ran.
+        assert stats[6].unplanned_records > 0 and stats[7].predicted_peak_bytes == 0
+        assert stats[8].unplanned_records == 0 and stats[8].predicted_peak_bytes > 0
+        assert mgr.plan is mgr.plans[base]
+        assert len(said) == 1, said
+        assert f"signature {base} left its plan at pack 2" in said[0]
+        assert "bool, int or str" in said[0] and "keep=" in said[0]
+    finally:
+        mgr.close()
+
+
+def test_a_structure_changing_every_step_stops_being_profiled_said_once() -> None:
+    """NOTE [ Structure ]: when the structure alternates, each re-profile finds the structure
+    that had just diverged; after two in a row the signature is no longer profiled again (said
+    once), and steps off their plan keep running their rest unplanned within the budget
+    (before: every step with the branch held 249,856 bytes against 196,608)."""
+    budget = 192 << 10
+    pattern = [False, False] + [True, False] * 5
+    mgr, stats, peaks, said = _run_switched("attr", pattern)
+    try:
+        assert max(peaks) <= budget, peaks
+        profiled = [i for i, s in enumerate(stats) if s.predicted_peak_bytes == 0]
+        assert profiled == [0, 3, 5], profiled
+        assert all(stats[i].unplanned_records > 0 for i in range(6, len(pattern), 2))
+        assert all(stats[i].unplanned_records == 0 for i in range(7, len(pattern), 2))
+        assert len(said) == 2 and "from step to step" in said[1], said
+    finally:
+        mgr.close()
+
+
 def test_signature_parts_of_plain_settings() -> None:
     import enum
 
