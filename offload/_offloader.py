@@ -664,6 +664,13 @@ class ActivationOffloader:
             else:
                 cm.__exit__(None, None, None)
             assert self._executor is not None
+            failed = None
+            if exc_type is None and self._deferred:
+                try:
+                    self._flush_deferred()  # backward runs after the step's exit
+                except BaseException as e:  # a full tier: the step failed as if its block had
+                    failed = exc = e  # raised (its handles live on with the loss)
+                    exc_type = type(e)
             if exc_type is not None:
                 if isinstance(exc, torch.OutOfMemoryError):
                     _add_note(exc, self._oom_note())
@@ -684,14 +691,14 @@ class ActivationOffloader:
                     self._profiler.discard()
                     self._profiling = None
             else:
-                if self._deferred:
-                    self._flush_deferred()  # backward runs after the step's exit
                 self._executor.poll()
                 self._check_given_plan()
                 self._end_structure()
             self._stack.clear()
             self._backward_entries.clear()
             self._warn_traced()
+            if failed is not None:
+                raise failed
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -1910,7 +1917,9 @@ class ActivationOffloader:
                     end.step = fam.step_ref()
         if type(packed) is not _Member:  # an offloaded tensor, the common case, goes on below
             if type(packed) is _Deferred:
-                if self._deferred:
+                if self._deferred and packed.tensor is not None:
+                    # The backward of this step's last ops has begun (not an earlier step's,
+                    # run inside this one: its packs were stored at its exit).
                     self._keep_deferred()
                 if packed.seq >= 0 and self._profiler is not None:
                     self._profiler.recorder.record_unpack(packed.seq, held=packed)
@@ -2108,10 +2117,14 @@ def _add_note(exc: BaseException, note: str) -> None:
 #         saving, and the thread's sequence number (torch._C._autograd._get_sequence_nr) moves
 #         only then; rrelu's own later pack (its input, saved after the noise) sees none;
 #       * a module boundary (forward pre- or post-hook), or the step's exit;
-#     and the first unpack keeps the ones still waiting (copied then, they would come back at
-#     once). The wait is one op long in a model and costs no device memory that autograd did
-#     not hold anyway. An in-place change before the copy (a version bump) raises at unpack, as
-#     autograd would. nn.RReLU modules stay kept as well (lifecycle/_recorder.py).
+#     and the first unpack of one still waiting keeps them all: backward has reached the ops
+#     that packed them (copied then, they would come back at once). An earlier step's backward
+#     run inside this step unpacks only stored ones (its exit stored them) and keeps none. The
+#     wait is one op long in a model and costs no device memory that autograd did not hold
+#     anyway. An in-place change before the copy (a version bump) raises at unpack, as
+#     autograd would; a copy that fails (a full tier) raises where it runs, the step's exit
+#     included, which then fails the step as an exception in its block does. nn.RReLU modules
+#     stay kept as well (lifecycle/_recorder.py).
 
 
 class _Deferred:

@@ -433,6 +433,42 @@ def test_rrelu_noise_filled_after_pack(act: str, tiers, backward: str, tmp_path)
         assert (stored, stats.records_kept) == (5, 1)
 
 
+def test_an_earlier_steps_backward_inside_a_step_keeps_none_of_its_packs() -> None:
+    """A step's packs without gradient still waiting for their copy stay where they are when
+    that step's backward begins (NOTE [ Fill after pack ]), not when the backward of an earlier
+    step runs inside it (two forwards before their backwards). Before, each step whose block
+    ran the previous step's backward kept its last op's mask (64 KiB) on the device until its
+    own backward: 2 records kept and 2 stored instead of 1 and 3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    xs = [torch.randn(256, 64) for _ in range(3)]
+    masks = [torch.rand(256, 64) for _ in range(3)]
+
+    def loss_of(i: int) -> torch.Tensor:
+        return (model(xs[i]) * masks[i]).sum()  # mul saves the mask (no gradient) last
+
+    for i in range(3):
+        loss_of(i).backward()
+    want = local_grads(model)
+    model.zero_grad(set_to_none=True)
+    with manager(model) as mgr:
+        previous = None
+        for i in range(3):
+            with mgr:
+                loss = loss_of(i)
+                if previous is not None:
+                    previous.backward()
+            last = mgr.stats.last
+            # Stored: x, the tanh output (saved twice), the mask; kept: the weight's view.
+            assert (last.records_offloaded_cpu, last.records_kept) == (3, 1), i
+            previous = loss
+        assert previous is not None
+        previous.backward()
+    got = local_grads(model)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 def test_a_deferred_pack_changed_in_place_raises_like_autograd() -> None:
     """A saved tensor without gradient changed in place before its deferred copy: backward
     raises autograd's error, as it does without offload, instead of using the new bytes."""

@@ -210,6 +210,37 @@ def test_full_store_without_fallback_raises_and_leaks_nothing() -> None:
         mgr.close()
 
 
+def test_a_store_failing_at_the_steps_exit_fails_the_step_and_leaks_nothing() -> None:
+    """The last op's saved tensor without gradient is stored at the step's exit (NOTE [ Fill
+    after pack ]); when the host tier has no room for it, the exit raises StorageFullError as a
+    pack would, and the step is failed as if its block had raised: nothing of it stays held
+    while the loss lives, and its backward raises OffloadError. Before, the step went on with
+    2 families (32 KiB of host memory) held by the loss, and its backward ran."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+    x = torch.randn(64, 64)
+    mask = torch.rand(64, 4096)  # 1 MiB, no gradient: mul saves it; more than cpu_budget
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0, cpu_budget=256 << 10)
+    try:
+        loss = None
+        with pytest.raises(offload.StorageFullError, match="cpu_budget"):
+            with mgr:
+                loss = (model(x).repeat(1, 64) * mask).sum()
+        assert loss is not None  # the forward ran: the exit raised
+        assert not mgr._deferred
+        assert mgr._executor.live_families() == 0
+        assert mgr._executor.host_bytes == 0
+        with pytest.raises(offload.OffloadError, match="raised"):
+            loss.backward()
+        del loss
+        with mgr:  # the manager goes on
+            loss = model(x).sum()
+        loss.backward()
+        assert mgr.stats.last.records_offloaded_cpu == 2
+    finally:
+        mgr.close()
+
+
 def test_real_enospc_falls_back_to_cpu(tmp_path) -> None:
     """A tiny tmpfs as nvme_dir: the disk really fills; records go to the next tier."""
     mnt = tmp_path / "tiny"
