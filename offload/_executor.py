@@ -409,7 +409,7 @@ class Executor:
             step=step,
         )
         self._next_fid += 1
-        source = storage_bytes(st, t.device)[start:end]
+        source = storage_bytes(t)[start:end]
         self._store(step, fam, source, tier)
         fam.guard = t
         step.families.append(fam)

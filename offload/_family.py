@@ -181,9 +181,25 @@ def span_of(t: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * item
 
 
-def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over every byte of ``storage`` (keeps the storage alive)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over every byte of ``t``'s storage (keeps the storage alive).
+
+    Views of ``t`` only, never ``t.new_empty(0).set_(storage)``: ``set_`` returns ``Tensor(a!)``,
+    which torch's CUDA sanitizer counts as a write to the storage on the current stream
+    (torch/cuda/_sanitizer.py, ArgumentHandler.parse_outputs), and a second family of one
+    storage is made while the first one's D2H copy may still read it: a data race reported
+    where none is. A view of another dtype needs the conjugate and negative flags off (a lazy
+    view's bytes are the plain ones), and starts as an empty tensor at byte 0, so any layout,
+    storage offset and storage length (a multiple of no item size) is allowed.
+    """
+    # A tensor subclass with bytes of its own is viewed as the plain tensor it is.
+    with torch._C.DisableTorchFunctionSubclass():
+        if t.is_conj():
+            t = t.conj()  # clears the flag: a view
+        if t.is_neg():
+            t = torch._neg_view(t)  # likewise
+        head = t.as_strided((0,), (1,), 0).view(torch.uint8)
+        return head.as_strided((t.untyped_storage().nbytes(),), (1,), 0)
 
 
 def aligned_offset(raw: torch.Tensor, mod: int) -> int:

@@ -2230,3 +2230,104 @@ def test_unpack_of_a_record_still_copying_out_writes_nothing_the_copy_reads() ->
     finally:
         mgr.close()
         engine.close()
+
+
+def test_a_second_family_of_a_storage_writes_nothing_the_first_copy_reads() -> None:
+    """Two slices of one storage, each under a quarter of it, are two families. The second is
+    packed while the first's copy out still reads the storage: building its byte view must
+    issue no op the CUDA sanitizer counts as a write there (``set_``'s ``Tensor(a!)`` return on
+    the compute stream, against the D2H stream's unfinished read, is reported as a data race)."""
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.0)
+    torch.manual_seed(0)
+    x = torch.randn(1024, 64, requires_grad=True)
+    mgr = offload.ActivationOffloader(nn.Linear(4, 4), min_offload_bytes=0, _copy_engine=engine)
+    try:
+        with engine.paused():
+            with mgr:
+                h = x * 2  # saves nothing of x: a scalar product
+                a = h[:64].sin()  # saves h[:64]: the first family, from byte 0 of h's storage
+                (fam,) = mgr._executor.step.families
+                assert fam.life is Life.COPYING_OUT and fam.source is not None
+                first, last = fam.source.data_ptr(), fam.source.data_ptr() + fam.nbytes
+                with _SanitizerWrites() as seen:
+                    b = h[64:128].sin()  # a second family of the same storage
+                assert len(mgr._executor.step.families) == 2
+                assert fam.life is Life.COPYING_OUT
+        assert [(op, p) for op, p in seen.writes if first <= p < last] == []
+        (a.sum() + b.sum()).backward()
+        got = x.grad
+        x.grad = None
+        h = x * 2
+        (h[:64].sin().sum() + h[64:128].sin().sum()).backward()
+        assert torch.equal(got, x.grad)
+        del a, b, h
+    finally:
+        mgr.close()
+        engine.close()
+
+
+_LAYOUT_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.complex32,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_storage_bytes_is_every_byte_of_the_storage_for_any_layout() -> None:
+    """``storage_bytes`` is the old ``torch.empty(0, dtype=uint8).set_(storage)`` (same address,
+    length, bytes and storage) for any dtype, conjugate or negative view, storage offset, shape
+    and stride, odd storage lengths included, built from views alone: no op the CUDA sanitizer
+    counts as a write (torch/cuda/_sanitizer.py, ArgumentHandler)."""
+    from offload._family import storage_bytes
+
+    g = torch.Generator().manual_seed(0)
+
+    def rand(n: int) -> int:
+        return int(torch.randint(0, n, (), generator=g))
+
+    kinds: set[tuple[str, bool, bool]] = set()
+    for _ in range(600):
+        dtype = _LAYOUT_DTYPES[rand(len(_LAYOUT_DTYPES))]
+        item = dtype.itemsize
+        nbytes = rand(200) if rand(8) else 0  # odd lengths too: a byte storage viewed as dtype
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        st = raw.untyped_storage()
+        room = nbytes // item
+        dims = rand(4)
+        size = [rand(4) + 1 for _ in range(dims)]
+        stride = [rand(5) for _ in range(dims)]
+        extent = 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        if extent > room:  # nothing fits: an empty tensor at any offset within the storage
+            size, stride, extent = [0, *size[1:]] if dims else [0], [1] * max(dims, 1), 0
+        offset = rand(room - extent + 1)
+        t = torch.empty(0, dtype=dtype).set_(st, offset, size, stride)
+        if dtype.is_complex and rand(2):
+            t = t.conj()
+        if (dtype.is_complex or dtype.is_floating_point) and item > 1 and rand(3) == 0:
+            t = torch._neg_view(t)
+        kinds.add((str(dtype), t.is_conj(), t.is_neg()))
+        want = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        with _SanitizerWrites() as seen:
+            got = storage_bytes(t)
+        assert seen.writes == [], (dtype, size, stride, offset, seen.writes)
+        assert got.dtype is torch.uint8 and not got.is_conj() and not got.is_neg()
+        assert (got.shape, got.stride(), got.storage_offset()) == (want.shape, (1,), 0)
+        assert got.data_ptr() == want.data_ptr() and got.numel() == nbytes
+        assert got.untyped_storage()._cdata == st._cdata
+        assert torch.equal(got, want) and torch.equal(got, raw)
+    # every dtype was drawn, and conjugate and negative views of several
+    assert {k[0] for k in kinds} == {str(d) for d in _LAYOUT_DTYPES}
+    assert sum(k[1] for k in kinds) >= 2 and sum(k[2] for k in kinds) >= 4
