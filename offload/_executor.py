@@ -21,6 +21,18 @@ NOTE [ Stream ordering ]
        caller's. All executor state sits behind one lock; nothing is thread-local.
     On a CPU-only machine the "device" is the CPU: copies go through ``storage``'s copy engine
     (synchronous, or deferred with random delays in tests) and ``.wait()`` is the only ordering.
+    Who waits how: ``torch.cuda.Event()`` defaults to ``blocking=False``, and
+    ``Event.synchronize()`` (``cudaEventSynchronize``, GIL released) then waits as the device's
+    schedule flag says: under the default ``cudaDeviceScheduleAuto``, with no more CUDA contexts
+    than cores, the CPU thread spins until the event completes. ``blocking=True`` adds
+    ``cudaEventBlockingSync``: the thread sleeps until woken (torch/cuda/streams.py:174,183-192 and
+    245-254; the flags in torch/csrc/cuda/Event.cpp, THCPEvent_pynew; c10/cuda/CUDAEvent.h:218-226,
+    263). The flag changes nothing else: ``query()`` (``cudaEventQuery``, CUDAEvent.h:103-119) and
+    stream waits (``cudaStreamWaitEvent``) behave the same. The compute thread keeps spinning
+    events (its back-pressure waits on D are stalls; a sleeping thread wakes later). An NVMe
+    write's I/O threads wait for D before reading staging, each piece's thread on its own (up to
+    ``io_threads``, 8, per record): they get a blocking event recorded right after D, so a record
+    waiting for its D2H copy no longer keeps up to 8 cores busy.
 """
 
 from __future__ import annotations
@@ -471,7 +483,9 @@ class Executor:
                     elif region is not None:
                         # The I/O threads wait for D before reading the staging region, which stays
                         # the record's copy until the file write completed (see _poll_writes).
-                        handle = tier.write(region, n, after=event)
+                        # They wait on an event of their own: see NOTE [ Stream ordering ], "Who
+                        # waits how".
+                        handle = tier.write(region, n, after=self._io_event())
                         fam.spill = region
                     else:
                         handle = tier.write(source)
@@ -508,6 +522,14 @@ class Executor:
             step.stats.records_offloaded_nvme += 1
         self._inflight.append(fam)
         self._inflight_bytes += n
+
+    def _io_event(self) -> Any:
+        """An event for I/O threads to wait on: D again, blocking (NOTE [ Stream ordering ])."""
+        io = torch.cuda.Event(blocking=True)
+        # Recorded under the lock right after D, with nothing queued on the D2H stream since
+        # (only _store queues work there): it completes when D does.
+        io.record(self._d2h)
+        return io
 
     def _wait_oldest_write(self, step: _StepState) -> None:
         """GPU + NVMe: wait for the oldest file write still holding pinned staging (a failure

@@ -165,7 +165,8 @@ class Tier(ABC):
             source: a host region or a contiguous CPU tensor.
             nbytes: how many of its bytes to store.
             after: something with ``.synchronize()`` (a CUDA event recorded after the D2H copy
-                into ``source``) or ``.wait()``; the source is read only after it completed.
+                into ``source``; make it with ``blocking=True``, see NOTE [ Transfer ordering ])
+                or ``.wait()``; the source is read only after it completed.
 
         Returns:
             The record's handle; its ``written`` transfer completes when the bytes are stored.

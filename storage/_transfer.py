@@ -30,7 +30,9 @@ logger = logging.getLogger("storage")
 #   * ``after=`` on a write: any object with ``.synchronize()`` (a CUDA event recorded after the
 #     D2H copy into the region) or ``.wait()`` (a Transfer). The worker that first reads the source
 #     calls it, so a file write or checksum never reads a region before its D2H finished (DESIGN,
-#     NOTE [ Stream ordering ] rule 4), and no hook ever blocks on the disk.
+#     NOTE [ Stream ordering ] rule 4), and no hook ever blocks on the disk. Pass a CUDA event
+#     made with ``torch.cuda.Event(blocking=True)``: without it, each waiting I/O thread spins a
+#     CPU core until the copy ends (``cudaEventSynchronize`` without ``cudaEventBlockingSync``).
 #   * the Transfer a call returns: ``.wait()`` is the only synchronisation a caller may rely on.
 #     In deferred mode (``CopyEngine(deferred=True)``) every copy and every file I/O runs on a
 #     worker thread after a random delay and released regions are poisoned with 0xFF, so a caller
