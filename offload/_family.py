@@ -192,14 +192,20 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     view's bytes are the plain ones), and starts as an empty tensor at byte 0, so any layout,
     storage offset and storage length (a multiple of no item size) is allowed.
     """
-    # A tensor subclass with bytes of its own is viewed as the plain tensor it is.
-    with torch._C.DisableTorchFunctionSubclass():
-        if t.is_conj():
-            t = t.conj()  # clears the flag: a view
-        if t.is_neg():
-            t = torch._neg_view(t)  # likewise
-        head = t.as_strided((0,), (1,), 0).view(torch.uint8)
-        return head.as_strided((t.untyped_storage().nbytes(),), (1,), 0)
+    if type(t) is not torch.Tensor:
+        # A tensor subclass with bytes of its own is viewed as the plain tensor it is.
+        with torch._C.DisableTorchFunctionSubclass():
+            return _plain_bytes(t)
+    return _plain_bytes(t)
+
+
+def _plain_bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.is_conj():
+        t = t.conj()  # clears the flag: a view
+    if t.is_neg():
+        t = torch._neg_view(t)  # likewise
+    head = t.as_strided((0,), (1,), 0).view(torch.uint8)
+    return head.as_strided((t.untyped_storage().nbytes(),), (1,), 0)
 
 
 def aligned_offset(raw: torch.Tensor, mod: int) -> int:
