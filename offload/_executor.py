@@ -751,7 +751,10 @@ class Executor:
                 fam = step.families[step.prefetch_next]
                 if fam.life is Life.COPYING_OUT:
                     step.revisit.append(fam)
-                elif fam.life is Life.OFF_DEVICE and fam.members > 0:
+                elif fam.life is Life.OFF_DEVICE and fam.members > 0 and not fam.unpacked:
+                    # Not one every member of which backward has unpacked since its reload
+                    # (the unpack before the walk reached it, backward's first): reused while
+                    # autograd still held that buffer, it stayed to the next backward.
                     if self._ahead_bytes + fam.nbytes > self.prefetch_bytes(step):
                         break
                     if not self._begin_reload(fam):
@@ -765,6 +768,9 @@ class Executor:
         with self.lock:
             if restart:
                 step.prefetch_next = len(step.families) - 1
+                for fam in step.families:
+                    if fam.life is Life.OFF_DEVICE:
+                        fam.unpacked = 0  # unpacked by the I chunk: the walk brings it back
         self.prefetch((), step)
 
     def _begin_reload(self, fam: Family) -> bool:
