@@ -32,10 +32,12 @@ NOTE [ Simulation model ]
     step's end in a step of ``Trace.retained_steps``, whose graph outlived its backward, and every
     family to the step's end in one of ``Trace.create_graph_steps``), moved
     families from their pack until their D2H completes and from their reload's start until their
-    last use (in each backward pass of a step with several: NOTE [ Backward passes ] in
-    _trace.py), recomputed families from their recomputation until their last use, rebuilt families
+    last use, recomputed families from their recomputation until their last use, rebuilt families
     from their first through their last pack event (the op saving one still uses it) and from
-    their rebuild until their last use. Bytes are freed at the event after their last use, as in
+    their rebuild until their last use; moved and rebuilt families in each backward pass of a step
+    with several (NOTE [ Backward passes ] in _trace.py: the executor drops a rebuilt output
+    after its pass's unpacks as it drops a reload, and rebuilds it in the next pass from its
+    parent, brought back again). Bytes are freed at the event after their last use, as in
     :meth:`Trace.live_saved_bytes`; a rebuild is a use of its parent, so a parent stays at least
     until its children's first unpack. A REBUILD family's records must all link into one parent
     family of the step, which is itself kept or moved (a rebuild reads it; it cannot be
@@ -52,23 +54,27 @@ NOTE [ Reload policy ]
     A moved family's reload starts at the event its :class:`Decision` names (``reload_event``);
     otherwise as the executor starts it: when backward reaches the module call that packed the
     family (that call's BACKWARD_START event), or earlier through the look-ahead window: from the
-    step's first backward event (its first BACKWARD_START or UNPACK) on, families are requested in
-    the order backward first needs them while the bytes requested and not yet unpacked stay within
-    ``prefetch_bytes``; the walk stops at the first family that does not fit. An unpack that finds
+    step's first backward event (its first BACKWARD_START or UNPACK) on, families are requested
+    last packed first (the executor's walk down its step's families) while the bytes requested
+    and not yet unpacked stay within ``prefetch_bytes``; the walk stops at the first family that
+    does not fit. That is the order backward first needs them in, save where a rebuild needs its
+    parent earlier (below) or an op unpacks its saved tensors in pack order (a LayerNorm's input
+    before its mean and rstd), which the walk reaches in the other order. An unpack that finds
     nothing requested starts the reload itself (a stall). A family requested while its copy out
     still runs starts its reload when that copy completes; a family unpacked before its copy out
     completes uses its source, and nothing is copied back.
     Like the executor's ``revisit`` list, the window walks past a family still copying out, so its
     reload joins the H2D queue behind families needed after it. A larger window can then predict
     a slower step: when the first families backward needs are still going out, the window has
-    already queued later ones ahead of them. With every copy out complete by the time backward
-    begins, a larger window never predicts a slower step.
+    already queued later ones ahead of them (so, less often, can a family packed after one
+    needed before it).
     A rebuild reads its parent (NOTE [ Simulation model ]), and backward reaches a rebuilt family
     before its parent (fc2's backward unpacks the GELU output, then GELU's unpacks its input).
     So for a moved parent, "first needs" is the earlier of its own first unpack and its rebuilt
-    children's, and the module calls that trigger its reload include its children's (the executor
-    starts the input's reload from the backward of the module that saved the rebuilt output). A
-    rebuild whose parent's reload was never requested requests it: a stall, as for an unpack.
+    children's (in each backward pass), and the module calls that trigger its reload include its
+    children's (the executor starts the input's reload from the backward of the module that
+    saved the rebuilt output). A rebuild whose parent's reload was never requested requests it: a
+    stall, as for an unpack.
 """
 
 from __future__ import annotations
@@ -341,17 +347,24 @@ def offload_all(
     step: int = -1,
     tier: Placement | str = Placement.CPU,
     min_offload_bytes: int | str = 0,
+    rebuild: bool = True,
 ) -> dict[int, Decision]:
-    """The "offload everything" anchor: every movable activation family to ``tier``.
+    """The "offload everything" anchor: every movable activation family to ``tier``, as the
+    manager's min-memory mode (no ``gpu_budget``) places them.
 
     Movable: not a parameter or buffer, and not packed while a backward ran. Reloads follow the
-    default policy (NOTE [ Reload policy ]).
+    default policy (NOTE [ Reload policy ]). A family whose records the trace links to one moved
+    family (``TensorRecord.rebuild_from``: a GELU / SiLU / norm output) is rebuilt from it at
+    unpack instead (``Placement.REBUILD``), as min-memory mode does (NOTE [ Activation recipes ]
+    in offload); not one linked to a rebuilt family (the outer output of a chain), nor one
+    whose parent is kept.
 
     Args:
         trace: the recorded step(s).
         step: which recorded step (``-1``: the last).
         tier: ``Placement.CPU`` or ``Placement.NVME``.
         min_offload_bytes: families smaller than this stay (the manager's ``min_offload_bytes``).
+        rebuild: False moves the linked families too (every family to ``tier``).
 
     Raises:
         ValueError: ``tier`` is not a tier, or ``step`` / ``min_offload_bytes`` is out of range.
@@ -369,11 +382,16 @@ def offload_all(
     placement = Placement(tier)
     floor = parse_bytes(min_offload_bytes, name="min_offload_bytes")
     view = _StepView.of(trace, _step_index(trace, step))
-    return {
-        f.family: Decision(placement=placement)
-        for f in view.facts.values()
-        if f.movable and f.span_bytes >= floor
-    }
+    out: dict[int, Decision] = {}
+    rebuilt = Decision(placement=Placement.REBUILD)
+    for f in sorted(view.facts.values(), key=lambda f: f.first_pack):  # parents first
+        if not f.movable or f.span_bytes < floor:
+            continue
+        parents = {view.family_of_record.get(link) for link in f.rebuild_from}
+        (parent,) = parents if len(parents) == 1 else (None,)
+        moved = parent is not None and parent in out and out[parent].placement.moves
+        out[f.family] = rebuilt if rebuild and moved else Decision(placement=placement)
+    return out
 
 
 def checkpoint_blocks(trace: Trace, *, step: int = -1) -> dict[int, Decision]:
@@ -717,7 +735,8 @@ def _with_rebuild_uses(
     facts: Mapping[int, _FamilyFacts], parents: Mapping[int, int]
 ) -> dict[int, _FamilyFacts]:
     """``facts`` with each rebuild counted as a use of its parent: the parent's first unpack,
-    last use and reload-triggering calls include its children's first unpacks and calls.
+    last use, backward passes and reload-triggering calls include its children's rebuilds (their
+    first unpack in each pass) and calls.
 
     See NOTE [ Reload policy ].
     """
@@ -726,8 +745,12 @@ def _with_rebuild_uses(
         c, p = facts[child], out[parent]
         if c.first_unpack < 0:
             continue  # never unpacked: never rebuilt
+        passes = p.passes
+        for rebuilt in [first for first, _ in c.passes] or [c.first_unpack]:
+            passes = _with_use(passes, rebuilt)
         out[parent] = dataclasses.replace(
             p,
+            passes=passes,
             calls=tuple(dict.fromkeys((*p.calls, *c.calls))),
             first_unpack=(
                 c.first_unpack if p.first_unpack < 0 else min(p.first_unpack, c.first_unpack)
@@ -736,6 +759,18 @@ def _with_rebuild_uses(
             last_use=p.last_use if p.last_use < 0 else max(p.last_use, c.first_unpack),
         )
     return out
+
+
+def _with_use(passes: tuple[tuple[int, int], ...], event: int) -> tuple[tuple[int, int], ...]:
+    """``passes`` (NOTE [ Backward passes ]) with a use at ``event`` added to the pass it falls
+    in or comes before (a rebuild precedes its parent's own unpacks in a pass), or after the
+    last pass, to that one."""
+    for k, (first, last) in enumerate(passes):
+        if event <= last:
+            return (*passes[:k], (min(first, event), last), *passes[k + 1 :])
+    if not passes:
+        return passes
+    return (*passes[:-1], (passes[-1][0], event))
 
 
 # -- copy channels ----------------------------------------------------------------------------
@@ -992,7 +1027,7 @@ class _Simulator:
                 self.trigger_at.setdefault(min(triggers), []).append(fam)
                 self._plan_later_passes(fam, min(triggers))
             window.append(fam)
-        self.window = sorted(window, key=lambda f: f.facts.first_unpack)
+        self.window = sorted(window, key=lambda f: f.facts.first_pack, reverse=True)
         self.window_next = 0
 
     def _plan_later_passes(self, fam: _FamilyState, trigger: int) -> None:
@@ -1090,9 +1125,9 @@ class _Simulator:
             # What the step brings back (a reload, a rebuild, a recomputation) dies after its
             # last use even when the graph lives on; a kept tensor lives with the graph.
             self.free_at.setdefault(fam.facts.last_use + 1, []).append(fam)
-            if fam.placement.moves:
-                # A reload dies after its last use in each backward pass (NOTE [ Backward
-                # passes ] in _trace.py).
+            if fam.placement.moves or fam.placement is Placement.REBUILD:
+                # A reload or a rebuild dies after its last use in each backward pass (NOTE
+                # [ Backward passes ] in _trace.py).
                 for _, last in fam.facts.passes[:-1]:
                     self.pass_end_at.setdefault(last + 1, []).append(fam)
 
@@ -1121,9 +1156,9 @@ class _Simulator:
                 self._reload(fam, from_compute=False)
 
     def _end_pass(self, fam: _FamilyState) -> None:
-        """``fam``'s last unpack of a backward pass is done: its reload buffer goes, and the
-        next pass brings it back again. One whose source was used stays (cautious: the executor
-        drops the source once its copy out completes)."""
+        """``fam``'s last unpack of a backward pass is done: its reload buffer (or rebuilt
+        output) goes, and the next pass brings it back again. One whose source was used stays
+        (cautious: the executor drops the source once its copy out completes)."""
         fam.backward_pass += 1
         if fam.source_used or not fam.unpacked:
             return

@@ -20,6 +20,7 @@ import torch
 from models import ALL_MODELS, ModelCase
 from torch import nn
 
+import lifecycle
 import offload
 from lifecycle import HardwareModel, Placement, Plan
 
@@ -1714,3 +1715,84 @@ def test_the_profiling_step_stores_no_more_than_min_memory_mode() -> None:
     for k in ("bytes_offloaded_cpu", "bytes_rebuilt"):
         assert profiled[k] == plain[k], k
     assert profiled_peak == plain_peak
+
+
+def _anchor_case(name: str) -> tuple[nn.Module, Any]:
+    """A model and its forward (returning the output or the loss) for the anchor tests."""
+    import models
+
+    if name == "linear_gelu":
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.GELU())])
+        x = torch.randn(256, 256)
+        return model, lambda: model(x)
+    case = models.block_stack(seed=0, n_layer=2) if name == "block_stack" else ALL_MODELS[name]()
+    batch = case.batch(0)
+    return case.model, lambda: case.loss(batch)
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+@pytest.mark.parametrize("name", ["linear_gelu", "mlp", "gpt_block", "block_stack"])
+def test_offload_all_anchor_predicts_min_memory_mode(name: str, backwards: int) -> None:
+    """lifecycle.predict_anchors' offload_all predicts the saved bytes the manager holds in
+    min-memory mode (no gpu_budget, min_offload_bytes=0), measured (SavedBytes.peak_planned),
+    with one backward and with two of one graph. The anchor moved every family, where the
+    manager rebuilds GELU / LayerNorm outputs from their inputs (NOTE [ Activation recipes ]),
+    and the simulator's window took families in the order backward needs them, where the
+    executor walks them last packed first: 4 x (Linear(256) + GELU) at 256 rows predicted
+    786,432 B against 1,048,576 measured, the MLP 98,304 against 81,920, the GPT block 363,520
+    against 462,848 (1,189,888 against 926,720 for 8 blocks). Now equal, in both cases."""
+    from offload._live import SavedBytes
+
+    model, forward = _anchor_case(name)
+
+    def step(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            y = forward()
+            losses = [y.pow(2).mean(), y.sum()] if backwards == 2 else [y.sum()]
+        for i, loss in enumerate(losses):
+            loss.backward(retain_graph=i < len(losses) - 1)
+        return [p.grad.clone() for p in model.parameters()]
+
+    trace = offload.profile(lambda: step(None), model)
+    anchors = lifecycle.predict_anchors(trace, FAST)
+    want = step(None)
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0, hardware=FAST)
+    try:
+        for _ in range(2):
+            with SavedBytes.on(mgr) as saved:
+                got = step(mgr)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            assert saved.peak_planned == anchors["offload_all"].peak_bytes
+    finally:
+        mgr.close()
+
+
+def test_the_window_does_not_take_back_a_family_backward_just_used() -> None:
+    """Min-memory mode, two backwards of one graph: the first unpack of the first backward
+    (the last packed family, the loss's input) reloads its family and drops it once unpacked;
+    the look-ahead walk that followed still pointed at that family, found its buffer alive
+    (autograd was using it) and took it back as prefetched: 262,144 B held to the second
+    backward, and counted against the window all through the first. Now none is held between
+    the two backwards."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[m for _ in range(4) for m in (nn.Linear(256, 256), nn.GELU())], nn.Linear(256, 256)
+    )
+    x = torch.randn(256, 256)
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0, hardware=FAST)
+    try:
+        for _ in range(2):
+            with SavedBytes.on(mgr) as saved:
+                with mgr:
+                    y = model(x)
+                    first, second = y.pow(2).mean(), y.sum()
+                first.backward(retain_graph=True)
+                between = saved.live_planned
+                second.backward()
+            assert between == 0
+    finally:
+        mgr.close()
