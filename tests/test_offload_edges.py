@@ -1945,8 +1945,9 @@ def test_activation_outputs_are_rebuilt_from_their_inputs(how: str, tmp_path) ->
             stored = 128 * (64 + 256 + 64 + 64 + 8) * 4
             assert last.bytes_offloaded_cpu + last.bytes_offloaded_nvme == stored
             # A rebuild does not wait on its input's reload: the module saving the output starts
-            # it. The one stall is pow's input, unpacked first with nothing before it.
-            assert last.stalls <= 1, last
+            # it. The one stall per backward is pow's input, unpacked first with nothing before
+            # it (the second backward's too: the window no longer holds it between the two).
+            assert last.stalls <= (2 if how == "retain_graph" else 1), last
         assert mgr._executor is not None and mgr._executor.live_families() == 0
     finally:
         mgr.close()
