@@ -25,7 +25,14 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 MAX_BYTES = 2**63 - 1  # sizes are int64 to torch and numpy
 
 
-def parse_bytes(value: int | str, *, name: str = "value", total: int | None = None) -> int:
+def parse_bytes(
+    value: int | str,
+    *,
+    name: str = "value",
+    total: int | None = None,
+    positive: bool = False,
+    or_none: str = "",
+) -> int:
     """Parse ``12GiB``, ``512MB``, ``1e9``-free integers, or ``"85%"`` (of ``total``) into bytes.
 
     A number with a unit of a kilobyte or more is computed exactly and rounded down to whole
@@ -39,10 +46,14 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
         name: the argument's name, used in error messages.
         total: what a percentage is a share of; ``None`` for an argument that takes no
             percentage (the error messages then offer none).
+        positive: refuse 0 bytes too, for an argument that means nothing at 0.
+        or_none: what ``None`` means for an argument that also takes it (``"min-memory
+            mode"``), offered in the error for a value out of range.
 
     Raises:
-        ValueError: the value is negative, unparsable, more than :data:`MAX_BYTES` (2**63 - 1),
-            a fraction of a byte without a larger unit, or a percentage without a total.
+        ValueError: the value is negative (or 0, with ``positive``), unparsable, more than
+            :data:`MAX_BYTES` (2**63 - 1), a fraction of a byte without a larger unit, or a
+            percentage without a total.
         TypeError: the value is neither int nor str.
 
     Example:
@@ -57,9 +68,7 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
             f"{name} must be an int (bytes) or a string like {forms}; got {type(value).__name__}"
         )
     if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0 bytes; got {value}")
-        return _at_most_max(value, name, value)
+        return _in_range(_at_most_max(value, name, value), name, value, positive, or_none)
     text = value.strip()
     if text.endswith("%"):
         if total is None:
@@ -73,7 +82,7 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
             raise ValueError(f"{name}={value!r} is not a percentage like '85%'") from None
         if not 0 < pct <= 100:
             raise ValueError(f"{name}={value!r}: a percentage must be in (0, 100]")
-        return int(total * pct / 100)
+        return _in_range(int(total * pct / 100), name, value, positive, or_none)
     m = _PATTERN.match(text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(
@@ -90,7 +99,19 @@ def parse_bytes(value: int | str, *, name: str = "value", total: int | None = No
             f"{name}={value!r} is {float(n):.15g} bytes, not a whole number of bytes; give "
             "whole bytes, or a size with a unit such as '1.5GiB'"
         )
-    return int(n)  # rounded down
+    return _in_range(int(n), name, value, positive, or_none)  # rounded down
+
+
+def _in_range(n: int, name: str, value: int | str, positive: bool, or_none: str) -> int:
+    # One message for a negative value and for 0 where 0 is refused too: "must be >= 0 bytes"
+    # for -1 where 0 was refused as well told the user a range that is not the one taken.
+    if n > 0 or (n == 0 and not positive):
+        return n
+    taken = "more than 0 bytes" if positive else ">= 0 bytes"
+    if or_none:
+        taken += f", or None ({or_none})"
+    got = repr(value) if isinstance(value, int) else f"{value!r} ({n} bytes)"
+    raise ValueError(f"{name} must be {taken}; got {got}")
 
 
 def _at_most_max(n: int | Fraction, name: str, value: int | str) -> int:

@@ -124,9 +124,7 @@ def collect_info(
         >>> info["host_memory"]["default_cpu_budget_bytes"] > 0
         True
     """
-    nbytes = parse_bytes(probe_bytes, name="probe_bytes")
-    if nbytes <= 0:
-        raise ValueError(f"probe_bytes must be a positive size like '64MiB'; got {probe_bytes!r}")
+    nbytes = parse_bytes(probe_bytes, name="probe_bytes", positive=True)
     nbytes = -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES  # as the disk probe rounds it
     directory = check_nvme_dir(nvme_dir) if nvme_dir is not None else None
     # Read before anything is measured: a bad value fails fast, as it would in the offloader.

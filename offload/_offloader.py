@@ -143,13 +143,13 @@ def _inflight_arg(value: Any) -> int:
     """``max_inflight_bytes`` as the config holds it: 0 for automatic (``None``)."""
     if value is None:
         return 0
-    n = parse_bytes(value, name="max_inflight_bytes")
-    if n == 0:
-        raise ValueError(
-            "max_inflight_bytes must be at least 1 byte (one record then goes out at a time); "
-            "None is automatic: twice the largest record, at least 256 MiB"
-        )
-    return n
+    # 1 byte lets one record out at a time; 0 would mean "automatic" in the config.
+    return parse_bytes(
+        value,
+        name="max_inflight_bytes",
+        positive=True,
+        or_none="automatic: twice the largest record, at least 256 MiB",
+    )
 
 
 def _keep_arg(keep: Any) -> tuple[frozenset[str], tuple[type, ...]]:
@@ -312,14 +312,12 @@ class ActivationOffloader:
         budget_given = gpu_budget is not None
         if gpu_budget is None and user_plan is not None:
             gpu_budget = user_plan.gpu_budget_bytes
-        self._budget_bytes = None if gpu_budget is None else resolve_budget(gpu_budget, self.device)
-        if self._budget_bytes == 0:
-            # No step fits in no memory: refused here, not by the plan after the profiling step.
-            raise ValueError(
-                f"gpu_budget={gpu_budget!r} is 0 bytes, which no step fits in; give the device "
-                "memory a step may use (int bytes > 0, a size such as '12GiB', or '85%' of a "
-                "CUDA device's memory), or None for min-memory mode"
-            )
+        # No step fits in no memory: 0 is refused here, not by the plan after the profiling step.
+        self._budget_bytes = (
+            None
+            if gpu_budget is None
+            else resolve_budget(gpu_budget, self.device, positive=True, or_none="min-memory mode")
+        )
         self._user_plan = user_plan
         if user_plan is not None:
             assert self._budget_bytes is not None

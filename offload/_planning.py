@@ -51,8 +51,11 @@ def resolve_hardware(
     )
 
 
-def resolve_budget(gpu_budget: int | str, device: torch.device) -> int:
-    """Bytes for an int, a size string, or a percentage of ``device``'s memory."""
+def resolve_budget(
+    gpu_budget: int | str, device: torch.device, *, positive: bool = False, or_none: str = ""
+) -> int:
+    """Bytes for an int, a size string, or a percentage of ``device``'s memory
+    (``positive`` and ``or_none`` as for :func:`lifecycle._units.parse_bytes`)."""
     if isinstance(gpu_budget, bool) or not isinstance(gpu_budget, (int, str)):
         # Checked here: parse_bytes offers a percentage only when it has the total at hand.
         raise TypeError(
@@ -67,7 +70,9 @@ def resolve_budget(gpu_budget: int | str, device: torch.device) -> int:
                 "size such as '512MiB' on CPU"
             )
         total = torch.cuda.get_device_properties(device).total_memory
-    return parse_bytes(gpu_budget, name="gpu_budget", total=total)
+    return parse_bytes(
+        gpu_budget, name="gpu_budget", total=total, positive=positive, or_none=or_none
+    )
 
 
 def trace_device(trace: Trace) -> torch.device:

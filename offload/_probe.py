@@ -157,11 +157,7 @@ def probe_hardware(
     if nbytes is None:
         size: int | None = None
     else:
-        size = parse_bytes(nbytes, name="nbytes")
-        if size <= 0:
-            raise ValueError(
-                f"nbytes must be a positive size like 1 << 26 or '64MiB'; got {nbytes!r}"
-            )
+        size = parse_bytes(nbytes, name="nbytes", positive=True, or_none="the default sizes")
     directory: Path | None = None
     if nvme_dir is not None:
         if not isinstance(nvme_dir, (str, os.PathLike)):

@@ -187,7 +187,8 @@ class HostPool:
         poison_on_release: bool = False,
     ) -> None:
         _check_bytes("capacity_bytes", capacity_bytes)
-        _check_bytes("slab_bytes", slab_bytes)
+        # The range is the power-of-two check's to state (-1 said "must be >= 0 bytes").
+        _check_bytes("slab_bytes", slab_bytes, negative_ok=True)
         if slab_bytes < ALIGNMENT_BYTES or slab_bytes & (slab_bytes - 1):
             raise ValueError(
                 f"slab_bytes must be a power of two >= {ALIGNMENT_BYTES}; got {slab_bytes}"
@@ -501,10 +502,11 @@ def _empty_host_cache() -> None:
         fn()
 
 
-def _check_bytes(name: str, value: object) -> None:
+def _check_bytes(name: str, value: object, *, negative_ok: bool = False) -> None:
+    """A byte count is an int and, unless the caller checks a narrower range, not negative."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int number of bytes; got {type(value).__name__}")
-    if value < 0:
+    if value < 0 and not negative_ok:
         raise ValueError(f"{name} must be >= 0 bytes; got {value}")
 
 

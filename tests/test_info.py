@@ -259,3 +259,11 @@ def test_bad_probe_bytes_name_the_option_once(
     err = capsys.readouterr().err
     assert e.value.code == 2
     assert message in err and err.count("--probe-bytes") == 2, err  # usage line and message
+
+
+@pytest.mark.parametrize("value", [-1, 0, "0MiB"])
+def test_probe_bytes_out_of_range_says_what_is_taken(value: int | str) -> None:
+    """``probe_bytes=-1`` said "must be >= 0 bytes", though 0 is refused too."""
+    with pytest.raises(ValueError, match=r"^probe_bytes must be more than 0 bytes; got ") as e:
+        collect_info(probe_bytes=value)
+    assert ">= 0" not in str(e.value)

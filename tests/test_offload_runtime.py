@@ -568,8 +568,8 @@ def test_steps_do_not_nest() -> None:
         ({"gpu_budget": "lots"}, ValueError, "gpu_budget"),
         ({"gpu_budget": -1}, ValueError, "gpu_budget"),
         # 0 was taken, and the step after the profiling one raised BudgetInfeasibleError.
-        ({"gpu_budget": 0}, ValueError, r"gpu_budget=0 is 0 bytes.*None for min-memory mode"),
-        ({"gpu_budget": "0GiB"}, ValueError, r"gpu_budget='0GiB' is 0 bytes.*int bytes > 0"),
+        ({"gpu_budget": 0}, ValueError, r"gpu_budget must be more than 0 bytes.*got 0$"),
+        ({"gpu_budget": "0GiB"}, ValueError, r"more than 0 bytes.*got '0GiB' \(0 bytes\)"),
         ({"plan": object()}, TypeError, "plan"),
         ({"hardware": 3}, TypeError, "hardware"),
         # A missing or wrong file named the argument nowhere (a bare "[Errno 2] No such file").
@@ -581,12 +581,29 @@ def test_steps_do_not_nest() -> None:
         ({"tiers": ("nvme",), "nvme_dir": 5}, TypeError, "nvme_dir"),
         ({"tiers": ("nvme",), "nvme_dir": __file__}, ValueError, r"nvme_dir.*not a directory"),
         ({"cpu_budget": 0}, ValueError, "cpu_budget 0"),
-        ({"max_inflight_bytes": 0}, ValueError, "max_inflight_bytes must be at least 1"),
+        ({"max_inflight_bytes": 0}, ValueError, "max_inflight_bytes must be more than 0 bytes"),
     ],
 )
 def test_bad_arguments(kwargs, exc, match) -> None:
     with pytest.raises(exc, match=match):
         offload.ActivationOffloader(nn.Linear(2, 2), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "none_means"),
+    [("gpu_budget", "min-memory mode"), ("max_inflight_bytes", "twice the largest record")],
+)
+def test_sizes_that_take_no_zero_say_so_for_negative_values(name: str, none_means: str) -> None:
+    """``gpu_budget=-1`` and ``max_inflight_bytes=-5`` said "must be >= 0 bytes", though 0 is
+    refused too (with another message). Negative, 0 and '0GiB' now get one message: more than 0
+    bytes, or None and what it means."""
+    for value in (-5, -1, 0, "0GiB"):
+        with pytest.raises(ValueError) as info:
+            offload.ActivationOffloader(nn.Linear(2, 2), **{name: value})
+        message = str(info.value)
+        assert f"{name} must be more than 0 bytes, or None" in message, message
+        assert none_means in message and ">= 0" not in message, message
+        assert f"got {value!r}" in message, message
 
 
 @pytest.mark.parametrize("where", ["a directory", "nowhere"])

@@ -307,6 +307,10 @@ def test_without_cuda_pin_memory_falls_back_to_plain_memory():
 def test_invalid_arguments_name_the_argument():
     with pytest.raises(ValueError, match="slab_bytes"):
         HostPool(1 * MiB, slab_bytes=3000)
+    # -1 said "must be >= 0 bytes", though 0 is no slab size either.
+    for value in (-1, 0):
+        with pytest.raises(ValueError, match=r"slab_bytes must be a power of two >= 4096; got"):
+            HostPool(1 * MiB, slab_bytes=value)
     with pytest.raises(ValueError, match="capacity_bytes"):
         HostPool(-1)
     with pytest.raises(TypeError, match="capacity_bytes"):
