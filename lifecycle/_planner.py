@@ -143,7 +143,7 @@ from lifecycle._trace import (
     Trace,
     with_small_casts_kept,
 )
-from lifecycle._units import format_bytes, parse_bytes
+from lifecycle._units import check_count, format_bytes, parse_bytes
 
 _MIN_MARGIN_BYTES = 256 << 20  # DESIGN.md "Budget": max(5% of the budget, 256 MiB) on a GPU
 _MARGIN_SHARE = 0.05
@@ -185,7 +185,8 @@ def plan(
         hardware: link and disk bandwidths (:func:`offload.probe_hardware`, or a preset).
         tiers: allowed tiers, ``"cpu"`` and/or ``"nvme"``.
         cpu_budget: host bytes the plan may hold at once (``None``: no limit).
-        nvme_bytes: NVMe bytes the plan may hold at once (``None``: no limit).
+        nvme_bytes: NVMe bytes the plan may hold at once (``None``: no limit); only with
+            ``"nvme"`` in ``tiers``.
         min_offload_bytes: families smaller than this are kept (the manager's setting).
         margin: room left under the budget for what a trace cannot show. ``None``: on a CUDA
             trace, max(5% of the budget, 256 MiB) plus ``trace.metadata["reserved_excess_bytes"]``
@@ -250,9 +251,14 @@ def _plan(
     tiers = _tiers_arg(tiers)
     host_cap = math.inf if cpu_budget is None else parse_bytes(cpu_budget, name="cpu_budget")
     disk_cap = math.inf if nvme_bytes is None else parse_bytes(nvme_bytes, name="nvme_bytes")
+    if nvme_bytes is not None and "nvme" not in tiers:
+        # As `offload plan --nvme-bytes` refuses it: a cap on a tier the plan may not use.
+        raise ValueError(
+            f"nvme_bytes={nvme_bytes!r} applies only with 'nvme' in tiers, and tiers={tiers!r}: "
+            "nothing goes to NVMe; add 'nvme' to tiers or leave nvme_bytes out"
+        )
     floor_bytes = parse_bytes(min_offload_bytes, name="min_offload_bytes")
-    if isinstance(simulate_records, bool) or not isinstance(simulate_records, int):
-        raise TypeError(f"simulate_records must be an int; got {simulate_records!r}")
+    check_count(simulate_records, name="simulate_records")  # 0: never simulate
     if not isinstance(signature, str):
         raise TypeError(f"signature must be a str; got {type(signature).__name__}")
     fixed_margin = None if margin is None else parse_bytes(margin, name="margin")

@@ -637,6 +637,32 @@ def test_bad_arguments_name_the_argument(traces: dict[str, Trace]) -> None:
             plan(**kwargs)
 
 
+def test_nvme_bytes_without_nvme_in_tiers_is_refused_like_the_cli() -> None:
+    """``offload plan --nvme-bytes`` without nvme in ``--tiers`` is a usage error, but
+    ``plan(..., tiers=("cpu",), nvme_bytes=...)`` planned as if it were not given. Now both
+    Python functions raise a ValueError naming both arguments; with nvme in tiers it is taken."""
+    trace = transformer_trace(layers=1, hidden=64, tokens=64)
+    for fn in (plan, offload.plan):
+        for tiers in (("cpu",), "cpu"):
+            with pytest.raises(ValueError, match=r"nvme_bytes.*only with 'nvme' in tiers.*'cpu'"):
+                fn(trace, 10**12, H200, tiers=tiers, nvme_bytes="1GiB")
+        assert fn(trace, 10**12, H200, tiers=("cpu", "nvme"), nvme_bytes="1GiB").tiers == (
+            "cpu",
+            "nvme",
+        )
+
+
+@pytest.mark.parametrize("fn", [plan, offload.plan])
+def test_simulate_records_is_a_count(fn) -> None:
+    """``simulate_records=-1`` was taken (and meant the same as 0, never simulate)."""
+    trace = transformer_trace(layers=1, hidden=64, tokens=64)
+    with pytest.raises(ValueError, match=r"simulate_records must be an int >= 0; got -1"):
+        fn(trace, 10**12, H200, simulate_records=-1)
+    with pytest.raises(TypeError, match=r"simulate_records must be an int >= 0; got float"):
+        fn(trace, 10**12, H200, simulate_records=2.0)
+    assert fn(trace, 10**12, H200, simulate_records=0).gpu_budget_bytes == 10**12
+
+
 def test_offload_plan_names_a_trace_that_is_not_one() -> None:
     """``offload.plan`` reads the trace's device before anything else: a path is refused by the
     argument's name, not with an ``AttributeError`` from inside."""
