@@ -253,6 +253,7 @@ class HardwareModel:
         """Read a model written by :meth:`save`.
 
         Raises:
+            TypeError: ``path`` is not a str or ``os.PathLike``.
             FileNotFoundError: ``path`` does not exist.
             ValueError: the file is not JSON, not an offload hardware model, or has another
                 schema version.

@@ -26,15 +26,30 @@ def replacing(path: str | os.PathLike[str]) -> Iterator[str]:
         ('hello', ['x.txt'])
         >>> d.cleanup()
     """
-    path = os.fspath(path)
+    path = file_path(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        # The temp file is ours, not the user's: an error naming it ("No such file or
+        # directory: 'p.json.tmp4242'", or "'p.json.tmp4242' -> 'p.json'" where p.json is a
+        # directory) names the path the user gave instead.
+        if isinstance(e, OSError) and e.filename == tmp and type(e).__module__ == "builtins":
+            raise type(e)(e.errno, e.strerror, path) from None
         raise
+
+
+def file_path(path: object) -> str:
+    """``path`` as a str, or a ``TypeError`` naming the argument (``open(5)`` would read file
+    descriptor 5, and ``os.fspath`` says "expected str, bytes or os.PathLike object")."""
+    if isinstance(path, (str, os.PathLike)):
+        fspath = os.fspath(path)
+        if isinstance(fspath, str):
+            return fspath
+    raise TypeError(f"path must be a str or os.PathLike naming a file; got {type(path).__name__}")
 
 
 def write_json(path: str | os.PathLike[str], data: Mapping[str, Any], **dump: Any) -> None:
@@ -49,14 +64,15 @@ def write_json(path: str | os.PathLike[str], data: Mapping[str, Any], **dump: An
 
 def read_json(path: str | os.PathLike[str]) -> Any:
     """The JSON value in ``path``; ``ValueError`` naming the file when it is not JSON."""
-    with open(os.fspath(path), encoding="utf-8") as f:
+    path = file_path(path)
+    with open(path, encoding="utf-8") as f:
         try:
             return json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {e}") from e
+            raise ValueError(f"{path!r} is not valid JSON: {e}") from e
         except RecursionError as e:  # thousands of nested brackets: no file of ours
             raise ValueError(
-                f"{os.fspath(path)!r} is not a file offload reads: its JSON is nested too deeply"
+                f"{path!r} is not a file offload reads: its JSON is nested too deeply"
             ) from e
 
 

@@ -412,6 +412,7 @@ class Plan:
         """Read a plan written by :meth:`save`.
 
         Raises:
+            TypeError: ``path`` is not a str or ``os.PathLike``.
             FileNotFoundError: ``path`` does not exist.
             ValueError: the file is not an offload plan, has another schema version, or is
                 malformed (see :meth:`from_dict`).

@@ -513,6 +513,7 @@ class Trace:
         """Read a trace written by :meth:`save`.
 
         Raises:
+            TypeError: ``path`` is not a str or ``os.PathLike``.
             FileNotFoundError: ``path`` does not exist.
             ValueError: the file is not an offload trace, has another schema version, or a
                 field that is malformed (see :meth:`from_dict`).

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -431,3 +432,55 @@ def test_profile_warns_when_the_steps_run_no_backward_or_save_nothing() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             profile(lambda: model(x).sum().backward(), model, warmup_steps=0)
+
+
+def _writers() -> list[tuple[str, Any]]:
+    from lifecycle import HardwareModel, plan, write_plan_png
+
+    trace = transformer_trace(layers=2, hidden=64, tokens=64)
+    p = plan(trace, trace.peak_memory_bytes, HardwareModel.h200(), margin=0)
+    return [
+        ("Trace.save", trace.save),
+        ("Plan.save", p.save),
+        ("HardwareModel.save", HardwareModel.h200().save),
+        ("write_perfetto", lambda path: write_perfetto(trace, path)),
+        ("write_memory_png", lambda path: write_memory_png(trace, path)),
+        ("write_plan_png", lambda path: write_plan_png(trace, p, path)),
+    ]
+
+
+def test_a_write_that_fails_names_the_path_given_not_the_temp_file(tmp_path) -> None:
+    """A missing directory or a path that is a directory raised an error naming the temp file
+    (``plan.json.tmp4242``) the user never gave; it names the user's path now, and the temp
+    file is still removed."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "adir").mkdir()
+    for what, save in _writers():
+        missing = tmp_path / "missing" / "out.json"
+        with pytest.raises(FileNotFoundError) as e:
+            save(missing)
+        assert e.value.filename == str(missing) and ".tmp" not in str(e.value), (what, e.value)
+        with pytest.raises(IsADirectoryError) as e:
+            save(tmp_path / "adir")
+        assert e.value.filename == str(tmp_path / "adir"), (what, e.value)
+        assert ".tmp" not in str(e.value) and e.value.filename2 is None, (what, e.value)
+        assert sorted(f.name for f in tmp_path.iterdir()) == ["adir"], what
+        assert list((tmp_path / "adir").iterdir()) == [], what
+
+
+@pytest.mark.parametrize("path", [5, None, b"trace.json"])
+def test_save_and_load_name_a_path_that_is_not_one(tmp_path, monkeypatch, path: Any) -> None:
+    """``Plan.load(5)`` said "expected str, bytes or os.PathLike object, not int" (and a bytes
+    path was saved as a file named "b'trace.json'.tmpPID" before failing)."""
+    pytest.importorskip("matplotlib")
+    from lifecycle import HardwareModel, Plan
+
+    monkeypatch.chdir(tmp_path)
+    accepted = r"^path must be a str or os\.PathLike naming a file; got "
+    for cls in (Trace, Plan, HardwareModel):
+        with pytest.raises(TypeError, match=accepted + type(path).__name__):
+            cls.load(path)
+    for what, save in _writers():
+        with pytest.raises(TypeError, match=accepted + type(path).__name__):
+            save(path)
+        assert list(tmp_path.iterdir()) == [], what
