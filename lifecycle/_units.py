@@ -136,6 +136,11 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def plural(n: int, noun: str) -> str:
+    """``n`` and ``noun``, with an ``s`` unless ``n`` is 1: ``plural(1, "thread") == "1 thread"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def check_count(value: object, *, name: str, minimum: int = 0) -> int:
     """An int argument (a count of steps, stages, threads ...) of at least ``minimum``.
 

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import torch
 
-from lifecycle._units import format_bytes, parse_bytes
+from lifecycle._units import format_bytes, parse_bytes, plural
 from storage import (
     ALIGNMENT_BYTES,
     cgroup_memory,
@@ -642,7 +642,7 @@ def format_info(info: dict[str, Any]) -> str:
             row(
                 "write",
                 f"{_gb(n['write_gb_per_s'])} ({format_bytes(n['probe_bytes'])}, {n['io_mode']}, "
-                f"{n['io_threads']} threads)",
+                f"{plural(n['io_threads'], 'thread')})",
             )
             row("read", _gb(n["read_gb_per_s"]))
 

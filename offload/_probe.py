@@ -27,7 +27,7 @@ import torch
 
 from lifecycle import HardwareModel
 from lifecycle._jsonfile import read_json
-from lifecycle._units import format_bytes, parse_bytes
+from lifecycle._units import format_bytes, parse_bytes, plural
 from offload._info import _nvml_info, _torch_gpus, check_nvme_dir
 from storage import measure_disk_bandwidth
 
@@ -193,7 +193,7 @@ def probe_hardware(
             source=(
                 f"{stamp}: host memcpy of {format_bytes(copy_bytes)} and float32 GELU of "
                 f"{format_bytes(4 * gelu_numel)}, medians of {PROBE_REPEATS} "
-                f"({torch.get_num_threads()} torch threads); {disk.note}"
+                f"({plural(torch.get_num_threads(), 'torch thread')}); {disk.note}"
             ),
         )
     else:
@@ -454,7 +454,7 @@ def _measure_disk(directory: Path | None, nbytes: int | None) -> _Disk:
         r["write_gbps"] * 1e9,
         r["read_gbps"] * 1e9,
         f"disk {directory}: {format_bytes(r['nbytes'])}{shrunk}, {r['io_mode']}, "
-        f"{r['threads']} threads",
+        f"{plural(r['threads'], 'thread')}",
         measured=True,
     )
 

@@ -267,3 +267,11 @@ def test_probe_bytes_out_of_range_says_what_is_taken(value: int | str) -> None:
     with pytest.raises(ValueError, match=r"^probe_bytes must be more than 0 bytes; got ") as e:
         collect_info(probe_bytes=value)
     assert ">= 0" not in str(e.value)
+
+
+def test_one_io_thread_is_one_thread(tmp_path: Path) -> None:
+    """A 4 KiB disk probe runs on one I/O thread: the report said "1 threads"."""
+    info = collect_info(nvme_dir=tmp_path, probe_bytes="4KiB")
+    assert info["nvme"]["io_threads"] == 1
+    text = format_info(info)
+    assert ", 1 thread)" in text and "1 threads" not in text, text

@@ -275,3 +275,15 @@ def test_cuda_probe_measures_both_directions(tmp_path: Path) -> None:
     assert "bf16 GELU" in hw.source
     # The probe's buffers are freed.
     assert torch.cuda.memory_allocated() == allocated
+
+
+def test_one_thread_is_one_thread(tmp_path: Path) -> None:
+    """The measured model's source said "(1 torch threads)" and "4.00 KiB, ..., 1 threads"."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hw = probe_hardware(device="cpu", nvme_dir=tmp_path, nbytes="4KiB", cache=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert "(1 torch thread)" in hw.source and ", 1 thread" in hw.source, hw.source
+    assert "1 threads" not in hw.source and "1 torch threads" not in hw.source, hw.source
