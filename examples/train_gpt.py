@@ -9,7 +9,12 @@ entropy within a few dozen steps. Run it with:
 
 and profile it, without editing it, with:
 
-    offload profile examples/train_gpt.py --steps 2
+    offload profile --steps 2 --out prof examples/train_gpt.py --layers 4
+
+The profiler's options go before the script: here it lets one warm-up step run, records 2
+steps and writes into ``prof/``. Everything after the script goes to the script (here 4
+blocks); its own ``--steps`` need not be given, as the profiler stops it once its steps are
+recorded.
 """
 
 from __future__ import annotations

@@ -51,6 +51,30 @@ def test_profile_example_script(tmp_path: Path) -> None:
     assert "step     6" not in r.stdout
 
 
+def test_the_profile_command_in_the_script_docstring(tmp_path: Path) -> None:
+    """train_gpt.py's docstring said to profile it with ``offload profile
+    examples/train_gpt.py --steps 2``: that ``--steps 2`` goes to the script (everything after
+    SCRIPT does), so the profiler recorded its default 1 step, not the 2 a reader would take it
+    for. The command shown sets the profiler's options before the script, none of the same name
+    after it, and run as shown it records the steps it asks for."""
+    import ast
+    import shlex
+
+    from offload._cli import build_parser
+
+    doc = ast.get_docstring(ast.parse(TRAIN.read_text())) or ""
+    line = next(s.strip() for s in doc.splitlines() if s.strip().startswith("offload profile"))
+    argv = shlex.split(line)[1:]
+    args = build_parser().parse_args(argv)
+    ours = argv[: argv.index(args.script)]
+    assert "--steps" in ours and "--steps" not in args.script_args, line
+    assert (ROOT / args.script).resolve() == TRAIN
+    argv[argv.index(args.script)] = str(TRAIN)  # run from a directory of the test's own
+    r = offload_cli(*argv, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert Trace.load(tmp_path / args.out / "trace.json").steps == args.steps
+
+
 def test_script_args_after_double_dash(tmp_path: Path) -> None:
     r = offload_cli(
         "profile", "--warmup", "0", "--out", str(tmp_path), str(TRAIN), "--", "--steps", "1"
