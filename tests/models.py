@@ -24,7 +24,7 @@ Run the self-check (one step of each model, with timings) with ``python tests/mo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,8 @@ __all__ = [
     "lstm",
     "mixed_dtypes",
     "mlp",
+    "plan_of",
+    "seeded_steps",
     "tied_weights",
     "views_model",
 ]
@@ -556,6 +558,45 @@ ALL_MODELS: dict[str, Callable[..., ModelCase]] = {
     "complex_views": complex_views,
 }
 """Every test model by name; each factory is called as ``factory(seed=..., device=...)``."""
+
+
+# -- runs shared by the offload tests ------------------------------------------------------------
+
+
+def seeded_steps(
+    model: nn.Module, mgr: Any = None, n: int = 3, first: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """Steps ``first`` to ``first + n - 1`` of ``model`` (the loss ``model(x).pow(2).sum()`` of
+    a (32, 64) batch seeded with the step's index), each inside ``mgr`` when given: each step's
+    gradients, from zero."""
+    out = []
+    for s in range(first, first + n):
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(s))
+        with mgr if mgr is not None else nullcontext():
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        out.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    return out
+
+
+def plan_of(model: nn.Module, x: torch.Tensor, **manager_kw: Any) -> Any:
+    """The ``offload.Plan`` a manager made with ``manager_kw`` holds after a profiling and a
+    planned step of ``model(x).pow(2).sum()``; the manager is closed, the gradients dropped."""
+    import offload  # models.py itself needs no offload
+
+    mgr = offload.ActivationOffloader(model, **manager_kw)
+    try:
+        for _ in range(2):
+            with mgr:
+                loss = model(x).pow(2).sum()
+            loss.backward()
+        plan = mgr.plan
+    finally:
+        mgr.close()
+    model.zero_grad(set_to_none=True)
+    assert plan is not None
+    return plan
 
 
 def _saved_tensors(case: ModelCase) -> list[torch.Tensor]:

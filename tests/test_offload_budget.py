@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import ALL_MODELS, ModelCase
+from models import ALL_MODELS, ModelCase, plan_of
 from torch import nn
 
 import lifecycle
@@ -1588,16 +1588,7 @@ def test_a_given_plan_matching_none_of_the_models_keys_warns_once() -> None:
     torch.manual_seed(0)
     made_on = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     x = torch.randn(32, 64)
-    first = offload.ActivationOffloader(
-        made_on, gpu_budget=48 << 10, hardware=FAST, min_offload_bytes=0
-    )
-    for _ in range(2):
-        with first:
-            loss = made_on(x).pow(2).sum()
-        loss.backward()
-    given = first.plan
-    first.close()
-    assert given is not None
+    given = plan_of(made_on, x, gpu_budget=48 << 10, hardware=FAST, min_offload_bytes=0)
 
     class Renamed(nn.Module):
         def __init__(self) -> None:

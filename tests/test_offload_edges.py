@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import ALL_MODELS, ModelCase, gpt_block, mlp
+from models import ALL_MODELS, ModelCase, gpt_block, mlp, seeded_steps
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -557,27 +557,17 @@ def three_blocks(compile_mode: str | None = None) -> nn.Sequential:
     return model
 
 
-def run_blocks(model: nn.Module, mgr: Any = None, steps: int = 2) -> dict[str, torch.Tensor]:
-    for s in range(steps):
-        model.zero_grad(set_to_none=True)
-        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(s))
-        with mgr if mgr is not None else contextlib.nullcontext():
-            loss = model(x).pow(2).sum()
-        loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def inner_hooks(module: nn.Module) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
 
 
 def test_compiled_submodule_is_a_leaf() -> None:
-    want = run_blocks(three_blocks("wrap"))
+    want = seeded_steps(three_blocks("wrap"), n=2)[-1]
     model = three_blocks("wrap")
     with manager(model) as mgr:
         assert inner_hooks(model[1]._orig_mod) == 0  # nothing inside the compiled region
         assert len(model[1]._forward_pre_hooks) == 1  # the compiled module itself is a leaf
-        got = run_blocks(model, mgr)
+        got = seeded_steps(model, mgr, n=2)[-1]
         assert mgr.stats.last.bytes_offloaded_cpu > 0
     assert_bitwise(got, want)
 
@@ -599,15 +589,15 @@ def test_a_model_compiled_after_its_manager_warns_once() -> None:
     compiled first). One RuntimeWarning says so and what to do (there was none); gradients stay
     exact. Compiled first (a submodule, ``.compile()``, or a compiled ``forward``, which was not
     a leaf before and took the same 23 breaks), nothing is said."""
-    want = run_blocks(three_blocks())
+    want = seeded_steps(three_blocks(), n=2)[-1]
     model = three_blocks()
     with manager(model) as mgr:
         compiled = torch.compile(model, backend="eager")
         with pytest.warns(RuntimeWarning, match="compiled with torch.compile after") as record:
-            got = run_blocks(compiled, mgr)
+            got = seeded_steps(compiled, mgr, n=2)[-1]
         assert mgr.stats.last.bytes_offloaded_cpu > 0
     assert len(record) == 1 and "Compile first" in str(record[0].message)
-    assert record[0].filename == __file__  # the with statement's line
+    assert record[0].filename == seeded_steps.__code__.co_filename  # the with statement's line
     assert_bitwise(plain_names(got), want)
     # Under fullgraph=True the first hook fails to compile, before anything runs: a note says why.
     torch._dynamo.reset()  # no cached graphs, no recompilation limit reached (it runs eager then)
@@ -624,7 +614,7 @@ def test_a_model_compiled_after_its_manager_warns_once() -> None:
         with manager(model) as mgr, warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             assert inner_hooks(getattr(model[1], "_orig_mod", model[1])) == (mode == "forward") * 2
-            assert_bitwise(plain_names(run_blocks(model, mgr)), want)
+            assert_bitwise(plain_names(seeded_steps(model, mgr, n=2)[-1]), want)
 
 
 def plain_names(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import seeded_steps
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -54,20 +55,6 @@ def compiled_blocks(where: str) -> Blocks:
     return model
 
 
-def steps(
-    model: nn.Module, mgr: Any = None, n: int = 3, first: int = 0
-) -> list[dict[str, torch.Tensor]]:
-    out = []
-    for s in range(first, first + n):
-        model.zero_grad(set_to_none=True)
-        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(s))
-        with mgr if mgr is not None else contextlib.nullcontext():
-            loss = model(x).pow(2).sum()
-        loss.backward()
-        out.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    return out
-
-
 @pytest.mark.parametrize("budget", [False, True], ids=["min_memory", "budget"])
 @pytest.mark.parametrize("tiers", [("cpu",), ("nvme",)], ids=["cpu", "nvme"])
 @pytest.mark.parametrize("where", ["root", "submodule"])
@@ -81,7 +68,7 @@ def test_module_compile_fullgraph_runs_its_hooks_outside_dynamo(
     every step raised ``Unsupported`` with a note blaming compilation after the manager. The
     hooks of a ``.compile()``d module now run around its compiled call, outside dynamo."""
     torch._dynamo.reset()
-    want = steps(compiled_blocks(where), n=4)
+    want = seeded_steps(compiled_blocks(where), n=4)
     torch._dynamo.reset()
     model = compiled_blocks(where)
     target = model if where == "root" else model.blocks[1]
@@ -93,7 +80,7 @@ def test_module_compile_fullgraph_runs_its_hooks_outside_dynamo(
     counters = torch._dynamo.utils.counters
     counters.clear()
     try:
-        got = steps(model, mgr, n=4)
+        got = seeded_steps(model, mgr, n=4)
         stats = mgr.stats.last
     finally:
         mgr.close()
@@ -134,7 +121,7 @@ def test_a_module_compiled_again_keeps_its_hooks(
                 target.compile(backend="eager", fullgraph=True)
                 compiled_call = target.__dict__["_compiled_call_impl"]
             with SavedBytes.on(mgr) if mgr is not None else contextlib.nullcontext() as saved:
-                grads += steps(model, mgr, n=1, first=s)
+                grads += seeded_steps(model, mgr, n=1, first=s)
             if mgr is not None:
                 seen.append((mgr.stats.last, saved.peak_planned, mgr._calls.get(name, 0)))
         if mgr is not None:
@@ -168,14 +155,15 @@ def test_a_module_whose_compiled_call_is_gone_warns_once() -> None:
     eager call, without the manager's hooks (they ran around the compiled call, and its
     submodules have none): nothing is left to put them back around. That went unsaid; now one
     RuntimeWarning names the module, and gradients stay bitwise."""
-    want = steps(compiled_blocks("submodule"), n=3)
+    want = seeded_steps(compiled_blocks("submodule"), n=3)
     model = compiled_blocks("submodule")
     with contextlib.closing(offload.ActivationOffloader(model, min_offload_bytes=0)) as mgr:
-        got = steps(model, mgr, n=1)
+        got = seeded_steps(model, mgr, n=1)
         model.blocks[1]._compiled_call_impl = None
         with pytest.warns(RuntimeWarning, match="'blocks.1' no longer has the compiled") as record:
-            got += steps(model, mgr, n=2, first=1)
-    assert len(record) == 1 and record[0].filename == __file__
+            got += seeded_steps(model, mgr, n=2, first=1)
+    # The user's line: the with statement, in seeded_steps.
+    assert len(record) == 1 and record[0].filename == seeded_steps.__code__.co_filename
     for g, w in zip(got, want, strict=True):
         for k in w:
             assert torch.equal(g[k], w[k]), k
@@ -196,7 +184,7 @@ def test_foreign_saved_tensor_hooks_inside_the_step_warn_once(
     warns, naming it; gradients stay bitwise and torch.utils.checkpoint's own pair does not
     warn."""
     torch.manual_seed(0)
-    want = steps(Blocks(), n=2)
+    want = seeded_steps(Blocks(), n=2)
     torch.manual_seed(0)
     model = Blocks()
     kw: dict[str, Any] = {"nvme_dir": tmp_path} if "nvme" in tiers else {}

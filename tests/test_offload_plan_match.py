@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from models import ALL_MODELS
+from models import ALL_MODELS, plan_of
 from torch import nn
 
 import offload
@@ -113,17 +113,7 @@ def test_planned_steps_on_a_slow_link_hold_their_prediction(name: str) -> None:
 
 
 def _saved_plan(model: nn.Module, x: torch.Tensor, tmp_path, **kw) -> str:
-    mgr = offload.ActivationOffloader(
-        model, gpu_budget=80 << 10, hardware=FAST, min_offload_bytes=0, **kw
-    )
-    for _ in range(2):
-        with mgr:
-            loss = model(x).pow(2).sum()
-        loss.backward()
-    plan = mgr.plan
-    mgr.close()
-    model.zero_grad(set_to_none=True)
-    assert plan is not None
+    plan = plan_of(model, x, gpu_budget=80 << 10, hardware=FAST, min_offload_bytes=0, **kw)
     path = str(tmp_path / "plan.json")
     plan.save(path)
     return path

@@ -192,6 +192,18 @@ def _hardware(kind: str):
     )
 
 
+def _budgeted_manager(module: torch.nn.Module, stage):
+    """A manager of ``module`` with a budget of 1.5 microbatches' saved bytes and the fast
+    link, attached to ``stage``."""
+    import offload
+
+    mgr = offload.ActivationOffloader(
+        module, min_offload_bytes=0, gpu_budget=BUDGET_BYTES, hardware=_hardware("fast")
+    )
+    mgr.attach(stage)
+    return mgr
+
+
 SCHEDULES = (
     "ScheduleGPipe",
     "Schedule1F1B",
@@ -582,18 +594,11 @@ def _eval_then_train(rank: int, world_size: int, offloaded: bool) -> dict:
     parameters and (offloaded) the manager's plan and step count."""
     from torch.distributed import pipelining as pp
 
-    import offload
-
     module = _stage_module(rank)
     stage = pp.PipelineStage(module, rank, world_size, torch.device("cpu"))
     loss_fn = lambda out, target: (out - target).pow(2).mean()  # noqa: E731
     schedule = pp.Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
-    mgr = None
-    if offloaded:
-        mgr = offload.ActivationOffloader(
-            module, min_offload_bytes=0, gpu_budget=BUDGET_BYTES, hardware=_hardware("fast")
-        )
-        mgr.attach(stage)
+    mgr = _budgeted_manager(module, stage) if offloaded else None
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(MICROBATCHES * ROWS, WIDTH, generator=gen)
@@ -660,8 +665,6 @@ def _failing_between_chunks(rank: int, world_size: int, fail_steps: tuple[int, .
 
     from torch.distributed import pipelining as pp
 
-    import offload
-
     def run(offloaded: bool, fails: tuple[int, ...]) -> tuple[list, dict]:
         module = _stage_module(rank)
         stage = pp.PipelineStage(module, rank, world_size, torch.device("cpu"))
@@ -683,12 +686,7 @@ def _failing_between_chunks(rank: int, world_size: int, fail_steps: tuple[int, .
         if rank == 0:
             stage.get_bwd_recv_ops = get_bwd_recv_ops
         schedule = pp.ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
-        mgr = None
-        if offloaded:
-            mgr = offload.ActivationOffloader(
-                module, min_offload_bytes=0, gpu_budget=BUDGET_BYTES, hardware=_hardware("fast")
-            )
-            mgr.attach(stage)
+        mgr = _budgeted_manager(module, stage) if offloaded else None
         gen = torch.Generator().manual_seed(13)
         grads: list = []
         for s in range(6):
