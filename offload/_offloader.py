@@ -1247,8 +1247,6 @@ class ActivationOffloader:
             self._last_signature = new
             if self._profiling == name:
                 self._profiling = new
-            if name in self._profiled:  # its backward ran inside the step
-                self._profiled[new] = self._profiled.pop(name)
             for end in self._task_ends.values():
                 if end.profiling == name:
                     end.profiling = new
@@ -1344,14 +1342,21 @@ class ActivationOffloader:
 
     def _profile_ended(self, sig: str) -> None:
         """The profiling (or timing) step's backward ended (autograd's final callback)."""
-        if self._profiler is not None and self._profiling == sig:
-            step = self._profiler.end()
-            if sig in self._plans:
-                self._timed[sig] = step  # NOTE [ Refinement ]
-            else:
-                self._profiled[sig] = step
-            self._profiling = None
-            self._close_structure(sig)  # its backward ran inside the step
+        if self._profiler is None or self._profiling != sig:
+            return
+        # Its backward ran inside the step: the structure is named first, while the step is
+        # still being recorded, so that a re-profile finding a known one is discarded (NOTE
+        # [ Structure ]); ended first, each such step stayed in the recorder for good.
+        self._close_structure(sig)
+        name = self._profiling  # a new structure's name, or None: dropped
+        if name is None:
+            return
+        step = self._profiler.end()
+        if name in self._plans:
+            self._timed[name] = step  # NOTE [ Refinement ]
+        else:
+            self._profiled[name] = step
+        self._profiling = None
 
     def _merged_plan(self) -> Plan | None:
         """Past ``MAX_SIGNATURES`` profiled signatures: one plan for every new one, from per-key

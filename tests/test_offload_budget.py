@@ -1479,6 +1479,41 @@ def test_a_structure_changing_every_step_stops_being_profiled_said_once() -> Non
         mgr.close()
 
 
+def test_a_known_structure_found_again_inside_the_step_leaves_no_recording_behind() -> None:
+    """NOTE [ Structure ]: a re-profile that finds a structure already planned is dropped. With
+    the backward inside the step the profile had ended (and the recorder kept the step) before
+    the structure was named, and only the manager forgot it: every switch back kept one more
+    step in the recorder for good (24 steps switching every 3: 10 recorded steps and 120
+    records where 4 and 48 describe the two structures; a long run grows without end). Now the
+    structure is named before the profile ends, so a known one is discarded while it is still
+    being recorded."""
+    torch.manual_seed(0)
+    model = Switched("attr")
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=192 << 10, hardware=FAST, min_offload_bytes=0
+    )
+    pattern = ([False] * 3 + [True] * 3) * 4
+    recorded = []
+    try:
+        for s, on in enumerate(pattern):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(s))
+            x[0, 0] = 1.0 if on else -1.0  # as _switched_step's
+            model.use_extra = on
+            model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the structure's change, said once
+                with mgr:
+                    model(x).pow(2).sum().backward()
+            got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            assert_bitwise([got], [_switched_step(model, None, s, on)])
+            recorded.append(mgr._profiler.recorder.steps_recorded)
+        assert sorted(mgr.plans) == ["float32[32,64]", "float32[32,64] [structure 2]"]
+        # Each structure's profile and its timing step; the re-profiles since kept nothing.
+        assert recorded[5:] == [4] * (len(pattern) - 5), str(recorded)
+    finally:
+        mgr.close()
+
+
 def test_signature_parts_of_plain_settings() -> None:
     import enum
 
