@@ -1335,10 +1335,14 @@ class ActivationOffloader:
     ) -> None:
         """One more strike for ``sig`` in ``counts``; at ``limit`` it runs in min-memory mode
         from now on, and ``why`` is said (once per ``key``)."""
-        counts[sig] = counts.get(sig, 0) + 1
+        counts[sig] = counts.pop(sig, 0) + 1  # the most recently struck last
         if counts[sig] >= limit:
             self._infeasible.add(sig)
             self._warn_once(key, why)
+        # A step counter among the root's arguments makes a new signature per step (NOTE
+        # [ Signatures ]), each struck once: only the most recent are counted.
+        while len(counts) > MAX_SIGNATURES:
+            del counts[next(iter(counts))]
 
     def _profile_ended(self, sig: str) -> None:
         """The profiling (or timing) step's backward ended (autograd's final callback)."""

@@ -1594,6 +1594,47 @@ def test_a_step_counter_among_the_arguments_keeps_memory_and_plans_bounded() -> 
         mgr.close()
 
 
+def test_a_step_counter_under_accumulation_keeps_the_strike_counts_bounded() -> None:
+    """A step counter among the root's arguments with two forwards before their backwards: each
+    optimizer step is a new signature whose profile the second microbatch cuts short (one
+    strike in ``_unfinished``) and whose second microbatch is not profiled (one in
+    ``_overlap_skips``). Both maps kept an entry per signature for good: 200 each after 200
+    optimizer steps. Now only the most recent MAX_SIGNATURES signatures are counted."""
+    from offload._planned import MAX_SIGNATURES
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+        def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+            return self.net(x)
+
+    torch.manual_seed(0)
+    model = Counted()
+    batches = [torch.randn(32, 16, generator=torch.Generator().manual_seed(i)) for i in (0, 1)]
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=12 << 10, hardware=FAST, min_offload_bytes=0
+    )
+    try:
+        for i in range(200):
+            grads = []
+            for m in (mgr, None):
+                model.zero_grad(set_to_none=True)
+                losses = []
+                for x in batches:
+                    with m if m is not None else contextlib.nullcontext():
+                        losses.append(model(x, i).pow(2).sum())
+                for loss in losses:
+                    loss.backward()
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            assert_bitwise(grads[:1], grads[1:])
+        assert len(mgr._unfinished) <= MAX_SIGNATURES
+        assert len(mgr._overlap_skips) <= MAX_SIGNATURES
+    finally:
+        mgr.close()
+
+
 def test_many_shapes_past_the_cap_keep_plans_bounded() -> None:
     """Varying lengths past the 8 profiled: ``mgr.plans`` named every one of them (57 entries
     after 200 steps of 57 lengths); now at most 8 + MAX_SHARED_SIGNATURES, the most recent."""
