@@ -12,7 +12,8 @@ What it does, in order:
 4. ``offload.plan`` plans the step for a budget of the memory at the step's start plus
    ``--budget-share`` of its saved activations (on CPU the budget bounds the live saved bytes),
    with this machine's measured copy and disk speeds, and prints the plan next to the anchors
-   (keep everything, offload everything, checkpoint every block);
+   (keep everything, offload everything as the manager's min-memory mode does, checkpoint every
+   block): what running each of them instead would hold and take;
 5. trains for ``--steps`` steps with ``offload.ActivationOffloader(model, gpu_budget=...)``: its
    first step is profiled (everything offloaded), the later ones carry out its own plan; checks
    that a planned step's gradients are bitwise equal to the same step without offload, and

@@ -25,6 +25,7 @@ from lifecycle._units import format_bytes
 
 PLAN_SCHEMA_VERSION = 1
 _FORMAT = "offload.plan"
+_ANCHORS = ("keep_all", "offload_all", "checkpoint_blocks")  # NOTE [ Anchors ] in _simulate
 _TIERS = ("cpu", "nvme")
 
 Key = tuple[str, int, int]  # (module path, call index, ordinal): TensorRecord.key
@@ -177,16 +178,21 @@ class Plan:
         expected_keys: the record keys the executed step will show (packs inside a recomputed
             call vanish); a pack whose key is not here is unplanned.
         predicted: the plan's predicted peak and step time.
-        anchors: the same predictions for keeping everything (``"keep_all"``), offloading
-            everything (``"offload_all"``) and checkpointing every block (``"checkpoint_blocks"``).
+        anchors: what running each alternative instead would give (NOTE [ Anchors ] in
+            ``lifecycle._simulate``): keeping everything (``"keep_all"``), the manager's
+            min-memory mode (``"offload_all"``) and non-reentrant checkpoint around every block
+            (``"checkpoint_blocks"``), as :func:`lifecycle.predict_anchors` simulates them;
+            without a simulation, the planner model's ``"keep_all"`` and (when it may recompute
+            every block) ``"checkpoint_blocks"``.
         trace_step_s: the planned step's time in the trace.
         base_bytes: device memory at the step's start in the trace.
-        prediction_source: ``"simulator"`` (peaks replayed by :func:`lifecycle.simulate`, the
-            plan's and the anchors'; step times from the planner's model, which chose the plan,
-            so that a larger budget never predicts a slower step; the simulated step time is
-            ``metadata["simulated_step_s"]``) or ``"planner model"`` (every figure from the
-            planner's own closed-form model, whose peak bounds the simulator's: used above
-            ``simulate_records`` records, where the simulator takes seconds).
+        prediction_source: ``"simulator"`` (the plan's peak replayed by
+            :func:`lifecycle.simulate`, its step time from the planner's model, which chose the
+            plan, so that a larger budget never predicts a slower step, the simulated one in
+            ``metadata["simulated_step_s"]``; the anchors simulated, peaks and step times) or
+            ``"planner model"`` (every figure from the planner's own closed-form model, whose
+            peak bounds the simulator's: used above ``simulate_records`` records, where the
+            simulator takes seconds).
         hardware: the hardware model planned with.
         signature: what the plan is for (the input shapes and dtypes of the root module; free
             text, "" when unknown).
@@ -267,7 +273,8 @@ class Plan:
             f"(margin {format_bytes(self.margin_bytes)}, aiming at {format_bytes(self.target_bytes)}); "
             f"tiers {', '.join(self.tiers)}; "
             + (
-                "peaks from the simulator, times from the planner model"
+                "the plan's peak from the simulator and its step time from the planner model; "
+                "the anchors simulated"
                 if self.prediction_source == "simulator"
                 else f"predictions from the {self.prediction_source}"
             ),
@@ -281,6 +288,13 @@ class Plan:
             lines.append(
                 f"  {name:<20} {format_bytes(p.peak_bytes):>12} {p.step_s * 1e3:>9.2f}ms "
                 f"{ratio:>10.3f}"
+            )
+        missing = [a for a in _ANCHORS if a not in self.anchors]
+        if missing:
+            # See NOTE [ Anchors ] in lifecycle._simulate: the model has no look-ahead window.
+            lines.append(
+                f"  {', '.join(missing)}: not predicted without a simulation of the step "
+                "(lifecycle.predict_anchors simulates them)"
             )
         by = self.bytes_by_placement()
         lines += [

@@ -9,7 +9,7 @@ NOTE [ Planner ]
     peak the plan reports.
 
     The space. Following "The physics" in DESIGN.md, a point is (m, lead, k):
-      * ``m``: how many blocks (a transformer's layers: see :func:`_blocks`) run under
+      * ``m``: how many blocks (a transformer's layers: NOTE [ Blocks ] in _blocks.py) run under
         checkpoint, latest in forward first (their activations are the shortest-lived, so
         offloading them buys the least); ``m`` takes the values of a fixed ladder. A
         recomputed block's first family (its input, which checkpoint saves again and the
@@ -122,6 +122,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lifecycle._blocks import find_blocks, within
 from lifecycle._hardware import HardwareModel
 from lifecycle._nogc import gc_paused
 from lifecycle._plan import (
@@ -133,7 +134,7 @@ from lifecycle._plan import (
     Trigger,
     _bulk,
 )
-from lifecycle._simulate import Decision, Placement, _step_index, simulate
+from lifecycle._simulate import Decision, Placement, _step_index, predict_anchors, simulate
 from lifecycle._trace import (
     WHOLE_STORAGE_FACTOR,
     BackwardPasses,
@@ -195,7 +196,9 @@ def plan(
             largest offloaded family, at least 256 MiB).
         step: which recorded step to plan for (``-1``: the last).
         simulate_records: replay the chosen plan with :func:`lifecycle.simulate` when the step
-            has at most this many records (0: never); the plan then reports the simulator's peak.
+            has at most this many records (0: never); the plan then reports the simulator's peak,
+            and the anchors as :func:`lifecycle.predict_anchors` simulates them (NOTE [ Anchors ]
+            in ``_simulate.py``; without, the model's keep_all and checkpoint_blocks only).
         signature: a label for the plan (the manager passes the input signature).
         recompute: allow recomputing blocks (``False`` under tensor parallelism, where a
             block's forward issues collectives that recomputation would issue again).
@@ -306,17 +309,6 @@ def _plan(
         )
     source = "planner model"
     predicted = Prediction(peak_bytes=math.ceil(chosen.peak), step_s=chosen.step_s)
-    offload_all = model.offload_all()
-    checkpoint = model.evaluate(model.column(len(model.blocks), 1.0), 0)
-    anchor_candidates = {
-        "keep_all": keep_all,
-        "offload_all": offload_all,
-        "checkpoint_blocks": checkpoint,
-    }
-    anchors = {
-        name: Prediction(peak_bytes=math.ceil(c.peak), step_s=c.step_s)
-        for name, c in anchor_candidates.items()
-    }
     simulated: dict[str, float] = {}
     simulations = 0
     if 0 < len(view.records) <= simulate_records:
@@ -341,11 +333,19 @@ def _plan(
                 raise infeasible(sim.peak_bytes, "the lowest plan, in simulation,")
         predicted = Prediction(peak_bytes=sim.peak_bytes, step_s=chosen.step_s)
         simulated = {"simulated_step_s": sim.step_s}
-        for name, c in anchor_candidates.items():
-            placements = None if c is keep_all else model.decisions(c)
-            s = simulate(trace, hardware, placements, step=view.step, max_inflight_bytes=inflight)
-            simulations += 1
-            anchors[name] = Prediction(peak_bytes=s.peak_bytes, step_s=c.step_s)
+        anchors = {
+            name: Prediction(peak_bytes=s.peak_bytes, step_s=s.step_s)
+            for name, s in predict_anchors(
+                trace,
+                hardware,
+                step=view.step,
+                max_inflight_bytes=inflight,
+                min_offload_bytes=floor_bytes,
+            ).items()
+        }
+        simulations += len(anchors)
+    else:
+        anchors = model.anchors(keep_all)
     return Plan(
         gpu_budget_bytes=budget,
         margin_bytes=margin_bytes,
@@ -419,7 +419,6 @@ def _tiers_arg(tiers: Iterable[str]) -> tuple[str, ...]:
 _get = operator.attrgetter
 _KINDS = tuple(EventKind)
 _CODE = {k: i for i, k in enumerate(_KINDS)}
-_FWD_START, _FWD_END = _CODE[EventKind.FORWARD_START], _CODE[EventKind.FORWARD_END]
 _BWD_START, _UNPACK = _CODE[EventKind.BACKWARD_START], _CODE[EventKind.UNPACK]
 
 
@@ -509,12 +508,14 @@ class _Step:
         stateful = trace.metadata.get("stateful_modules") or ()
         kept = tuple(trace.metadata.get("kept_modules") or ())
         if kept:
-            inside = np.fromiter((_within(k[0], kept) for k in self.keys), bool, len(self.keys))
+            inside = np.fromiter((within(k[0], kept) for k in self.keys), bool, len(self.keys))
             held = np.zeros(len(self.fid), bool)
             np.logical_or.at(held, self.record_pos, inside)
             self.movable &= ~held
             self.candidate &= ~held
-        self.blocks = _blocks(codes, self.t, events).without([*stateful, *kept])
+        blocks = find_blocks(events, codes, self.t)
+        self.all_blocks = len(blocks)
+        self.blocks = blocks.without([*stateful, *kept])
         # See NOTE [ Planner ]: memory is tracked over frames of consecutive events.
         nf = min(n, _MAX_FRAMES)
         self.n_frames = nf
@@ -717,118 +718,6 @@ def _view_spans(views: list[TensorRecord], nbytes: np.ndarray) -> tuple[np.ndarr
         reach[some] += np.add.reduceat((size - 1) * np.abs(stride), first)
     item = nbytes // np.maximum(numel, 1)
     return offset * item, reach * item
-
-
-@dataclass(frozen=True)
-class _Blocks:
-    """The step's blocks (see :func:`_blocks`), in forward order, as columns."""
-
-    module: list[str]
-    call_index: list[int]
-    start: np.ndarray  # local event indices
-    end: np.ndarray
-    duration_s: list[float]
-
-    def __len__(self) -> int:
-        return len(self.module)
-
-    def without(self, modules: Iterable[str]) -> _Blocks:
-        """These blocks less those that are, hold, or lie inside one of ``modules``."""
-        modules = list(modules)
-        if not modules:
-            return self
-        keep = [
-            not any(p == "" or _within(m, (p,)) or _within(p, (m,)) for m in modules)
-            for p in self.module
-        ]
-        mask = np.asarray(keep, bool)
-        return _Blocks(
-            list(itertools.compress(self.module, keep)),
-            list(itertools.compress(self.call_index, keep)),
-            self.start[mask],
-            self.end[mask],
-            list(itertools.compress(self.duration_s, keep)),
-        )
-
-    @classmethod
-    def of(cls, spans: Sequence[tuple[str, int, int, int, float]]) -> _Blocks:
-        """From ``(module, call index, start, end, duration)`` per block."""
-        return cls(
-            [b[0] for b in spans],
-            [b[1] for b in spans],
-            np.asarray([b[2] for b in spans], np.int64),
-            np.asarray([b[3] for b in spans], np.int64),
-            [b[4] for b in spans],
-        )
-
-
-def _within(path: str, modules: Sequence[str]) -> bool:
-    """Whether module ``path`` is one of ``modules`` or inside one ("" is the root)."""
-    return any(m == "" or path == m or path.startswith(m + ".") for m in modules)
-
-
-def _blocks(codes: np.ndarray, t: np.ndarray, events: Sequence[Event]) -> _Blocks:
-    """The step's blocks: forward spans at the first nesting level holding two or more spans
-    that call modules themselves (a transformer's layers; a lone wrapper is looked through)."""
-    idx = np.flatnonzero((codes == _FWD_START) | (codes == _FWD_END))
-    is_start = codes[idx] == _FWD_START
-    after = np.cumsum(np.where(is_start, 1, -1))
-    if len(after) and after.min() < 0:
-        return _Blocks.of(_blocks_slow(events))  # an end without a start: as the recorder did
-    depth = np.where(is_start, after - 1, after)
-    # Within one depth, starts and ends alternate; each end closes the start just before it.
-    order = np.lexsort((idx, depth))
-    ends = np.flatnonzero(~is_start[order])
-    if not len(ends):
-        return _Blocks.of([])
-    end_at = order[ends]
-    start_at = order[ends - 1]
-    # A span has children when the next forward event after its start is another start.
-    nxt = np.minimum(start_at + 1, len(idx) - 1)
-    children = is_start[nxt] & (nxt != start_at)
-    d = depth[start_at]
-    keep = children & (d >= 1)
-    if not keep.any():
-        return _Blocks.of([])
-    depths, counts = np.unique(d[keep], return_counts=True)
-    many = depths[counts >= 2]
-    level = many[0] if len(many) else 1
-    chosen = keep & (d == level)
-    starts, stops = idx[start_at[chosen]], idx[end_at[chosen]]
-    order = np.argsort(starts, kind="stable")
-    starts, stops = starts[order], stops[order]
-    calls = list(map(_get("module", "call_index"), map(events.__getitem__, starts.tolist())))
-    return _Blocks(
-        [c[0] for c in calls],
-        [c[1] for c in calls],
-        starts,
-        stops,
-        (t[stops] - t[starts]).tolist(),
-    )
-
-
-def _blocks_slow(events: Sequence[Event]) -> list[tuple[str, int, int, int, float]]:
-    """:func:`_blocks` for a timeline whose forward starts and ends do not nest."""
-    open_: list[list] = []  # [module, call, start, depth, has_children]
-    spans: list[tuple[int, tuple[str, int, int, int, float], bool]] = []
-    t0 = events[0].time_s
-    for i, e in enumerate(events):
-        if e.kind is EventKind.FORWARD_START:
-            if open_:
-                open_[-1][4] = True
-            open_.append([e.module, e.call_index, i, len(open_), False])
-        elif e.kind is EventKind.FORWARD_END and open_:
-            module, call, start, depth, children = open_.pop()
-            dur = (e.time_s - t0) - (events[start].time_s - t0)
-            spans.append((depth, (module, call, start, i, dur), children))
-    by_depth: dict[int, list[tuple[str, int, int, int, float]]] = {}
-    for depth, b, children in spans:
-        if children and depth >= 1:
-            by_depth.setdefault(depth, []).append(b)
-    for depth in sorted(by_depth):
-        if len(by_depth[depth]) >= 2:
-            return sorted(by_depth[depth], key=lambda b: b[2])
-    return sorted(by_depth.get(1, []), key=lambda b: b[2])
 
 
 # -- the model and the search -------------------------------------------------------------------
@@ -1567,11 +1456,16 @@ class _Model:
         assert best is not None
         return best
 
-    def offload_all(self) -> _Candidate:
-        column = self.column(0, 1.0)
-        if column[0].top == column[0].n:
-            return self._top(0, 1.0)  # the same candidate, maybe scored already
-        return self.evaluate(column, column[0].n)
+    def anchors(self, keep_all: _Candidate) -> dict[str, Prediction]:
+        """The anchors this model predicts as :func:`lifecycle.predict_anchors` defines them
+        (NOTE [ Anchors ]): keeping everything, and checkpointing every block when the planner
+        may recompute every one. Offloading everything is min-memory mode, whose reloads follow
+        the executor's look-ahead window, which this model does not have: left out."""
+        out = {"keep_all": Prediction(peak_bytes=math.ceil(keep_all.peak), step_s=keep_all.step_s)}
+        if len(self.blocks) == self.v.all_blocks:
+            c = self.evaluate(self.column(len(self.blocks), 1.0), 0)
+            out["checkpoint_blocks"] = Prediction(peak_bytes=math.ceil(c.peak), step_s=c.step_s)
+        return out
 
     # -- the plan out of a candidate ---------------------------------------------------------
 

@@ -86,6 +86,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from lifecycle._blocks import find_blocks
 from lifecycle._hardware import HardwareModel
 from lifecycle._nogc import gc_paused
 from lifecycle._trace import (
@@ -340,6 +341,23 @@ def simulate(
 
 # -- anchors ------------------------------------------------------------------------------------
 
+# NOTE [ Anchors ]
+#     An anchor predicts what a user gets by running that alternative instead of a plan, so a
+#     plan can be shown next to them (Plan.summary, `offload plan`, `offload profile
+#     --gpu-budget`, the plan PNG) and benchmarks/bench_budget.py can measure them:
+#       keep_all           a step without offload;
+#       offload_all        the manager without a gpu_budget (min-memory mode): every movable
+#                          family to the host, rebuildable outputs rebuilt, reloads through the
+#                          executor's look-ahead window (not a planned move-everything, whose
+#                          planned reloads held a quarter of what min-memory mode holds);
+#       checkpoint_blocks  non-reentrant torch.utils.checkpoint around every block, the blocks
+#                          the planner recomputes (NOTE [ Blocks ] in _blocks.py).
+#     lifecycle.plan reports these, simulated, when it simulates its plan; above
+#     ``simulate_records`` its model predicts keep_all and checkpoint_blocks (when it may
+#     recompute every block) and leaves offload_all out (it has no look-ahead window). Measured
+#     equal to the predicted peaks on CPU: tests/test_offload_budget.py
+#     test_anchors_predict_what_running_each_alternative_holds.
+
 
 def offload_all(
     trace: Trace,
@@ -395,36 +413,42 @@ def offload_all(
 
 
 def checkpoint_blocks(trace: Trace, *, step: int = -1) -> dict[int, Decision]:
-    """The "checkpoint every block" anchor: recompute each top-level block in backward.
+    """The "checkpoint every block" anchor: recompute each block in backward, as non-reentrant
+    ``torch.utils.checkpoint`` around every block does.
 
-    A block is a module call whose forward directly follows from the root's (no module call with
-    a forward in between; a ``ModuleList`` has none) and that itself calls modules: a transformer's
-    layers. Every movable family first packed inside a block is recomputed with the whole block
-    (``recompute_module``), except the block's first family, which is kept: it is the block's input
-    in the usual layer (a norm or a Linear saves it first), and checkpointing keeps its inputs.
-    Families outside every block are kept.
+    A block is what the planner recomputes (NOTE [ Blocks ] in ``_blocks.py``): a module call at
+    the first nesting level holding two or more calls that call modules themselves, a
+    transformer's layers (a lone wrapper around them is looked through). Every movable family
+    first packed inside a block is recomputed with the whole block (``recompute_module``),
+    except the block's first family, which is kept: it is the block's input in the usual layer
+    (a norm or a Linear saves it first), and checkpointing keeps its inputs. Families outside
+    every block are kept.
 
     Example:
         >>> import torch, offload
         >>> nn = torch.nn
         >>> block = lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
-        >>> model = nn.Sequential(block(), block())
+        >>> model = nn.Sequential(nn.Sequential(block(), block()))  # a wrapper around the blocks
         >>> trace = offload.profile(lambda: model(torch.randn(4, 8)).sum().backward(), model)
         >>> sorted({d.recompute_module for d in checkpoint_blocks(trace).values()})
-        ['', '0', '1']
+        ['', '0.0', '0.1']
     """
     view = _StepView.of(trace, _step_index(trace, step))
+    blocks = find_blocks(view.events)
     out: dict[int, Decision] = {}
-    for block in _blocks(view.forward_spans):
+    for module, start, end in zip(
+        blocks.module, blocks.start.tolist(), blocks.end.tolist(), strict=True
+    ):
+        lo, hi = view.events[start].index, view.events[end].index
         inside = sorted(
-            (f for f in view.facts.values() if f.movable and _encloses(block, f.first_pack)),
+            (f for f in view.facts.values() if f.movable and lo <= f.first_pack <= hi),
             key=lambda f: f.first_pack,
         )
         for i, f in enumerate(inside):
             out[f.family] = (
                 Decision(placement=Placement.KEEP)
                 if i == 0
-                else Decision(placement=Placement.RECOMPUTE, recompute_module=block.module)
+                else Decision(placement=Placement.RECOMPUTE, recompute_module=module)
             )
     return out
 
@@ -588,24 +612,6 @@ def _step_index(trace: Trace, step: int) -> int:
 
 def _encloses(span: ModuleSpan, event: int) -> bool:
     return span.start_event <= event <= span.end_event
-
-
-def _blocks(spans: list[ModuleSpan]) -> list[ModuleSpan]:
-    """Forward spans whose nearest enclosing span is a root, and that enclose other spans."""
-    # Spans of one step nest or are disjoint; a sweep in start order finds each one's parent.
-    parent: dict[int, ModuleSpan | None] = {}
-    open_: list[ModuleSpan] = []
-    for s in sorted(spans, key=lambda s: (s.start_event, -s.end_event)):
-        while open_ and open_[-1].end_event < s.start_event:
-            open_.pop()
-        parent[id(s)] = open_[-1] if open_ else None
-        open_.append(s)
-    has_children = {id(p) for p in parent.values() if p is not None}
-    return [
-        s
-        for s in spans
-        if id(s) in has_children and (p := parent[id(s)]) is not None and parent[id(p)] is None
-    ]
 
 
 # -- placements -------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle import HardwareModel, Plan, Trace
+from lifecycle import HardwareModel, Plan, Prediction, Trace, predict_anchors
+from lifecycle._units import format_bytes
 from offload._cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,14 +92,28 @@ def test_plan_fits_budget_and_writes_json_and_png(work: Path, peak: int, tmp_pat
     assert plan.gpu_budget_bytes == budget and plan.margin_bytes == 0
     assert plan.predicted_peak_bytes <= budget < plan.anchors["keep_all"].peak_bytes
     assert plan.tiers == ("cpu",)
-    # The summary, with the plan next to the three anchors.
-    for row in ("this plan", "keep_all", "offload_all", "checkpoint_blocks"):
-        assert row in r.stdout, row
+    # The summary, with the plan next to the three anchors: what running each alternative
+    # gives, as lifecycle.predict_anchors simulates it (NOTE [ Anchors ]), in the JSON too.
+    assert "this plan" in r.stdout
+    assert_anchors_printed(r.stdout, plan, Trace.load(work / "trace.json"))
     assert "NVIDIA H200" in r.stdout  # the hardware it planned with
     png = tmp_path / "p.png"  # default: beside --out
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert f"wrote {out}" in r.stdout and f"wrote {png}" in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def assert_anchors_printed(stdout: str, plan: Plan, trace: Trace) -> None:
+    """The plan's anchors are predict_anchors' (min_offload_bytes 0, the H200 model), and the
+    summary prints each one's peak and step time. The plan's offload_all was a planned
+    move-everything, not the manager's min-memory mode."""
+    want = predict_anchors(trace, HardwareModel.h200(), min_offload_bytes=0)
+    assert dict(plan.anchors) == {
+        k: Prediction(peak_bytes=s.peak_bytes, step_s=s.step_s) for k, s in want.items()
+    }
+    for k, s in want.items():
+        row = rf"^  {k} +{re.escape(format_bytes(s.peak_bytes))} +{s.step_s * 1e3:.2f}ms "
+        assert re.search(row, stdout, re.M), (k, stdout)
 
 
 def test_default_outputs_beside_the_trace_and_size_strings(

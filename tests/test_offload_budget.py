@@ -4,6 +4,7 @@ bitwise equal to a run without offloading (CPU tensors as the device, real files
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import math
@@ -1863,3 +1864,166 @@ def test_the_window_does_not_take_back_a_family_backward_just_used() -> None:
             assert between == 0
     finally:
         mgr.close()
+
+
+class _SavedOutsideManager:
+    """Saved-tensor bytes of a step run without the manager, counted as SavedBytes counts a
+    manager's: each storage autograd saves (parameters' and buffers' excepted), from its pack
+    until it is freed, and each one a ``torch.utils.checkpoint`` recomputation leaves saved
+    (those :meth:`checkpoint` wraps), from the recomputation's end until freed."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from offload._live import SavedBytes
+
+        self.saved = SavedBytes()
+        self._params = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        if storage._cdata not in self._params:
+            self.saved.watch(storage)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(t.untyped_storage())
+        return t
+
+    @contextlib.contextmanager
+    def counting(self) -> Any:
+        # Early stop off: the recomputation runs to the block's end and returns, so what it left
+        # alive is known at its end (early stop changes when it stops, not what it saves).
+        with (
+            torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t),
+            torch.utils.checkpoint.set_checkpoint_early_stop(False),
+        ):
+            yield self.saved
+
+    def checkpoint(self, model: nn.Module, names: list[str]) -> None:
+        """Run each of the modules ``names`` under non-reentrant ``torch.utils.checkpoint``."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        meter = self
+
+        class Outputs(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.storages: list[weakref.ref] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.storages.append(weakref.ref(t.untyped_storage()))
+                return out
+
+        def recorded(forward: Any) -> Any:
+            def run(*args: Any) -> Any:
+                if torch._C._current_graph_task_id() == -1:  # the forward
+                    return forward(*args)
+                with Outputs() as made:  # the recomputation: what outlives it is saved
+                    out = forward(*args)
+                returned = {t.untyped_storage()._cdata for t in tree_flatten(out)[0]}
+                for ref in made.storages:
+                    st = ref()
+                    if st is not None and st._cdata not in returned:
+                        meter._count(st)
+                return out
+
+            return run
+
+        modules = dict(model.named_modules())
+        for name in names:
+            run = recorded(modules[name].forward)
+            modules[name].forward = functools.partial(
+                torch.utils.checkpoint.checkpoint, run, use_reentrant=False
+            )
+
+
+def _alternative_case(name: str) -> tuple[nn.Module, Any, list[str]]:
+    """A model (the same weights at every call), its loss (nothing the caller holds is saved,
+    so a kept tensor is freed at its last use, as predicted), and the modules a user would
+    checkpoint as "every block": a transformer's layers, the blocks of a stack."""
+    import models
+
+    torch.manual_seed(0)
+    if name == "linear_gelu":  # no module calls modules: nothing to checkpoint
+        model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.GELU())])
+        x, blocks = torch.randn(256, 256), []
+    elif name == "nested":
+        model = nn.Sequential(
+            *[nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)) for _ in range(4)]
+        )
+        x, blocks = torch.randn(256, 256), ["0", "1", "2", "3"]
+    elif name == "gpt_block":
+        case = ALL_MODELS[name]()
+        model, x, blocks = case.model, case.batch(0)[0], ["attn", "mlp"]
+    else:  # the blocks sit in one Sequential: a lone wrapper, not the block
+        case = models.block_stack(seed=0, n_layer=4)
+        model, x, blocks = case.model, case.batch(0)[0], [f"blocks.{i}" for i in range(4)]
+    return model, lambda: model(x).pow(2).mean(), blocks
+
+
+@pytest.mark.parametrize("name", ["linear_gelu", "nested", "gpt_block", "block_stack"])
+def test_anchors_predict_what_running_each_alternative_holds(name: str) -> None:
+    """The three anchors, as lifecycle.predict_anchors and lifecycle.plan (the CLI's summary)
+    give them, predict the saved bytes that running each alternative holds, measured:
+    keep_all a plain step, offload_all the manager in min-memory mode, checkpoint_blocks the
+    modules a user checkpoints as "every block" under non-reentrant torch.utils.checkpoint
+    (each block's input kept by it, the rest recomputed at the block's backward). The plan's
+    offload_all was a planned move-everything, not min-memory mode (4 x (Linear(256)+GELU):
+    262,144 B against 1,048,576 measured; the GPT block 131,072 against 462,848; block_stack
+    131,072 against 594,944), and predict_anchors took the Sequential holding block_stack's
+    blocks as its one block (2,113,536 B of keep_all's 2,146,304: checkpointing the wrapper
+    frees almost nothing; the 4 blocks measured 626,688, as the planner's blocks predicted).
+    Gradients bitwise in each run."""
+    from offload._live import SavedBytes
+
+    model, loss_fn, blocks = _alternative_case(name)
+
+    def step() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        loss_fn().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    trace = offload.profile(step, model)
+    simulated = lifecycle.predict_anchors(trace, FAST)
+    planned = lifecycle.plan(trace, 10**15, FAST, min_offload_bytes=0, margin=0).anchors
+    chosen = lifecycle.checkpoint_blocks(trace)
+    want = step()
+
+    plain = _SavedOutsideManager(model)
+    with plain.counting() as keep_all:
+        assert all(torch.equal(g, w) for g, w in zip(step(), want, strict=True))
+
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0, hardware=FAST)
+    try:
+        for _ in range(2):  # the profiling step, then one of min-memory mode's own
+            with SavedBytes.on(mgr) as offload_all:
+                model.zero_grad(set_to_none=True)
+                with mgr:
+                    loss = loss_fn()
+                loss.backward()
+            assert all(
+                torch.equal(p.grad, w) for p, w in zip(model.parameters(), want, strict=True)
+            )
+    finally:
+        mgr.close()
+
+    model, loss_fn, _ = _alternative_case(name)  # the same weights, unwrapped
+    ckpt = _SavedOutsideManager(model)
+    ckpt.checkpoint(model, blocks)
+    with ckpt.counting() as checkpointed:
+        assert all(torch.equal(g, w) for g, w in zip(step(), want, strict=True))
+
+    measured = {
+        "keep_all": keep_all.peak,
+        "offload_all": offload_all.peak_planned,
+        "checkpoint_blocks": checkpointed.peak,
+    }
+    assert {k: s.peak_bytes for k, s in simulated.items()} == measured
+    assert {k: p.peak_bytes for k, p in planned.items()} == measured
+    assert sorted({d.recompute_module for d in chosen.values()} - {""}) == blocks
+    # The plan's anchors are the simulator's, step times included.
+    assert planned == {
+        k: lifecycle.Prediction(peak_bytes=s.peak_bytes, step_s=s.step_s)
+        for k, s in simulated.items()
+    }

@@ -578,6 +578,35 @@ def test_activation_and_norm_outputs_are_rebuilt_where_memory_is_short(
     assert {e.placement for e in roomy.entries} == {KEEP}
 
 
+@pytest.mark.parametrize("name", ["gpt4x4096", "block_stack"])
+def test_anchors_without_a_simulation_are_those_the_model_predicts_as_defined(
+    traces: dict[str, Trace], name: str
+) -> None:
+    """Above ``simulate_records`` the planner model gives the anchors it can predict as
+    lifecycle.predict_anchors defines them (NOTE [ Anchors ]): keep_all, and checkpoint_blocks
+    while it may recompute every block, each bounding the simulated peak. offload_all, the
+    manager's min-memory mode, reloads through the executor's window, which the model lacks:
+    it is left out, and the summary says so. The model's offload_all was a planned
+    move-everything with early reloads (gpt4x4096: 1,745,354,752 B, min-memory mode simulated
+    1,375,993,856)."""
+    trace = traces[name]
+    simulated = lifecycle.predict_anchors(trace, H200)
+    p = _plan(trace, 10**15, H200, simulate_records=0)
+    assert p.prediction_source == "planner model"
+    assert list(p.anchors) == ["keep_all", "checkpoint_blocks"]
+    for k, a in p.anchors.items():
+        assert a.peak_bytes >= simulated[k].peak_bytes, k
+        assert a.step_s == pytest.approx(simulated[k].step_s, rel=1e-9), k
+    assert "offload_all: not predicted" in p.summary()
+    # A block the planner may not recompute (it holds running statistics): the model's
+    # checkpoint column is no longer every block.
+    block = sorted({d.recompute_module for d in lifecycle.checkpoint_blocks(trace).values()})[1]
+    marked = dataclasses.replace(trace, metadata={**trace.metadata, "stateful_modules": [block]})
+    q = _plan(marked, 10**15, H200, simulate_records=0)
+    assert list(q.anchors) == ["keep_all"]
+    assert "offload_all, checkpoint_blocks: not predicted" in q.summary()
+
+
 @pytest.mark.parametrize("name", ["gpt6x8192", "block_stack"])
 def test_summary_names_the_budget_the_anchors_and_the_placements(
     traces: dict[str, Trace], name: str
