@@ -68,6 +68,13 @@ NOTE [ Reload policy ]
     a slower step: when the first families backward needs are still going out, the window has
     already queued later ones ahead of them (so, less often, can a family packed after one
     needed before it).
+    A later backward pass over the same graph walks again (NOTE [ Later backward passes ] in
+    offload/_executor.py): from its first event that names a windowed family (a trigger firing
+    again, or a first unpack of the pass), starting at the one packed last of those it names,
+    past families already used in the pass. A family whose records (its rebuilt children's
+    included) are not all unpacked in a later pass is held from that pass's reload to the
+    step's end, as the executor holds it for the member that never comes. Not modelled: the
+    walk of a later pass bringing back a family below its start that the pass does not use.
     A rebuild reads its parent (NOTE [ Simulation model ]), and backward reaches a rebuilt family
     before its parent (fc2's backward unpacks the GELU output, then GELU's unpacks its input).
     So for a moved parent, "first needs" is the earlier of its own first unpack and its rebuilt
@@ -517,6 +524,10 @@ class _FamilyFacts:
     rebuild_from: tuple[int, ...]  # each member's TensorRecord.rebuild_from (-1: none)
     # (first unpack, last unpack) per backward pass, or (): see NOTE [ Backward passes ]
     passes: tuple[tuple[int, int], ...] = ()
+    # How many backward passes unpack every member (a rebuilt child's records included): a
+    # later pass that misses one leaves its reload held to the step's end (NOTE [ Later
+    # backward passes ] in offload/_executor.py).
+    whole_passes: int = 0
 
 
 class _StepView:
@@ -592,6 +603,7 @@ def _family_facts(trace: Trace, step: int, passes: BackwardPasses | None) -> Ite
             records=fam.records,
             rebuild_from=tuple(r.rebuild_from for r in members),
             passes=passes.of_family(fam.records) if passes is not None else (),
+            whole_passes=min(len(r.unpack_events) for r in members),
         )
 
 
@@ -757,6 +769,7 @@ def _with_rebuild_uses(
         out[parent] = dataclasses.replace(
             p,
             passes=passes,
+            whole_passes=min(p.whole_passes, c.whole_passes),
             calls=tuple(dict.fromkeys((*p.calls, *c.calls))),
             first_unpack=(
                 c.first_unpack if p.first_unpack < 0 else min(p.first_unpack, c.first_unpack)
@@ -1035,6 +1048,26 @@ class _Simulator:
             window.append(fam)
         self.window = sorted(window, key=lambda f: f.facts.first_pack, reverse=True)
         self.window_next = 0
+        self.window_restart_at = self._later_pass_starts()
+
+    def _later_pass_starts(self) -> dict[int, int]:
+        """Event -> position in ``window`` where the look-ahead starts over in a later backward
+        pass: its first trigger or unpack of a windowed family, at the family packed last of
+        those it names (NOTE [ Later backward passes ] in offload/_executor.py)."""
+        position = {id(f): i for i, f in enumerate(self.window)}
+        named = [
+            (at, k, fam)
+            for at, firing in self.again_at.items()
+            for fam, k in firing
+            if id(fam) in position
+        ]
+        named += [(first, k, f) for f in self.window for k, (first, _) in enumerate(f.facts.passes)]
+        start: dict[int, tuple[int, int]] = {}  # pass -> (event, position)
+        for at, k, fam in named:
+            here = (at, position[id(fam)])
+            if k > 0 and (k not in start or here < start[k]):
+                start[k] = here
+        return dict(start.values())
 
     def _plan_later_passes(self, fam: _FamilyState, trigger: int) -> None:
         """Where the reload trigger at event ``trigger`` fires again in each later backward pass
@@ -1129,8 +1162,10 @@ class _Simulator:
             view.create_graph or (view.retained and fam.placement is Placement.KEEP)
         ):
             # What the step brings back (a reload, a rebuild, a recomputation) dies after its
-            # last use even when the graph lives on; a kept tensor lives with the graph.
-            self.free_at.setdefault(fam.facts.last_use + 1, []).append(fam)
+            # last use even when the graph lives on; a kept tensor lives with the graph. A
+            # reload a later backward pass held for a member it did not unpack stays (_end_pass).
+            if not (fam.placement.moves and fam.facts.whole_passes < len(fam.facts.passes)):
+                self.free_at.setdefault(fam.facts.last_use + 1, []).append(fam)
             if fam.placement.moves or fam.placement is Placement.REBUILD:
                 # A reload or a rebuild dies after its last use in each backward pass (NOTE
                 # [ Backward passes ] in _trace.py).
@@ -1166,8 +1201,8 @@ class _Simulator:
         output) goes, and the next pass brings it back again. One whose source was used stays
         (cautious: the executor drops the source once its copy out completes)."""
         fam.backward_pass += 1
-        if fam.source_used or not fam.unpacked:
-            return
+        if fam.source_used or not fam.unpacked or fam.backward_pass > fam.facts.whole_passes:
+            return  # (the last: a member this pass did not unpack holds it to the step's end)
         self._hold(fam, -fam.device_bytes)
         fam.unpacked = fam.requested = False
 
@@ -1246,6 +1281,9 @@ class _Simulator:
                 self._request(fam)
         if index < self.view.backward_begins:
             return
+        restart = self.window_restart_at.get(index)
+        if restart is not None:
+            self.window_next = restart
         while self.window_next < len(self.window):
             fam = self.window[self.window_next]
             if not fam.packed:

@@ -560,7 +560,8 @@ class Trace:
 #     first unpacked after it, no later than where the executor sees it (the events between are
 #     no unpacks). A family is counted per pass only when each member is unpacked equally often
 #     and each pass's unpacks of it all come before the next pass's; otherwise, as before, it
-#     is held from its first reload to its last use.
+#     is held from its first reload to its last use. Each pass also gets the executor's
+#     look-ahead window anew (NOTE [ Reload policy ] in _simulate.py).
 class BackwardPasses:
     """The backward passes of one step: which unpack is which pass, per NOTE [ Backward passes ].
 

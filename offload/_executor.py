@@ -75,6 +75,13 @@ _AUTO_WINDOW_SHARE = 4
 
 _CONJ, _NEG = 1, 2  # _Member.bits
 
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _graph_task() -> int:
+    """The id of the backward running on this thread, -1 outside one."""
+    return _current_graph_task_id() if _current_graph_task_id is not None else -1
+
 
 def host_charge(nbytes: int) -> int:
     """What a record of ``nbytes`` takes from ``cpu_budget``: its host region, padded as the
@@ -135,6 +142,7 @@ class _StepState:
         self.families: list[Family] = []
         self.by_storage: dict[int, list[Family]] = {}
         self.prefetch_next = -1  # highest family order the look-ahead has not passed yet
+        self.walk_task = -1  # the backward (graph task) the look-ahead last walked in
         self.stored_bytes = 0  # bytes of its families (the automatic look-ahead's measure)
         self.revisit: list[Family] = []  # passed while their copy out was still in flight
         # Under a plan: trigger key -> families whose reload it starts (filled at pack).
@@ -712,6 +720,7 @@ class Executor:
         step: _StepState | None = None,
         *,
         window: bool = True,
+        used: Sequence[Family] = (),
     ) -> None:
         """Start the reloads of ``needed`` (backward is about to use them), then of the step's
         families below its look-ahead pointer while reloaded-but-unused bytes fit the window.
@@ -719,7 +728,8 @@ class Executor:
         ``step`` is the step that packed them (the current one by default): with two forwards
         before their backwards the current step may be another one. ``window=False`` (a plan
         names every reload's trigger): only ``needed``, and those of them still being copied
-        out as soon as their copy completes.
+        out as soon as their copy completes. ``used``: the family an unpack just used (where a
+        later backward's walk starts, see NOTE [ Later backward passes ]).
         """
         with self.lock:
             if step is None:
@@ -747,19 +757,54 @@ class Executor:
                 step.revisit = [f for f in waiting if f.life is Life.COPYING_OUT]
                 for fam in waiting:
                     self._begin_reload(fam)
+            task = _graph_task()
+            if task != -1 and task != step.walk_task:
+                if step.walk_task != -1:
+                    # See NOTE [ Later backward passes ].
+                    named = [
+                        f.order
+                        for f in (*needed, *used)
+                        if f.step_ref is not None and f.step_ref() is step
+                    ]
+                    step.prefetch_next = max(named, default=len(step.families) - 1)
+                step.walk_task = task
             while step.prefetch_next >= 0:
                 fam = step.families[step.prefetch_next]
                 if fam.life is Life.COPYING_OUT:
                     step.revisit.append(fam)
-                elif fam.life is Life.OFF_DEVICE and fam.members > 0 and not fam.unpacked:
-                    # Not one every member of which backward has unpacked since its reload
-                    # (the unpack before the walk reached it, backward's first): reused while
-                    # autograd still held that buffer, it stayed to the next backward.
+                elif (
+                    fam.life is Life.OFF_DEVICE
+                    and fam.members > 0
+                    and not (fam.unpacked and fam.unpacked_task == task)
+                ):
+                    # Not one every member of which this backward has unpacked since its
+                    # reload (the unpack before the walk reached it, backward's first): reused
+                    # while autograd still held that buffer, it stayed to the next backward.
                     if self._ahead_bytes + fam.nbytes > self.prefetch_bytes(step):
                         break
                     if not self._begin_reload(fam):
                         break  # memory is short: the window waits for unpacks to make room
                 step.prefetch_next -= 1
+
+    # NOTE [ Later backward passes ]
+    #     A step may run several backwards over one graph (``l1.backward(retain_graph=True);
+    #     l2.backward()``). The look-ahead's pointer only moves down, and the first backward
+    #     takes it past the first packed family: the second got no window, only the reloads its
+    #     modules' triggers and its unpacks asked for (8 x (Linear(128) + Tanh), a 4-family
+    #     window: 131,072 B reloaded ahead of need midway through the first, 0 in the second).
+    #     So the first prefetch under a new graph task (``torch._C._current_graph_task_id()``)
+    #     of a step that an earlier backward walked starts the walk over, and the walk skips a
+    #     family as already used only when this backward unpacked it (``unpacked_task``). It
+    #     starts at the family packed last among those that prefetch names (the trigger's, or
+    #     the one just unpacked), not at the top: the families above it were mostly saved by
+    #     ops only an earlier loss reaches (``l1 = y.pow(2).mean()`` saves y, which ``l2 = y.sum()``
+    #     never unpacks), and from the top the walk brought them back to be held, counted
+    #     against the window, until the graph died. One the later backward does not use but
+    #     that lies below the start is still brought back (the executor cannot tell: which
+    #     nodes a backward runs is the engine's, and holding nodes to ask it would tie the
+    #     graph into a reference cycle). Likewise a family some member of which only an
+    #     earlier loss's ops saved is never unpacked by all its members again: its reload
+    #     stays until the graph dies (as before; lifecycle's simulator counts it so).
 
     def prefetch_step(self, step: _StepState, *, restart: bool = False) -> None:
         """Start ``step``'s look-ahead window (a pipeline's backward chunk of its microbatch is
@@ -914,6 +959,7 @@ class Executor:
                 offset_bytes=m.offset_bytes,
             )
             fam.unpacked += 1
+            fam.unpacked_task = _graph_task()
             self._mark_ahead(fam, False)
             if fam.unpacked >= fam.members:
                 # Every live member has its view: drop the strong reference so the buffer dies
@@ -921,7 +967,7 @@ class Executor:
                 fam.resident = None
                 fam.to(Life.OFF_DEVICE)
             if step is not None:
-                self.prefetch((), step)
+                self.prefetch((), step, used=(fam,))
             return self._wrap(m, out)
 
     def _finish_reload(self, fam: Family) -> None:

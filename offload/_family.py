@@ -96,6 +96,7 @@ class Family:
         "storage_ref",
         "tier",
         "unpacked",
+        "unpacked_task",
         "version",
     )
 
@@ -135,6 +136,7 @@ class Family:
         # Executor._release_lost).
         self.member_refs: list[weakref.ref[Any]] = []
         self.unpacked = 0  # unpacks since the last reload
+        self.unpacked_task = -1  # the graph task (backward) of the last of them
         self.source: torch.Tensor | None = None  # uint8 view of the span, held until copied
         # ``t.detach()`` of the first member, held as long as ``source``: it shares the saved
         # tensor's version counter, so an in-place change before the copy completed is seen.

@@ -2027,3 +2027,55 @@ def test_anchors_predict_what_running_each_alternative_holds(name: str) -> None:
         k: lifecycle.Prediction(peak_bytes=s.peak_bytes, step_s=s.step_s)
         for k, s in simulated.items()
     }
+
+
+class _AheadProbe(torch.autograd.Function):
+    """Passes gradients through; its backward notes the executor's reloaded-but-unused bytes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mgr: offload.ActivationOffloader, seen: list) -> Any:
+        ctx.mgr, ctx.seen = mgr, seen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.seen.append(ctx.mgr._executor._ahead_bytes)
+        return grad, None, None
+
+
+def test_a_second_backward_gets_the_look_ahead_window_too() -> None:
+    """Min-memory mode, two backwards of one graph: the look-ahead walk's pointer only moved
+    down, and it reached the first packed family in the first backward, so the second one
+    reloaded each family only when its module's backward (or an unpack) asked for it: 8 x
+    (Linear(128) + Tanh) at 64 rows with a 4-family window had 131,072 B reloaded ahead of
+    need midway through the first backward and 0 in the second. Now the same in both."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(8) for m in (nn.Linear(128, 128), nn.Tanh())]
+    model = nn.Sequential(*layers)
+    x = torch.randn(64, 128)
+    mgr = offload.ActivationOffloader(
+        model, min_offload_bytes=0, max_inflight_bytes=4 * 64 * 128 * 4, hardware=FAST
+    )
+    seen: list[int] = []
+
+    def step(manager: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with manager if manager is not None else contextlib.nullcontext():
+            h = model[:8](x)
+            if manager is not None:  # midway: backward has unpacked before it
+                h = _AheadProbe.apply(h, manager, seen)
+            y = model[8:](h)
+            first, second = y.pow(2).mean(), y.sum()
+        first.backward(retain_graph=True)
+        second.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    try:
+        want = step(None)
+        for _ in range(2):
+            seen.clear()
+            got = step(mgr)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            assert seen == [4 * 64 * 128 * 4] * 2
+    finally:
+        mgr.close()
