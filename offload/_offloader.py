@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -611,6 +611,7 @@ class ActivationOffloader:
             self._step_added = False
             # No backward runs while a step begins: an end left here is from a backward that
             # raised before its final callback (it would hold that step's state).
+            raised = {end.profiling for end in self._task_ends.values()}
             self._task_ends.clear()
             self._stack.clear()
             self._backward_entries.clear()
@@ -629,7 +630,7 @@ class ActivationOffloader:
                 self._keys_looked_up = self._keys_matched = 0
                 self._step_keys, self._cursor, self._diverged = None, -1, None
                 self._plan_kept.clear()
-                self._drop_unfinished_profile()
+                self._drop_unfinished_profile(raised)
             if rnd is not None:
                 rnd.steps += 1
             self._refresh_params()
@@ -1299,13 +1300,18 @@ class ActivationOffloader:
             self._active_plans.pop(old, None)
             self._over_budget.discard(old)
 
-    def _drop_unfinished_profile(self) -> None:
+    def _drop_unfinished_profile(self, raised: Container[str | None] = ()) -> None:
         """At a step's start: a profile still open is one whose backward has not ended (two
         forwards before their backwards, a forward never run backward, or a backward that
         raised). It cannot describe
         one step: drop it. Until no older step's saved tensor is left (their backwards ran),
         steps are not profiled: an older backward running inside one would be recorded as its
-        own. After two such profiles the signature stays in min-memory mode, said once."""
+        own. After two such profiles the signature stays in min-memory mode, said once.
+
+        ``raised``: the signatures being profiled when backwards that raised began (their end
+        never ran). Such a profile is dropped without counting: a fault, as when it raises
+        inside the step's block, not a way of training that no profile can follow; this step
+        is profiled if nothing of the failed one is alive."""
         ex = self._executor
         self._overlapping = self._overlapping and ex is not None and ex.live_families() > 0
         sig = self._profiling
@@ -1314,6 +1320,9 @@ class ActivationOffloader:
         self._profiling = None
         if self._profiler is not None:
             self._profiler.discard()
+        if sig in raised:
+            self._overlapping = ex is not None and ex.live_families() > 0
+            return
         self._overlapping = True
         if sig in self._plans:
             return  # a timing step (NOTE [ Refinement ]): the plan stands as it is

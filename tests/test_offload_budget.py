@@ -243,6 +243,66 @@ def test_a_graph_kept_alive_after_a_cut_profile_ends_in_min_memory_mode_said_onc
         mgr.close()
 
 
+@pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
+def test_profiled_backwards_that_raise_leave_the_signature_to_be_profiled_again(fault) -> None:
+    """The backwards of the first two profiled steps raise midway (a gradient check, Ctrl-C),
+    after unpacks; the user drops the loss and trains on. Each such profile is dropped, and the
+    next step is profiled again: a fault, not forwards run before their backwards. They counted
+    as two unfinished profiles, so the signature ran in min-memory mode for good (no plan after
+    8 steps, a warning telling the user to run each backward before the next forward), while
+    the same faults raised inside `with mgr:` cost nothing. Gradients of the other steps stay
+    bitwise and nothing of the failed steps stays held."""
+    model, batches = _mlp_and_batches(8)
+    failing: list[int] = []
+
+    def check(g: torch.Tensor) -> None:
+        if failing:
+            raise fault("a gradient check failed")
+
+    def on_output(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(check)
+
+    # On the middle Linear's output: its gradient comes after the last layers' unpacks.
+    model[2].register_forward_hook(on_output)
+    want = []
+    for x in batches:
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        want.append([p.grad.clone() for p in model.parameters()])
+    mgr = offload.ActivationOffloader(model, gpu_budget="96KiB", hardware=FAST, min_offload_bytes=0)
+    profiled: list[bool] = []
+    planned: list[bool] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "runs in min-memory mode" warning
+            for s, x in enumerate(batches):
+                model.zero_grad(set_to_none=True)
+                with mgr:
+                    loss = model(x).pow(2).sum()
+                    profiled.append(mgr._profiling is not None)
+                    planned.append(mgr._active is not None)
+                # The first two profiled steps fail.
+                failing[:] = [1] if profiled[-1] and sum(profiled) <= 2 else []
+                if failing:
+                    with pytest.raises(fault):
+                        loss.backward()
+                    del loss
+                    gc.collect()
+                    assert mgr._executor.live_families() == 0
+                    assert mgr._executor.host_bytes == 0
+                    continue
+                loss.backward()
+                for g, w in zip((p.grad for p in model.parameters()), want[s], strict=True):
+                    assert torch.equal(g, w)
+        # Each step after a failed one is profiled (none is lost waiting), then the plan runs.
+        assert profiled[:3] == [True, True, True] and planned == [False] * 3 + [True] * 5
+        assert list(mgr.plans) == ["float32[32,64]"]
+        assert mgr.stats.total.min_memory_steps == 0
+        assert mgr._active is not None  # the last step ran the plan
+    finally:
+        mgr.close()
+
+
 def test_a_forward_without_grad_at_a_new_signature_is_not_profiled() -> None:
     """A validation forward (no_grad) saves nothing to plan: the signature's first training
     step is the one profiled, and the one after it runs the plan."""
