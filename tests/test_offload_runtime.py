@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import errno
@@ -156,6 +157,10 @@ def test_nvme_files_private_and_removed(tmp_path) -> None:
 
 
 def test_corrupted_nvme_record_raises_checksum_error(tmp_path) -> None:
+    """A record whose file bytes changed raises ChecksumError in backward; once the graph is
+    dropped the step holds nothing (file range, families, fds) and the next step is exact."""
+    want = ALL_MODELS["gpt_block"](seed=0)
+    want.step(1)
     case = gpt_block(seed=0)
     mgr = offload.ActivationOffloader(
         case.model, min_offload_bytes=0, tiers=("nvme",), nvme_dir=tmp_path
@@ -163,6 +168,7 @@ def test_corrupted_nvme_record_raises_checksum_error(tmp_path) -> None:
     try:
         with mgr:
             loss = case.loss(case.batch())
+        fds = len(open_files())  # the spill file is open from the first step
         settle(mgr)
         fam = max(mgr._executor.step.families, key=lambda f: f.nbytes)
         handle = fam.handle
@@ -172,6 +178,18 @@ def test_corrupted_nvme_record_raises_checksum_error(tmp_path) -> None:
             loss.backward()
         assert isinstance(info.value, storage.ChecksumError)
         assert isinstance(info.value, offload.OffloadError)
+        del info, loss
+        gc.collect()
+        tier = mgr._tiers[0]
+        with tier._lock:
+            reads = list(tier._inflight)  # prefetches backward started before it raised
+        concurrent.futures.wait(reads)
+        assert mgr._executor.live_families() == 0 and tier.used_bytes == 0
+        assert len(open_files()) == fds
+        case.model.zero_grad(set_to_none=True)
+        step(case, mgr, 1)
+        for k, g in want.grads().items():
+            assert torch.equal(case.grads()[k], g), k
     finally:
         mgr.close()
 
