@@ -85,6 +85,9 @@ _UNFINISHED_PROFILES = 2
 # Steps of one signature not profiled because older steps' tensors lived on, before it runs in
 # min-memory mode.
 _OVERLAP_SKIPS = 8
+# Budgeted steps in a row run in min-memory mode for overlapping steps before the manager says
+# that budget mode is not planning (NOTE [ Overlapping steps ]).
+_UNPLANNED_STEPS = 16
 # NOTE [ Structure ]: forward structures profiled per signature, and re-profiles in a row that
 # found the structure that had just diverged, before a signature is no longer profiled again.
 MAX_STRUCTURES = 4
@@ -369,9 +372,16 @@ class ActivationOffloader:
         )
         self._plans: dict[str, Plan] = {}
         self._active_plans: dict[str, ActivePlan] = {}
-        # Signatures run in min-memory mode: their budget cannot be met (on_infeasible=
-        # "min_memory"), or their profiles never finish (_drop_unfinished_profile).
+        # Signatures run in min-memory mode because their budget cannot be met (on_infeasible=
+        # "min_memory"): profiled ones, so at most MAX_SIGNATURES, kept for good; and those
+        # struck out because their profiles never finish, the most recent MAX_SIGNATURES, least
+        # recent first, each with whether a warning named it (NOTE [ Overlapping steps ]).
         self._infeasible: set[str] = set()
+        self._struck: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        # Budgeted steps in a row run in min-memory mode for overlapping steps, and the
+        # signatures of the first _UNPLANNED_STEPS of them (NOTE [ Overlapping steps ]).
+        self._unplanned_run = 0
+        self._unplanned_sigs: set[str] = set()
         self._over_budget: set[str | None] = set()
         self._profiler: Profiler | None = None
         self._profiled: dict[str, int] = {}  # signature -> its step in the profiler's trace
@@ -1046,6 +1056,7 @@ class ActivationOffloader:
             if plan is not None:
                 self._share(sig, plan)
         if plan is not None:
+            self._end_unplanned_run()
             active = self._active_plans.get(sig)
             if active is None or active.plan is not plan:
                 # One lookup table per plan: past MAX_SIGNATURES every new signature shares the
@@ -1079,6 +1090,13 @@ class ActivationOffloader:
             # DESIGN.md "Budget": such a step runs in min-memory mode, warned, and counted.
             stats.min_memory_steps = 1
             return
+        named = self._struck.get(sig)
+        if named is not None:  # NOTE [ Overlapping steps ]
+            self._struck.move_to_end(sig)
+            stats.min_memory_steps = 1
+            if not named:
+                self._count_unplanned(sig)
+            return
         if sig in self._profiled:
             return  # min-memory: its profile is not planned yet
         if len(self._profiled) >= MAX_SIGNATURES:
@@ -1091,6 +1109,8 @@ class ActivationOffloader:
         if not self._overlapping:
             self._overlap_skips.pop(sig, None)  # only steps in a row count
         else:  # see _drop_unfinished_profile
+            stats.min_memory_steps = 1
+            self._count_unplanned(sig)
             self._count_toward_min_memory(
                 self._overlap_skips,
                 sig,
@@ -1300,13 +1320,40 @@ class ActivationOffloader:
             self._active_plans.pop(old, None)
             self._over_budget.discard(old)
 
+    # NOTE [ Overlapping steps ]
+    #     A profile describes one step with its backward, so a step that begins before the
+    #     profiled step's backward ended (gradient accumulation with every microbatch's forward
+    #     first, a forward never run backward, a backward that raised) drops it, and no step is
+    #     profiled while an older step's saved tensors are alive. A signature struck
+    #     ``_UNFINISHED_PROFILES`` times (dropped profiles) or ``_OVERLAP_SKIPS`` in a row (steps
+    #     not profiled) runs in min-memory mode, said once.
+    #     Strikes are per signature, and a step counter among the root's arguments makes a new
+    #     signature per step (NOTE [ Signatures ]): with two forwards before their backwards
+    #     each one was struck once, never reaching a limit, so no plan was ever made and
+    #     nothing said so (48 steps of a 3-module model: no warning, ``min_memory_steps`` 0).
+    #     So the manager also counts budgeted steps in a row run in min-memory mode for this
+    #     (dropped profiles, steps not profiled, steps of signatures struck out silently; a step
+    #     that runs a plan or a profile that finishes ends the run), and at
+    #     ``_UNPLANNED_STEPS`` says once that budget mode is not planning, naming both causes.
+    #     Steps of the signature a strike's warning named do not count: that warning said it.
+    #     Struck signatures are kept apart from ``_infeasible`` (budget cannot be met) and only
+    #     the ``MAX_SIGNATURES`` most recent of them (one per step or two under a counter: 200
+    #     after 400 optimizer steps). One forgotten and met again starts fresh: its next step
+    #     is profiled, in min-memory mode as every profiling step is, so it holds no more memory
+    #     than a struck step, gradients are exact either way, and nothing is planned unless that
+    #     profile finishes (then the loop no longer overlaps, and a plan is what was wanted); if
+    #     it is cut short again the signature is struck again, silently. ``_infeasible`` is not
+    #     capped: its signatures stay among ``_profiled`` (at most ``MAX_SIGNATURES``), and
+    #     ``_plan_profiled`` plans every profiled signature not in it, so forgetting one would
+    #     plan it again at every step (and a first one would raise).
+
     def _drop_unfinished_profile(self, raised: Container[str | None] = ()) -> None:
         """At a step's start: a profile still open is one whose backward has not ended (two
         forwards before their backwards, a forward never run backward, or a backward that
-        raised). It cannot describe
-        one step: drop it. Until no older step's saved tensor is left (their backwards ran),
-        steps are not profiled: an older backward running inside one would be recorded as its
-        own. After two such profiles the signature stays in min-memory mode, said once.
+        raised). It cannot describe one step: drop it (NOTE [ Overlapping steps ]). Until no
+        older step's saved tensor is left (their backwards ran), steps are not profiled: an
+        older backward running inside one would be recorded as its own. After two such
+        profiles the signature stays in min-memory mode, said once.
 
         ``raised``: the signatures being profiled when backwards that raised began (their end
         never ran). Such a profile is dropped without counting: a fault, as when it raises
@@ -1326,6 +1373,10 @@ class ActivationOffloader:
         self._overlapping = True
         if sig in self._plans:
             return  # a timing step (NOTE [ Refinement ]): the plan stands as it is
+        # Its forward's structure, named at its block's end, goes with it (NOTE [ Structure ]:
+        # a first profile's; a planned signature's structures returned above).
+        self._structures.pop(sig, None)
+        self._count_unplanned(sig)
         self._count_toward_min_memory(
             self._unfinished,
             sig,
@@ -1346,12 +1397,53 @@ class ActivationOffloader:
         from now on, and ``why`` is said (once per ``key``)."""
         counts[sig] = counts.pop(sig, 0) + 1  # the most recently struck last
         if counts[sig] >= limit:
-            self._infeasible.add(sig)
+            self._struck[sig] = key not in self._warned  # named by the warning below
             self._warn_once(key, why)
+            self._unfinished.pop(sig, None)
+            self._overlap_skips.pop(sig, None)
+            if len(self._struck) > MAX_SIGNATURES:
+                self._struck.popitem(last=False)  # met again, it starts fresh
         # A step counter among the root's arguments makes a new signature per step (NOTE
         # [ Signatures ]), each struck once: only the most recent are counted.
         while len(counts) > MAX_SIGNATURES:
             del counts[next(iter(counts))]
+
+    def _count_unplanned(self, sig: str) -> None:
+        """One more budgeted step in a row run in min-memory mode for overlapping steps; at
+        ``_UNPLANNED_STEPS`` say once why budget mode is not planning (NOTE [ Overlapping
+        steps ])."""
+        if "unplanned" in self._warned:
+            return
+        self._unplanned_run += 1
+        self._unplanned_sigs.add(sig)
+        if self._unplanned_run < _UNPLANNED_STEPS:
+            return
+        sigs = sorted(self._unplanned_sigs)
+        self._end_unplanned_run()
+        msg = (
+            f"gpu_budget has not been planned for in {_UNPLANNED_STEPS} steps in a row: each "
+            "ran in min-memory mode (everything eligible offloaded: slower than a plan) because "
+            "the profiles of their signatures were cut short by steps that began before the "
+            "profiled step's backward ended. Forwards run before their backwards (gradient "
+            "accumulation with every microbatch's forward first) never let a profile finish: "
+            "give each microbatch's forward its own `with mgr:` block and run its backward "
+            "before the next microbatch's forward (the gradients accumulate in .grad just the "
+            "same; README: gradient accumulation); for a pipeline schedule use "
+            "mgr.attach(stage), which profiles a whole round"
+        )
+        if len(sigs) > 1:
+            msg += (
+                f". Those steps also came with {len(sigs)} input signatures ({sigs[0]!r}, "
+                f"{sigs[1]!r}, ...): a plain argument of the root that changes from step to "
+                "step (an int step counter) makes each step a signature of its own, profiled "
+                "afresh; pass it as a float (counted by its type only) or a tensor (by its dtype "
+                "and shape), or keep it out of the root module's call"
+            )
+        self._warn_once("unplanned", msg, stacklevel=_user_stacklevel() + 1)  # from _warn_once
+
+    def _end_unplanned_run(self) -> None:
+        self._unplanned_run = 0
+        self._unplanned_sigs.clear()
 
     def _profile_ended(self, sig: str) -> None:
         """The profiling (or timing) step's backward ended (autograd's final callback)."""
@@ -1369,6 +1461,7 @@ class ActivationOffloader:
             self._timed[name] = step  # NOTE [ Refinement ]
         else:
             self._profiled[name] = step
+            self._end_unplanned_run()  # see NOTE [ Overlapping steps ]
         self._profiling = None
 
     def _merged_plan(self) -> Plan | None:
@@ -1418,7 +1511,7 @@ class ActivationOffloader:
         for sig, step in list(self._profiled.items()):
             if sig in self._plans or sig in self._infeasible:
                 continue
-            first = not self._plans and not self._infeasible
+            first = not (self._plans or self._infeasible or self._struck)
             try:
                 plan = self._make_plan(trace, step, sig)
             except lifecycle.BudgetInfeasibleError as e:

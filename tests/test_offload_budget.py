@@ -1655,43 +1655,210 @@ def test_a_step_counter_among_the_arguments_keeps_memory_and_plans_bounded() -> 
         mgr.close()
 
 
+class _Counted(nn.Module):
+    """A root taking an int it does not use: each value is an input signature of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+    def forward(self, x: torch.Tensor, step: Any) -> torch.Tensor:
+        return self.net(x)
+
+
+_MICROBATCHES = [torch.randn(32, 16, generator=torch.Generator().manual_seed(i)) for i in (0, 1)]
+
+
+def _accumulate(
+    model: nn.Module, mgr: offload.ActivationOffloader, arg: Any, *, overlapped: bool = True
+) -> None:
+    """One optimizer step of two microbatches, each forward in its own block; ``overlapped``:
+    both forwards before their backwards. Gradients bitwise equal to the same loop without
+    the manager."""
+    grads = []
+    for m in (mgr, None):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for x in _MICROBATCHES:
+            with m if m is not None else contextlib.nullcontext():
+                losses.append(model(x, arg).pow(2).sum())
+            if not overlapped:
+                losses.pop().backward()
+        for loss in losses:
+            loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert_bitwise(grads[:1], grads[1:])
+
+
+def _grown(mgr: offload.ActivationOffloader) -> dict[str, int]:
+    """The manager's sets and maps holding more than MAX_SIGNATURES entries (none of these runs
+    shares a plan past the cap, which may name 64 more)."""
+    from offload._planned import MAX_SIGNATURES
+
+    return {
+        n: len(v)
+        for n, v in vars(mgr).items()
+        if isinstance(v, (set, dict)) and len(v) > MAX_SIGNATURES
+    }
+
+
+def _offload_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("offload:")]
+
+
 def test_a_step_counter_under_accumulation_keeps_the_strike_counts_bounded() -> None:
     """A step counter among the root's arguments with two forwards before their backwards: each
     optimizer step is a new signature whose profile the second microbatch cuts short (one
     strike in ``_unfinished``) and whose second microbatch is not profiled (one in
     ``_overlap_skips``). Both maps kept an entry per signature for good: 200 each after 200
-    optimizer steps. Now only the most recent MAX_SIGNATURES signatures are counted."""
+    optimizer steps, and ``_structures`` the structure of each dropped profile (200). Now only
+    the most recent MAX_SIGNATURES signatures are counted, and no map grows."""
     from offload._planned import MAX_SIGNATURES
 
-    class Counted(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
-
-        def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
-            return self.net(x)
-
     torch.manual_seed(0)
-    model = Counted()
-    batches = [torch.randn(32, 16, generator=torch.Generator().manual_seed(i)) for i in (0, 1)]
+    model = _Counted()
     mgr = offload.ActivationOffloader(
         model, gpu_budget=12 << 10, hardware=FAST, min_offload_bytes=0
     )
     try:
-        for i in range(200):
-            grads = []
-            for m in (mgr, None):
-                model.zero_grad(set_to_none=True)
-                losses = []
-                for x in batches:
-                    with m if m is not None else contextlib.nullcontext():
-                        losses.append(model(x, i).pow(2).sum())
-                for loss in losses:
-                    loss.backward()
-                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-            assert_bitwise(grads[:1], grads[1:])
+        with pytest.warns(RuntimeWarning, match="steps in a row"):  # see the test below
+            for i in range(200):
+                _accumulate(model, mgr, i)
         assert len(mgr._unfinished) <= MAX_SIGNATURES
         assert len(mgr._overlap_skips) <= MAX_SIGNATURES
+        assert _grown(mgr) == {}
+    finally:
+        mgr.close()
+
+
+def test_budget_mode_that_never_plans_says_so_once() -> None:
+    """A step counter among the root's arguments with two forwards before their backwards: every
+    profile is cut short by the next microbatch and every signature is struck once, never twice,
+    so no plan was made in 48 steps, every one ran in min-memory mode, and nothing said so (no
+    warning; ``min_memory_steps`` 0 of 48). Now one warning at the 16th such step names both
+    causes and the fix, and the steps that were not profiled are counted."""
+    torch.manual_seed(0)
+    model = _Counted()
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=12 << 10, hardware=FAST, min_offload_bytes=0
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(24):
+                _accumulate(model, mgr, i)
+                if i == 6:
+                    assert _offload_warnings(caught) == []  # 14 such steps: not yet
+        said = _offload_warnings(caught)
+        assert len(said) == 1, said
+        assert caught[0].category is RuntimeWarning and caught[0].filename == __file__
+        msg = said[0]
+        assert "16 steps in a row" in msg
+        assert "with mgr:" in msg and "mgr.attach" in msg  # overlapping steps
+        assert "8 input signatures" in msg and "step counter" in msg and "float" in msg
+        assert mgr.plans == {}
+        total = mgr.stats.total
+        assert total.steps == 48 and total.min_memory_steps == 24  # the second microbatches
+
+        # The documented loop (each microbatch's backward before the next forward), the counter
+        # passed as a float: one signature, profiled and planned, nothing more said.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(24, 28):
+                _accumulate(model, mgr, float(i), overlapped=False)
+        assert _offload_warnings(caught) == []
+        assert list(mgr.plans) == ["float32[32,16];float"]
+        assert mgr.stats.last.predicted_peak_bytes > 0
+    finally:
+        mgr.close()
+
+
+def test_overlapping_steps_of_one_signature_warn_once() -> None:
+    """Without a step counter the signature's own strikes say it (at its second cut-short
+    profile); the run-wide warning does not say it again."""
+    torch.manual_seed(0)
+    model = _Counted()
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=12 << 10, hardware=FAST, min_offload_bytes=0
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(24):
+                _accumulate(model, mgr, 0)
+        said = _offload_warnings(caught)
+        assert len(said) == 1 and "began before the backward" in said[0], said
+        assert mgr.plans == {}
+    finally:
+        mgr.close()
+
+
+def test_a_counter_every_other_step_under_accumulation_keeps_state_bounded() -> None:
+    """A step counter that changes every other optimizer step, with two forwards before their
+    backwards: each signature's profile is cut short twice, and it runs in min-memory mode from
+    then on. ``_infeasible`` kept every such signature for good (100 after 200 optimizer
+    steps) and ``_structures`` every dropped profile's (100). Now at most MAX_SIGNATURES of
+    each, with no signature planned again and again."""
+    from offload._planned import MAX_SIGNATURES
+
+    torch.manual_seed(0)
+    model = _Counted()
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=12 << 10, hardware=FAST, min_offload_bytes=0
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(200):
+                _accumulate(model, mgr, i // 2)
+        assert _grown(mgr) == {}
+        assert len(mgr._struck) == MAX_SIGNATURES
+        assert mgr.plans == {} and not mgr._profiled
+        said = _offload_warnings(caught)
+        assert len(said) == 2, said  # the first struck signature, then the run
+        assert "began before the backward" in said[0] and "steps in a row" in said[1]
+    finally:
+        mgr.close()
+
+
+def test_a_struck_signature_forgotten_and_met_again_starts_fresh() -> None:
+    """A signature struck for overlapping steps, then pushed out by MAX_SIGNATURES newer struck
+    ones, starts fresh when met again: its loop now runs each backward before the next forward,
+    so it is profiled and planned (before, it stayed in min-memory mode for good). A signature
+    whose budget cannot be met stays so however many signatures are struck: forgetting it
+    would have it planned again at every step (it stays among the profiled ones)."""
+    from offload._planned import MAX_SIGNATURES
+
+    torch.manual_seed(0)
+    model = _Counted()
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=12 << 10, hardware=FAST, min_offload_bytes=0, on_infeasible="min_memory"
+    )
+    big = torch.randn(4096, 16)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _accumulate(model, mgr, "first", overlapped=False)  # a feasible first signature
+            _accumulate(model, mgr, "first", overlapped=False)
+            with mgr:
+                loss = model(big, "big").sum()  # 4096 rows: no plan holds 12 KiB
+            loss.backward()
+            for _ in range(2):
+                with mgr:
+                    loss = model(big, "big").sum()
+                loss.backward()
+                assert mgr.stats.last.min_memory_steps == 1
+            for i in range(2 * (MAX_SIGNATURES + 1)):
+                _accumulate(model, mgr, i // 2)  # struck, each twice
+            for _ in range(3):
+                _accumulate(model, mgr, 0, overlapped=False)
+            assert "float32[32,16];0" in mgr.plans
+            assert mgr.stats.last.predicted_peak_bytes > 0
+            with mgr:
+                loss = model(big, "big").sum()
+            loss.backward()
+        assert mgr.stats.last.min_memory_steps == 1
+        assert "float32[4096,16];'big'" not in mgr.plans
     finally:
         mgr.close()
 

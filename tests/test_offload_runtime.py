@@ -846,6 +846,8 @@ def _budget_state(mgr: offload.ActivationOffloader) -> dict[str, int]:
         "_plans",
         "_active_plans",
         "_infeasible",
+        "_struck",
+        "_unplanned_sigs",
         "_over_budget",
         "_profiled",
         "_shared",
