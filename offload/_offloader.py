@@ -899,9 +899,13 @@ class ActivationOffloader:
             self._pack_fn = torch.compiler.disable(self._pack)
             self._unpack_fn = torch.compiler.disable(self._unpack)
 
-    def _warn_once(self, key: str, msg: str, stacklevel: int = 3) -> None:
+    def _warn_once(self, key: str, msg: str, stacklevel: int | None = None) -> None:
+        """Warn once per ``key``; by default at the user's line (the first frame outside offload,
+        lifecycle and torch), wherever in the manager it is said."""
         if key not in self._warned:
             self._warned.add(key)
+            if stacklevel is None:
+                stacklevel = _user_stacklevel()
             warnings.warn(f"offload: {msg}", RuntimeWarning, stacklevel=stacklevel)
 
     def _check_foreign_hooks(self, module: str) -> None:

@@ -1775,7 +1775,8 @@ def test_budget_mode_that_never_plans_says_so_once() -> None:
 
 def test_overlapping_steps_of_one_signature_warn_once() -> None:
     """Without a step counter the signature's own strikes say it (at its second cut-short
-    profile); the run-wide warning does not say it again."""
+    profile), at the user's line (it pointed into offload/_offloader.py); the run-wide warning
+    does not say it again."""
     torch.manual_seed(0)
     model = _Counted()
     mgr = offload.ActivationOffloader(
@@ -1788,6 +1789,9 @@ def test_overlapping_steps_of_one_signature_warn_once() -> None:
                 _accumulate(model, mgr, 0)
         said = _offload_warnings(caught)
         assert len(said) == 1 and "began before the backward" in said[0], said
+        # At the user's line (_accumulate's `with mgr:`), not inside offload.
+        where = [w.filename for w in caught if str(w.message).startswith("offload:")]
+        assert where == [__file__], where
         assert mgr.plans == {}
     finally:
         mgr.close()
