@@ -89,6 +89,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -442,15 +443,16 @@ def checkpoint_blocks(trace: Trace, *, step: int = -1) -> dict[int, Decision]:
     """
     view = _StepView.of(trace, _step_index(trace, step))
     blocks = find_blocks(view.events)
+    # Sorted once and cut per block: a scan of every family for each block (a transformer's
+    # blocks grow with its families) took 25 of predict_anchors' 37 s at 40k records, profiled.
+    movable = sorted((f for f in view.facts.values() if f.movable), key=lambda f: f.first_pack)
+    first_packs = [f.first_pack for f in movable]
     out: dict[int, Decision] = {}
     for module, start, end in zip(
         blocks.module, blocks.start.tolist(), blocks.end.tolist(), strict=True
     ):
         lo, hi = view.events[start].index, view.events[end].index
-        inside = sorted(
-            (f for f in view.facts.values() if f.movable and lo <= f.first_pack <= hi),
-            key=lambda f: f.first_pack,
-        )
+        inside = movable[bisect_left(first_packs, lo) : bisect_right(first_packs, hi)]
         for i, f in enumerate(inside):
             out[f.family] = (
                 Decision(placement=Placement.KEEP)

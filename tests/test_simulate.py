@@ -7,6 +7,9 @@ import dataclasses
 import itertools
 import json
 import math
+import sys
+from collections.abc import Callable
+from types import FrameType, ModuleType
 
 import pytest
 import torch
@@ -918,6 +921,42 @@ def test_checkpoint_blocks_on_a_transformer_block(traces: dict[str, Trace]) -> N
     assert sim.bytes_recomputed > 0
     assert sim.peak_bytes < simulate(trace, IDEAL).peak_bytes
     _check_accounting(sim)
+
+
+def _lines_run(fn: Callable[[], object], module: ModuleType) -> int:
+    """How many lines of ``module``'s source ``fn()`` executes: a measure of work that, unlike a
+    clock, is the same on every run."""
+    count = 0
+
+    def tracer(frame: FrameType, event: str, arg: object) -> Callable[..., object] | None:
+        nonlocal count
+        if frame.f_code.co_filename != module.__file__:
+            return None
+        count += event == "line"
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+def test_checkpoint_blocks_work_grows_with_the_step_not_blocks_times_families() -> None:
+    """Each block's families are cut from one sorted list: a scan of every family per block
+    made predict_anchors quadratic (25 of its 37 s at 40k records, profiled)."""
+    import lifecycle._simulate as simulator
+
+    work = {}
+    for layers in (16, 64):
+        trace = transformer_trace(layers=layers, hidden=256, tokens=512)
+        decisions = checkpoint_blocks(trace)  # the step's view is built here, once
+        assert sum(d.placement is KEEP for d in decisions.values()) == layers  # each block's input
+        work[layers] = _lines_run(lambda t=trace: checkpoint_blocks(t), simulator)
+    # 4x the layers (blocks and families alike): linear work is 4x; the scan made it 10.4x.
+    assert work[64] <= 4.5 * work[16], work
 
 
 def test_anchors_and_step_choice() -> None:
