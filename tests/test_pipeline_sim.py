@@ -67,16 +67,26 @@ def test_predicted_stages_stash_less_further_down_and_offload_lowers_their_peak(
     for s in stages:
         assert s.offload.peak_bytes <= s.keep.peak_bytes
         assert s.overhead >= 1.0
-    # Reloads look one microbatch ahead (as mgr.attach does): a stage that stashes several
-    # microbatches peaks lower offloaded; the last stage, which holds one, does not.
+    # Reloads look one microbatch ahead (as mgr.attach does): a stage that stashes more
+    # microbatches keeps a smaller share of its saved bytes at its peak. The last stage, which
+    # holds one, gains only the activation outputs min-memory mode rebuilds instead of holding
+    # (offload_all's REBUILD placements: 0.75 here, 1.0 when everything was moved).
+    fractions = [s.peak_saved_fraction for s in stages]
     assert stages[0].offload.peak_bytes < stages[0].keep.peak_bytes
-    assert 0 < stages[0].peak_saved_fraction < 1
-    assert stages[-1].peak_saved_fraction == pytest.approx(1.0)
+    assert fractions == sorted(fractions)
+    assert 0 < fractions[0] < fractions[-1] <= 1
 
 
 def test_ideal_link_makes_offloading_free_on_every_stage() -> None:
-    for s in predict_1f1b(_one(), IDEAL, stages=3, microbatches=6):
-        assert s.overhead == pytest.approx(1.0)
+    # Copies cost nothing on an ideal link: no stalls, and what offloading adds is the compute
+    # of the outputs min-memory mode rebuilds, the same on every stage (each runs the same
+    # microbatches' backwards).
+    stages = predict_1f1b(_one(), IDEAL, stages=3, microbatches=6)
+    extra = [s.offload.step_s - s.keep.step_s for s in stages]
+    for s in stages:
+        assert s.offload.stall_s == 0.0
+        assert s.overhead >= 1.0
+    assert extra == pytest.approx([extra[0]] * len(stages), rel=1e-9)
 
 
 def test_bad_arguments() -> None:
