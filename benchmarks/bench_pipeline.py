@@ -84,6 +84,7 @@ from lifecycle import (
     simulate,
 )
 from lifecycle._pipeline import Action, _start_times  # the dependency timing predict_1f1b uses
+from lifecycle._simulate import _automatic_window_bytes  # the window predict_1f1b takes
 from lifecycle._units import parse_bytes
 from offload._live import SavedBytes
 
@@ -321,7 +322,7 @@ def close_waits(composed: offload.Trace, one: offload.Trace, stages: int, microb
 def sim_pair(trace: offload.Trace, hw: offload.HardwareModel, min_offload: int, window: int
              ) -> tuple[Simulation, Simulation]:  # fmt: skip
     """(keep everything, offload everything) of one trace, as predict_1f1b simulates a stage:
-    reloads look one microbatch (``window`` bytes) ahead, as ``mgr.attach`` does."""
+    reloads look ``window`` bytes ahead, the window the executor gives one microbatch's step."""
     keep = simulate(trace, hw)
     moved = simulate(
         trace, hw, offload_all(trace, min_offload_bytes=min_offload), prefetch_bytes=window
@@ -353,8 +354,10 @@ def predict(args: argparse.Namespace, ones: list[offload.Trace],
     one, schedule = median_trace(ones), median_trace(schedules)
     stage0 = predict_1f1b(one, hw, stages=p, microbatches=m, min_offload_bytes=floor)[0]
     composed = pipeline_trace(one, stage=0, stages=p, microbatches=m)
-    closed = sim_pair(close_waits(composed, one, p, m), hw, floor, one.peak_saved_bytes)
-    replayed = sim_pair(schedule, hw, floor, one.peak_saved_bytes)
+    # One microbatch's window, as predict_1f1b takes it (each F is a step with its own window).
+    window = _automatic_window_bytes(one, offload_all(one, min_offload_bytes=floor))
+    closed = sim_pair(close_waits(composed, one, p, m), hw, floor, window)
+    replayed = sim_pair(schedule, hw, floor, window)
     out: dict[str, Any] = {
         "stashed_microbatches": stage0.stashed_microbatches,
         "one_microbatch_profiles_s": [step_s(t) for t in ones],
@@ -625,7 +628,8 @@ def assemble(args: argparse.Namespace, variants: list[Variant], one: offload.Tra
     kept, moved = rows["1f1b"], rows["1f1b_offload"]
     measured = dict(
         stash_saved_bytes=kept["stash_saved_bytes"], peak_kept_bytes=kept["peak_bytes"],
-        peak_offload_bytes=moved["peak_bytes"], schedule_kept_s=kept["schedule_s_median"],
+        peak_offload_bytes=moved["peak_bytes"], saved_offload_bytes=moved["saved_peak_bytes"],
+        schedule_kept_s=kept["schedule_s_median"],
         schedule_offload_s=moved["schedule_s_median"],
         overhead=moved["schedule_s_median"] / kept["schedule_s_median"],
         bytes_offloaded=moved["offload"]["bytes_offloaded_cpu"],
@@ -689,7 +693,8 @@ def predicted_figures(pred: dict[str, Any]) -> dict[str, float]:
     return dict(
         stash_saved_bytes=pred["stash_bytes"],
         peak_kept_bytes=keep["peak_above_base_bytes"],
-        peak_offload_bytes=moved["peak_above_base_bytes"], schedule_kept_s=keep["step_s"],
+        peak_offload_bytes=moved["peak_above_base_bytes"],
+        saved_offload_bytes=moved["peak_above_base_bytes"], schedule_kept_s=keep["step_s"],
         schedule_offload_s=moved["step_s"], overhead=pred["overhead"],
         bytes_offloaded=moved["bytes_offloaded_cpu"],
     )  # fmt: skip
@@ -779,6 +784,7 @@ def markdown(res: dict[str, Any]) -> str:
         ("saved stash, kept (MiB)", "stash_saved_bytes", _mib),
         (f"{peak_label}, kept (MiB)", "peak_kept_bytes", _mib),
         (f"{peak_label}, offloaded (MiB)", "peak_offload_bytes", _mib),
+        ("saved bytes held, offloaded (MiB)", "saved_offload_bytes", _mib),
         ("schedule, kept (ms)", "schedule_kept_s", _ms),
         ("schedule, offloaded (ms)", "schedule_offload_s", _ms),
         ("offloaded / kept time", "overhead", lambda x: f"{x:.2f}"),
@@ -820,12 +826,13 @@ def markdown(res: dict[str, Any]) -> str:
         "0's depth; autograd and allocator transients; the gradients flowing between blocks.",
     ]
     notes.append(
-        "The simulator replays stage 0's timeline as one step: from B0 on its look-ahead window "
-        "(by default a quarter of the bytes the step stored, at least 2 x the largest record, "
-        "at most max_inflight_bytes' default of 2 x the largest record and at least 256 MiB) reloads "
-        "families of later microbatches too, while the runtime's window walks one step (one "
-        "microbatch's F) at a time. A stash that fits in the window is predicted to come back "
-        "whole at B0 (no peak saving), where the runtime brings back one microbatch's."
+        "The simulator replays stage 0's timeline as one step, with the look-ahead window the "
+        "runtime gives one microbatch's step (each F is a step: a quarter of the bytes it stores, "
+        "at least 2 x its largest family, at most max_inflight_bytes' default); its walk from "
+        "B0 on may take later microbatches' families too, where the runtime's walks one step at "
+        "a time. The saved bytes held (offload._live.SavedBytes over the live-peak schedule, "
+        "CPU only) are what the simulator predicts; the live peak adds what is listed as not "
+        "predicted above."
     )
     notes.append(budget_note(res, rows, cuda))
     notes.append(stage_plans_note(pred["stage_plans"]))

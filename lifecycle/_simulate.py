@@ -327,16 +327,7 @@ def simulate(
     with gc_paused():
         view = _StepView.of(trace, _step_index(trace, step))
         decisions = _resolve(view, placements)
-        largest = max(
-            (view.facts[f].span_bytes for f, d in decisions.items() if d.placement.moves),
-            default=0,
-        )
-        if max_inflight_bytes is None:
-            inflight = max(2 * largest, _DEFAULT_MIN_INFLIGHT_BYTES)
-            moved = sum(view.facts[f].span_bytes for f, d in decisions.items() if d.placement.moves)
-            auto_window = min(inflight, max(2 * largest, moved // _AUTO_WINDOW_SHARE))
-        else:
-            inflight = auto_window = parse_bytes(max_inflight_bytes, name="max_inflight_bytes")
+        inflight, auto_window = _automatic_bounds(view, decisions, max_inflight_bytes)
         window = (
             auto_window
             if prefetch_bytes is None
@@ -345,6 +336,37 @@ def simulate(
         return _Simulator(
             view, hardware, decisions, max_inflight_bytes=inflight, prefetch_bytes=window
         ).run()
+
+
+def _automatic_bounds(
+    view: _StepView, decisions: Mapping[int, Decision], max_inflight_bytes: int | str | None
+) -> tuple[int, int]:
+    """(max_inflight_bytes, look-ahead window) as the executor sets them for a step that stores
+    the families ``decisions`` move: given ``max_inflight_bytes``, both are it; else twice the
+    largest moved family, at least 256 MiB, and a quarter of the moved bytes, at least twice the
+    largest and at most that in-flight bound."""
+    if max_inflight_bytes is not None:
+        given = parse_bytes(max_inflight_bytes, name="max_inflight_bytes")
+        return given, given
+    sizes = [view.facts[f].span_bytes for f, d in decisions.items() if d.placement.moves]
+    twice = 2 * max(sizes, default=0)
+    inflight = max(twice, _DEFAULT_MIN_INFLIGHT_BYTES)
+    return inflight, min(inflight, max(twice, sum(sizes) // _AUTO_WINDOW_SHARE))
+
+
+def _automatic_window_bytes(
+    trace: Trace,
+    placements: PlacementMap | None,
+    *,
+    step: int = -1,
+    max_inflight_bytes: int | str | None = None,
+) -> int:
+    """The look-ahead window the executor gives ``trace``'s step ``step`` under ``placements``
+    (what :func:`simulate` takes for ``prefetch_bytes=None``): for a pipeline, where each
+    microbatch's forward is a step of its own with its own window, the window of one
+    microbatch's trace (see :func:`lifecycle.predict_1f1b`)."""
+    view = _StepView.of(trace, _step_index(trace, step))
+    return _automatic_bounds(view, _resolve(view, placements), max_inflight_bytes)[1]
 
 
 # -- anchors ------------------------------------------------------------------------------------

@@ -2310,3 +2310,56 @@ def test_a_second_backward_gets_the_look_ahead_window_too() -> None:
             assert seen == [4 * 64 * 128 * 4] * 2
     finally:
         mgr.close()
+
+
+def test_predict_1f1b_offload_peak_is_min_memory_modes_on_a_stage() -> None:
+    """Stage 0 of a 4-stage 1F1B pipeline, 8 microbatches, each forward a min-memory step of
+    its own (as benchmarks/bench_pipeline.py runs it): predict_1f1b's offloaded peak above the
+    base is the saved bytes the manager holds (SavedBytes.peak_planned). It simulated the stage
+    with one microbatch's saved bytes as the look-ahead window, where the executor gives each
+    microbatch's step a quarter of what it stores, at least twice its largest family: 2 blocks
+    on (4, 32, 64) predicted 1,291,264 B against 462,848 measured (bench_pipeline's cpu-tiny
+    stage: 40.4 MiB against 14.8). Now equal: on CPU a copy out completes inside its pack, so
+    the copies' timing does not move the peak."""
+    import models
+
+    from offload._live import SavedBytes
+
+    stages, microbatches = 4, 8
+    case = models.block_stack(seed=0, n_layer=2)
+    stage = case.model
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 32, 64, generator=g) for _ in range(microbatches)]
+    grads = [torch.randn(4, 32, 64, generator=g) for _ in range(microbatches)]
+
+    def schedule(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        stage.zero_grad(set_to_none=True)
+        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        inputs: dict[int, torch.Tensor | None] = {}
+        for kind, i in lifecycle.schedule_1f1b(stages, microbatches)[0]:
+            if kind == "F":
+                x = xs[i].clone().requires_grad_()
+                with mgr if mgr is not None else contextlib.nullcontext():
+                    held[i] = (x, stage(x))
+            else:
+                x, out = held.pop(i)
+                out.backward(grads[i])
+                inputs[i] = x.grad
+        return [p.grad.clone() for p in stage.parameters()] + [inputs[i] for i in sorted(inputs)]
+
+    def one() -> None:
+        x = xs[0].clone().requires_grad_()
+        stage(x).backward(grads[0])
+
+    trace = offload.profile(one, stage)
+    predicted = lifecycle.predict_1f1b(trace, FAST, stages=stages, microbatches=microbatches)[0]
+    want = schedule(None)
+    mgr = offload.ActivationOffloader(stage, min_offload_bytes=0, hardware=FAST)
+    try:
+        for _ in range(2):
+            with SavedBytes.on(mgr) as saved:
+                got = schedule(mgr)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            assert saved.peak_planned == predicted.offload.peak_bytes - predicted.offload.base_bytes
+    finally:
+        mgr.close()
