@@ -580,6 +580,22 @@ def seeded_steps(
     return out
 
 
+def fail_backward_at(module: nn.Module, fault: type[BaseException]) -> list[int]:
+    """Make backward raise ``fault`` when it reaches the gradient of ``module``'s output, while
+    the returned list is not empty (the caller fills and empties it per step)."""
+    failing: list[int] = []
+
+    def check(g: torch.Tensor) -> None:
+        if failing:
+            raise fault("a gradient check failed")
+
+    def on_output(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(check)
+
+    module.register_forward_hook(on_output)
+    return failing
+
+
 def plan_of(model: nn.Module, x: torch.Tensor, **manager_kw: Any) -> Any:
     """The ``offload.Plan`` a manager made with ``manager_kw`` holds after a profiling and a
     planned step of ``model(x).pow(2).sum()``; the manager is closed, the gradients dropped."""

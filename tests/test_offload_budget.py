@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import ALL_MODELS, ModelCase, plan_of
+from models import ALL_MODELS, ModelCase, fail_backward_at, plan_of
 from torch import nn
 
 import lifecycle
@@ -253,17 +253,8 @@ def test_profiled_backwards_that_raise_leave_the_signature_to_be_profiled_again(
     the same faults raised inside `with mgr:` cost nothing. Gradients of the other steps stay
     bitwise and nothing of the failed steps stays held."""
     model, batches = _mlp_and_batches(8)
-    failing: list[int] = []
-
-    def check(g: torch.Tensor) -> None:
-        if failing:
-            raise fault("a gradient check failed")
-
-    def on_output(module: nn.Module, args: Any, out: torch.Tensor) -> None:
-        out.register_hook(check)
-
     # On the middle Linear's output: its gradient comes after the last layers' unpacks.
-    model[2].register_forward_hook(on_output)
+    failing = fail_backward_at(model[2], fault)
     want = []
     for x in batches:
         model.zero_grad(set_to_none=True)
@@ -1617,16 +1608,8 @@ def test_a_step_counter_among_the_arguments_keeps_memory_and_plans_bounded() -> 
     from offload._live import SavedBytes
     from offload._planned import MAX_SHARED_SIGNATURES, MAX_SIGNATURES
 
-    class Counted(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
-
-        def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
-            return self.net(x)
-
     torch.manual_seed(0)
-    model = Counted()
+    model = _Counted()
     budget = 12 << 10  # 32 rows save 18 KiB: some must move
     x = torch.randn(32, 16)
     steps = MAX_SIGNATURES + MAX_SHARED_SIGNATURES + 8

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import ALL_MODELS, ModelCase, gpt_block, mlp, seeded_steps
+from models import ALL_MODELS, ModelCase, fail_backward_at, gpt_block, mlp, seeded_steps
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -918,16 +918,7 @@ def test_a_backward_that_raises_midway_leaves_host_and_file_as_before(
     next step is bitwise."""
     want = [reference_grads("gpt_block", s) for s in range(4)]
     case = gpt_block(seed=0)
-    failing: list[int] = []
-
-    def check(g: torch.Tensor) -> None:
-        if failing:
-            raise fault("a gradient check failed")
-
-    def on_output(module: nn.Module, args: Any, out: torch.Tensor) -> None:
-        out.register_hook(check)
-
-    case.model.attn.register_forward_hook(on_output)  # its gradient comes after the MLP's
+    failing = fail_backward_at(case.model.attn, fault)  # its gradient comes after the MLP's
     budget: dict[str, Any] = {}
     if mode == "budget":
         hw = lifecycle.HardwareModel.cpu_only(
