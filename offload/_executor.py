@@ -1216,7 +1216,13 @@ class Executor:
     def close(self) -> None:
         """Release every family's bytes (later unpacks raise) and wait for copies in flight."""
         with self.lock:
-            self._abandon(list(self._live), "the offload manager was closed")
+            self._abandon(
+                list(self._live),
+                "the offload manager that saved this tensor was closed (by close(), or by its "
+                "finalizer once nothing referenced it) before this backward ran; its offloaded "
+                "activations were released. Run backward before closing the manager (and keep "
+                "a reference to it while its graphs live), or run forward again.",
+            )
             self._drain_releases()
             for fam in self._pending_free:
                 self._wait_transfers(fam)  # rule 4: an NVMe read may still fill its staging
