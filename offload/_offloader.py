@@ -860,7 +860,6 @@ class ActivationOffloader:
                     "this manager's hooks for it run around (its _compiled_call_impl was set "
                     "to None), so they no longer run for it. Make a new ActivationOffloader "
                     "for the model as it is now",
-                    stacklevel=4,
                 )
 
     def _refresh_params(self) -> None:
@@ -886,7 +885,6 @@ class ActivationOffloader:
                 f"when they were on {self.device}: it moves only tensors saved on "
                 f"{self.device}, so nothing saved on {now} leaves it. Move the model first, "
                 "then make the manager on it",
-                stacklevel=_user_stacklevel() + 1,  # + 1: _warn_once calls warnings.warn
             )
 
     def _maybe_hide_from_compile(self) -> None:
@@ -899,14 +897,12 @@ class ActivationOffloader:
             self._pack_fn = torch.compiler.disable(self._pack)
             self._unpack_fn = torch.compiler.disable(self._unpack)
 
-    def _warn_once(self, key: str, msg: str, stacklevel: int | None = None) -> None:
-        """Warn once per ``key``; by default at the user's line (the first frame outside offload,
-        lifecycle and torch), wherever in the manager it is said."""
+    def _warn_once(self, key: str, msg: str) -> None:
+        """Warn once per ``key``, at the user's line (the first frame outside offload, lifecycle
+        and torch), wherever in the manager it is said."""
         if key not in self._warned:
             self._warned.add(key)
-            if stacklevel is None:
-                stacklevel = _user_stacklevel()
-            warnings.warn(f"offload: {msg}", RuntimeWarning, stacklevel=stacklevel)
+            warnings.warn(f"offload: {msg}", RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _check_foreign_hooks(self, module: str) -> None:
         """At a module call of the step (forward, not paused): warn once when a foreign
@@ -928,7 +924,6 @@ class ActivationOffloader:
             f"inside this step is active at module {module or repr('')}: it takes every tensor "
             "saved under it (only the innermost pair fires), so none of those is offloaded. "
             "Enter it around the step instead, or leave it out",
-            stacklevel=_user_stacklevel() + 1,  # + 1: _warn_once calls warnings.warn
         )
 
     def _warn_traced(self) -> None:
@@ -943,7 +938,6 @@ class ActivationOffloader:
                 "every module (many small graphs, slower steps) and fullgraph=True fails inside a "
                 "step. Compile first, then make the manager on the compiled model: a compiled "
                 "module is a leaf (no hooks inside it) whose saved tensors still move.",
-                stacklevel=4,
             )
 
     def _snapshot_last(self) -> StepStats:
@@ -1156,7 +1150,6 @@ class ActivationOffloader:
             f"The plan places records of modules {mine[:6]}; this model's modules are "
             f"{sorted(seen)[:6]}. A plan is made for the model it was profiled on: profile this model "
             "(leave plan= out) or plan it offline",
-            stacklevel=_user_stacklevel() + 1,  # from _warn_once
         )
 
     # NOTE [ Structure ]
@@ -1245,7 +1238,6 @@ class ActivationOffloader:
             "tier with room (stats.unplanned_records), and the signature's next step profiles "
             "its structure again. Pass such a switch to the model as a bool, int or str "
             "argument (part of the signature), or keep= the module whose saves vary",
-            stacklevel=_user_stacklevel() + 1,  # from _warn_once
         )
         if base not in self._structure_fixed:
             self._reprofile[base] = sig
@@ -1443,7 +1435,7 @@ class ActivationOffloader:
                 "afresh; pass it as a float (counted by its type only) or a tensor (by its dtype "
                 "and shape), or keep it out of the root module's call"
             )
-        self._warn_once("unplanned", msg, stacklevel=_user_stacklevel() + 1)  # from _warn_once
+        self._warn_once("unplanned", msg)
 
     def _end_unplanned_run(self) -> None:
         self._unplanned_run = 0
