@@ -86,6 +86,11 @@ def in_backward() -> bool:
     return _current_graph_task_id is not None and _current_graph_task_id() != -1
 
 
+def graph_task() -> int:
+    """The id of the autograd backward (graph task) running in this thread, -1 outside one."""
+    return _current_graph_task_id() if _current_graph_task_id is not None else -1
+
+
 def foreign_call(thread: int | None) -> bool:
     """Whether a module call now belongs to no step run on ``thread`` (a ``threading.get_ident()``;
     ``None``: every thread's calls are the step's).

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 import storage
+from lifecycle._recorder import graph_task
 from lifecycle._tensors import version_root
 from lifecycle._trace import WHOLE_STORAGE_FACTOR
 from offload._errors import OffloadError, from_storage, modified_after_save
@@ -74,13 +75,6 @@ _AUTO_WINDOW_SHARE = 4
 
 
 _CONJ, _NEG = 1, 2  # _Member.bits
-
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _graph_task() -> int:
-    """The id of the backward running on this thread, -1 outside one."""
-    return _current_graph_task_id() if _current_graph_task_id is not None else -1
 
 
 def host_charge(nbytes: int) -> int:
@@ -757,7 +751,7 @@ class Executor:
                 step.revisit = [f for f in waiting if f.life is Life.COPYING_OUT]
                 for fam in waiting:
                     self._begin_reload(fam)
-            task = _graph_task()
+            task = graph_task()
             if task != -1 and task != step.walk_task:
                 if step.walk_task != -1:
                     # See NOTE [ Later backward passes ].
@@ -959,7 +953,7 @@ class Executor:
                 offset_bytes=m.offset_bytes,
             )
             fam.unpacked += 1
-            fam.unpacked_task = _graph_task()
+            fam.unpacked_task = graph_task()
             self._mark_ahead(fam, False)
             if fam.unpacked >= fam.members:
                 # Every live member has its view: drop the strong reference so the buffer dies
