@@ -660,9 +660,7 @@ class _Step:
         self.n_passes = 1
         if self.create_graph or all(len(r.unpack_events) < 2 for r in self.records):
             return  # (the common case, without building the per-unpack maps)
-        passes = BackwardPasses(self.records)
-        if passes.count < 2 or self.create_graph:
-            return
+        passes = BackwardPasses(self.records)  # so passes.count >= 2
         n, first = passes.count, self.first_event
         n_fam = len(self.fid)
         self.n_passes = n
