@@ -134,7 +134,14 @@ from lifecycle._plan import (
     Trigger,
     _bulk,
 )
-from lifecycle._simulate import Decision, Placement, _step_index, predict_anchors, simulate
+from lifecycle._simulate import (
+    _DEFAULT_MIN_INFLIGHT_BYTES,
+    Decision,
+    Placement,
+    _step_index,
+    predict_anchors,
+    simulate,
+)
 from lifecycle._trace import (
     WHOLE_STORAGE_FACTOR,
     BackwardPasses,
@@ -148,7 +155,6 @@ from lifecycle._units import check_count, format_bytes, parse_bytes
 
 _MIN_MARGIN_BYTES = 256 << 20  # DESIGN.md "Budget": max(5% of the budget, 256 MiB) on a GPU
 _MARGIN_SHARE = 0.05
-_DEFAULT_MIN_INFLIGHT_BYTES = 256 << 20
 _MAX_FRAMES = 8192
 _LEADS = (1.0, 0.0)
 _BISECTION_STEPS = 256  # a column's k is found to within 1/256 of its candidates

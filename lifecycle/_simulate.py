@@ -108,10 +108,24 @@ from lifecycle._trace import (
 from lifecycle._units import parse_bytes
 
 _DEFAULT_MIN_INFLIGHT_BYTES = 256 << 20  # DESIGN: max_inflight_bytes defaults to at least 256 MiB
-# The executor's automatic reload look-ahead (offload/_executor.py, _AUTO_WINDOW_SHARE): a quarter
-# of the bytes the step moves, at least twice its largest family, at most the automatic
-# max_inflight_bytes.
+# The automatic reload look-ahead: a quarter of the bytes the step moves (see automatic_bounds).
 _AUTO_WINDOW_SHARE = 4
+
+
+def automatic_bounds(largest: int, stored: int) -> tuple[int, int]:
+    """``(max_inflight_bytes, look-ahead window)`` when neither is given, for a step whose
+    largest moved family is ``largest`` bytes and that moved ``stored`` bytes: twice the largest,
+    at least 256 MiB (DESIGN.md); and a quarter of the bytes moved, at least twice the largest,
+    at most that in-flight bound. offload's executor sets its bounds with this, and the
+    simulator replays them.
+
+    Example:
+        >>> automatic_bounds(1 << 20, 64 << 20)
+        (268435456, 16777216)
+    """
+    twice = 2 * largest
+    inflight = max(twice, _DEFAULT_MIN_INFLIGHT_BYTES)
+    return inflight, min(inflight, max(twice, stored // _AUTO_WINDOW_SHARE))
 
 
 class Placement(str, enum.Enum):
@@ -349,9 +363,7 @@ def _automatic_bounds(
         given = parse_bytes(max_inflight_bytes, name="max_inflight_bytes")
         return given, given
     sizes = [view.facts[f].span_bytes for f, d in decisions.items() if d.placement.moves]
-    twice = 2 * max(sizes, default=0)
-    inflight = max(twice, _DEFAULT_MIN_INFLIGHT_BYTES)
-    return inflight, min(inflight, max(twice, sum(sizes) // _AUTO_WINDOW_SHARE))
+    return automatic_bounds(max(sizes, default=0), sum(sizes))
 
 
 def _automatic_window_bytes(

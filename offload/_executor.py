@@ -50,6 +50,7 @@ import torch
 
 import storage
 from lifecycle._recorder import graph_task
+from lifecycle._simulate import automatic_bounds
 from lifecycle._tensors import version_root
 from lifecycle._trace import WHOLE_STORAGE_FACTOR
 from offload._errors import OffloadError, from_storage, modified_after_save
@@ -66,12 +67,6 @@ from offload._stats import StepStats
 from storage._units import round_up
 
 log = logging.getLogger("offload")
-
-_MIN_AUTO_WINDOW_BYTES = 256 << 20  # DESIGN: max_inflight_bytes=None means 2 x largest, >= 256 MiB
-# The automatic reload look-ahead: a quarter of the bytes the step stored, at least twice its
-# largest family, at most the automatic max_inflight_bytes (lifecycle's simulator assumes the
-# same: _AUTO_WINDOW_SHARE in lifecycle/_simulate.py). See Executor.prefetch_bytes.
-_AUTO_WINDOW_SHARE = 4
 
 
 _CONJ, _NEG = 1, 2  # _Member.bits
@@ -228,7 +223,7 @@ class Executor:
 
     @property
     def max_inflight_bytes(self) -> int:
-        return self._max_inflight_bytes or max(_MIN_AUTO_WINDOW_BYTES, 2 * self._largest)
+        return self._max_inflight_bytes or automatic_bounds(self._largest, 0)[0]
 
     def prefetch_bytes(self, step: _StepState) -> int:
         """The look-ahead window for ``step``'s reloads: the given bound, else a quarter of
@@ -239,9 +234,7 @@ class Executor:
         76,669,892 saved bytes held at once, as many as without offloading)."""
         if self._prefetch_bytes:
             return self._prefetch_bytes
-        twice = 2 * self._largest
-        share = max(twice, step.stored_bytes // _AUTO_WINDOW_SHARE)
-        return min(max(_MIN_AUTO_WINDOW_BYTES, twice), share)
+        return automatic_bounds(self._largest, step.stored_bytes)[1]  # as the simulator assumes
 
     # -- steps -------------------------------------------------------------------------------
 
