@@ -11,17 +11,17 @@
 # Sections, most wanted first (a call cut short loses the least): tests (`pytest -m gpu`),
 # budget-h2048, step-h2048, pipeline-h4096, budget-h4096, step-h4096, info, profile, hooks.
 # A section starts only if its expected duration (EXPECT_S below, an H200 estimate) fits in
-# what is left of TOTAL_S less RESERVE_S; the benchmarks write their results at the end, so
+# what is left of TOTAL_S less 15 s (for packing); the benchmarks write their results at the end, so
 # one cut off would return nothing. It runs under `timeout` at min(its cap, what is left), so
 # an overrun or a hang still leaves the later packing its time. A section skipped says so in
 # sections.txt, with its estimate and the seconds that were left.
 #
 # Produces, in RESULTS_DIR (default benchmarks/results/gpu; earlier files there are left, and
-# not returned): hardware.txt (GPU, driver, PCIe
-# link, CPU, memory, the disk of NVME_DIR), sections.txt, gpu_tests.txt, each benchmark's
-# <stem>.json / <stem>.md and its .log, info.json (stdout of `offload info --json`: pure JSON;
-# its stderr in info.err), profile/ and profile.txt, hooks.json / hooks.md. With OUT set,
-# after every section, at most 8 files in $OUT (the device tool returns no more):
+# not returned): hardware.txt (GPU, driver, PCIe link, CPU, memory, the disk of NVME_DIR),
+# sections.txt, gpu_tests.txt, each benchmark's <stem>.json / <stem>.md and its .log,
+# info.json (stdout of `offload info --json`: pure JSON; its stderr in info.err), profile/ and
+# profile.txt, hooks.json / hooks.md. With OUT set, after every section, at most 8 files in
+# $OUT (the device tool returns no more):
 #     gpu-results.tgz   every file this call wrote in RESULTS_DIR
 #     hardware.txt  sections.txt  gpu_tests.txt  budget-h2048.md  step-h2048.md
 #     pipeline-h4096.md  h4096.md (budget-h4096.md then step-h4096.md)
@@ -30,7 +30,8 @@
 # sections, a name's prefix or suffix selecting several: `budget`, `h4096`; default all);
 # NVME_DIR (the disk the NVMe tier and the disk probes use, default /tmp); PROBE_BYTES (size of
 # the disk probes and of `offload info`'s copies, default 512MiB: one repeat each);
-# RESULTS_DIR. A CPU dry run of the logic (every GPU test skips, every benchmark is skipped):
+# RESULTS_DIR. A CPU dry run of the logic (the GPU tests are not started, 180 s being
+# expected, and `offload info` runs):
 #     TOTAL_S=100 PARTS=tests,info OUT=/tmp/o RESULTS_DIR=/tmp/r bash benchmarks/gpu_check.sh
 set -uo pipefail
 total="${TOTAL_S:-540}"
