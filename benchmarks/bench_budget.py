@@ -18,12 +18,17 @@ gpu_budget=B, hardware=offload.probe_hardware())``, a new manager per budget). E
 its own module tree over one shared set of parameters (deep copies with the parameters in the
 memo), so each manager has its own hooks while the device holds the weights once.
 
-Budget. CUDA: ``B = base + f x (P - base)``, ``base`` = ``torch.cuda.memory_allocated`` right
-before no offload's last warm-up step (the weights: no optimizer runs), ``P`` =
-``max_memory_allocated`` over that step. ``gpu_budget`` bounds ``max_memory_allocated`` over a
-step, everything included (DESIGN.md "Budget"). CPU: ``B = f x`` the peak live saved bytes of
-no offload (``offload.profile``): base 0, as on CPU the budget bounds the live saved bytes on the
-device; an allocator peak does not exist there, so the budget's measured side is n/a.
+Budget: a fraction ``f`` of the range of budgets a plan can meet, ``B = L + f x (P - L)``. ``L``
+is the smallest feasible budget: ``offload.plan`` on no offload's profile at a budget of 1 byte
+raises ``BudgetInfeasibleError``, whose ``min_feasible_bytes`` is ``L`` (the planner's margin
+included: on CUDA max(5% of the budget, 256 MiB), which alone outweighs a quarter of a small
+model's activations). ``P`` is keep-all's peak. CUDA: ``max_memory_allocated`` over no offload's
+last warm-up step, absolute (``base``, ``torch.cuda.memory_allocated`` right before it, is the
+weights: no optimizer runs); ``gpu_budget`` bounds ``max_memory_allocated`` over a step,
+everything included (DESIGN.md "Budget"). CPU: the peak live saved bytes of no offload
+(``offload.profile``), base 0, as on CPU the budget bounds the live saved bytes on the device; an
+allocator peak does not exist there, so the budget's measured side is n/a. The report names
+``L``, ``P`` and the fractions.
 
 Order: the anchors warm up (--warmup rounds, round robin), no offload is profiled and the budgets
 are set; each planned manager then warms up for --planned-warmup steps (step 1 is profiled in
@@ -134,7 +139,7 @@ class Variant:
     def label(self) -> str:
         if self.fraction is None:
             return LABELS[self.name]
-        return f"planned, budget {self.fraction:.0%}"
+        return f"planned, budget at {self.fraction:.0%} of smallest feasible..keep-all"
 
 
 def shared_copy(base: GPT) -> GPT:
@@ -232,7 +237,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
     for name in ("vocab", "layers", "heads", "d-model", "seq", "batch"):
         add(f"--{name}", type=int, default=None, help="override the config's value")
-    add("--fractions", default="0.25,0.5,0.75", help="budget fractions, comma list, each in (0, 1]")
+    add(
+        "--fractions",
+        default="0.25,0.5,0.75",
+        help="budget fractions of the range smallest feasible budget..keep-all's peak, comma "
+        "list, each in (0, 1]",
+    )
     add("--autocast", choices=("bf16", "off"), default=None, help="default: bf16 on CUDA")
     add("--steps", type=int, default=None, help="timed rounds (7 CPU, 5 CUDA; --quick: 3)")
     add("--warmup", type=int, default=2, help="untimed anchor rounds (>= 1)")
@@ -339,8 +349,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         none.model.zero_grad(set_to_none=True)
     else:
         none_base, none_peak = 0, trace.peak_saved_bytes
-    budgets = {f: none_base + int(f * (none_peak - none_base)) for f in args.fractions}
-    log(args, "budgets: " + ", ".join(f"{f:.0%} {b / MiB:.1f} MiB" for f, b in budgets.items()))
+    floor = smallest_feasible_budget(args, trace, hardware)
+    budgets = budget_points(args.fractions, floor, none_peak)
+    log(args, f"budgets between the smallest feasible {floor / MiB:.1f} MiB and keep-all's peak "
+        f"{none_peak / MiB:.1f} MiB: "
+        + ", ".join(f"{f:.0%} {b / MiB:.1f} MiB" for f, b in budgets.items()))  # fmt: skip
     clean = {f: clean_prediction(args, trace, b, hardware) for f, b in budgets.items()}
 
     # 3. One planned manager per budget: profiled, planned, two planned steps.
@@ -397,7 +410,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         assert v.mgr is not None
         v.mgr.close()
     return assemble(args, anchors, planned, plans, trace, hardware, budgets, clean,
-                    (none_base, none_peak))  # fmt: skip
+                    (none_base, none_peak, floor))  # fmt: skip
+
+
+def smallest_feasible_budget(
+    args: argparse.Namespace, trace: offload.Trace, hw: offload.HardwareModel
+) -> int:
+    """The smallest budget the planner can meet on ``trace`` with this run's settings (margin
+    included): ``BudgetInfeasibleError.min_feasible_bytes`` of a 1-byte budget."""
+    try:
+        offload.plan(trace, 1, hw, tiers=("cpu",), min_offload_bytes=args.min_offload_bytes)
+    except offload.BudgetInfeasibleError as e:
+        return e.min_feasible_bytes
+    return 1  # a step that saves nothing movable: every budget is met
+
+
+def budget_points(fractions: list[float], floor: int, peak: int) -> dict[float, int]:
+    """``floor + f x (peak - floor)`` per fraction ``f``: the budgets of the sweep. A range that
+    is empty (``peak <= floor``: keep-all already peaks at the floor) gives ``floor`` for every
+    fraction, which the planner meets by keeping what it can."""
+    return {f: floor + max(0, int(f * (peak - floor))) for f in fractions}
 
 
 def failure(args: argparse.Namespace, v: Variant, e: Exception) -> str:
@@ -434,7 +466,8 @@ def _err(predicted: float | None, measured: float | None) -> float | None:
 def assemble(
     args: argparse.Namespace, anchors: list[Variant], planned: list[Variant],
     plans: dict[str, offload.Plan], trace: offload.Trace, hw: offload.HardwareModel,
-    budgets: dict[float, int], clean: dict[float, dict[str, Any]], none_ref: tuple[int, int],
+    budgets: dict[float, int], clean: dict[float, dict[str, Any]],
+    none_ref: tuple[int, int, int],
 ) -> dict[str, Any]:  # fmt: skip
     med = statistics.median
     cuda = args.device.type == "cuda"
@@ -541,9 +574,15 @@ def assemble(
         "budget_definition": dict(
             base_bytes=none_ref[0],
             no_offload_peak_bytes=none_ref[1],
-            formula="base + f x (no-offload peak - base)"
-            if cuda
-            else "f x no-offload peak live saved bytes (base 0)",
+            smallest_feasible_bytes=none_ref[2],
+            fractions=list(args.fractions),
+            formula="L + f x (P - L), L = smallest feasible budget (offload.plan on no "
+            "offload's profile: BudgetInfeasibleError.min_feasible_bytes, margin included), "
+            + (
+                "P = no offload's max_memory_allocated (base included)"
+                if cuda
+                else "P = no offload's peak live saved bytes (base 0)"
+            ),
         ),
         "cpu_no_offload_live_extra_bytes": none_live_extra,
         "trace": dict(
@@ -680,20 +719,27 @@ def markdown(res: dict[str, Any]) -> str:
              f"GB/s, both {hw['duplex_bytes_per_s'] / 1e9:.1f} GB/s")  # fmt: skip
     if not hw["copies_overlap_compute"]:
         rates = f"memcpy {hw['h2d_bytes_per_s'] / 1e9:.1f} GB/s, not overlapping compute"
+    shares = ", ".join(f"{f:.0%}" for f in bd["fractions"])
+    floor, peak = _mib(bd["smallest_feasible_bytes"]), _mib(bd["no_offload_peak_bytes"])
     if cuda:
-        budget_def = (
-            f"budget = base + f x (P - base), base = {_mib(bd['base_bytes'])} MiB "
-            "(torch.cuda.memory_allocated before no offload's step: the weights, shared by every "
-            f"variant; no optimizer), P = {_mib(bd['no_offload_peak_bytes'])} MiB "
-            "(max_memory_allocated over that step). The planned manager gets B as gpu_budget, "
-            "which bounds max_memory_allocated over the step, everything included."
+        keep_all = (
+            f"keep-all's peak P = {peak} MiB (max_memory_allocated over no offload's step, base "
+            f"{_mib(bd['base_bytes'])} MiB included: the weights, shared by every variant; no "
+            "optimizer). The planned manager gets B as gpu_budget, which bounds "
+            "max_memory_allocated over the step, everything included"
         )
     else:
-        budget_def = (
-            f"budget = f x {_mib(bd['no_offload_peak_bytes'])} MiB, no offload's peak live saved "
-            "bytes (offload.profile); base 0: on CPU the budget bounds the live saved bytes on "
-            "the device (DESIGN.md, Budget)."
+        keep_all = (
+            f"keep-all's peak P = {peak} MiB (no offload's peak live saved bytes, "
+            "offload.profile; base 0: on CPU the budget bounds the live saved bytes on the "
+            "device, DESIGN.md, Budget)"
         )
+    budget_def = (
+        f"fractions f = {shares} of the range of budgets a plan can meet, B = L + f x (P - L), "
+        f"from the smallest feasible budget L = {floor} MiB (offload.plan on no offload's "
+        "profile: BudgetInfeasibleError.min_feasible_bytes, the planner's margin included) to "
+        f"{keep_all}."
+    )
     out = [
         f"# Memory budget sweep: planned mode vs anchors ({c['name']}, benchmarks/bench_budget.py)",
         "",
@@ -742,7 +788,7 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "## Planned mode per budget",
         "",
-        "| budget | budget (MiB) | step median (ms) | min-max (ms) | x none | x checkpoint | "
+        "| f (of L..P) | budget (MiB) | step median (ms) | min-max (ms) | x none | x checkpoint | "
         "x offload all | measured peak (MiB) | predicted peak (MiB) | peak error | predicted step "
         "(ms) | step error | planned cpu / recompute / rebuild / keep (MiB) | executed cpu / "
         "recompute / rebuild (MiB) | = plan, unplanned | stalls | grads bitwise = none |",

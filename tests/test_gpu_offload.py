@@ -180,12 +180,25 @@ def test_clean_under_cuda_sanitizer(tmp_path) -> None:
     assert "CUDASanitizerErrors" not in r.stderr
 
 
+def _smallest_feasible_budget(trace: offload.Trace, hardware: offload.HardwareModel) -> int:
+    """The smallest budget the planner meets on ``trace`` (its margin included, the manager's
+    default settings): a test's budget lies between it and keep-all's peak, or no plan exists."""
+    try:
+        offload.plan(trace, 1, hardware)
+    except offload.BudgetInfeasibleError as e:
+        return e.min_feasible_bytes
+    raise AssertionError("a 1-byte budget was met: the step saves nothing movable")
+
+
 def test_budget_bounds_the_measured_peak_from_the_second_planned_step() -> None:
     """DESIGN.md "Budget": max_memory_allocated over a step stays under gpu_budget from the
     second executed step of a signature, and gradients stay bitwise equal."""
     torch.manual_seed(0)
     model = _Deep(width=2048, depth=8).cuda()
-    x = torch.randn(4096, 2048, device="cuda")
+    # 16 saved tensors of 256 MiB: 4 GiB to plan against the margin, max(5% of the budget,
+    # 256 MiB), and the float32 gradients, which stay on the device.
+    x = torch.randn(32768, 2048, device="cuda")
+    hardware = offload.HardwareModel.h200()
 
     def grads_without() -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
@@ -196,13 +209,16 @@ def test_budget_bounds_the_measured_peak_from_the_second_planned_step() -> None:
     assert all(torch.equal(a, b) for a, b in zip(want, grads_without(), strict=True))
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     model(x).pow(2).mean().backward()
     keep_peak = torch.cuda.max_memory_allocated()
     model.zero_grad(set_to_none=True)
-    budget = base + (keep_peak - base) // 2
-    mgr = offload.ActivationOffloader(model, gpu_budget=budget)
+    trace = offload.profile(lambda: model(x).pow(2).mean().backward(), model, warmup_steps=0)
+    model.zero_grad(set_to_none=True)
+    floor = _smallest_feasible_budget(trace, hardware)
+    assert floor < keep_peak, (floor, keep_peak)
+    budget = floor + (keep_peak - floor) // 2  # halfway between the feasible ends
+    mgr = offload.ActivationOffloader(model, gpu_budget=budget, hardware=hardware)
     peaks = []
     try:
         for _ in range(4):
@@ -262,9 +278,11 @@ def test_pipeline_stage_budget_bounds_the_round_peak() -> None:
     torch.manual_seed(0)
     model = _Deep(width=2048, depth=4).cuda()
     gen = torch.Generator(device="cuda").manual_seed(1)
-    inputs = [torch.randn(2048, 2048, device="cuda", generator=gen) for _ in range(8)]
-    grads = [torch.randn(2048, 2048, device="cuda", generator=gen) for _ in range(8)]
+    # 1 GiB saved per microbatch, a stash of 4 GiB: room for a plan under the margin.
+    inputs = [torch.randn(16384, 2048, device="cuda", generator=gen) for _ in range(8)]
+    grads = [torch.randn(16384, 2048, device="cuda", generator=gen) for _ in range(8)]
     stage = _Stage0(model, inputs, grads)
+    hardware = offload.HardwareModel.h200()
 
     def kept_round() -> tuple[list[torch.Tensor], int, int]:
         model.zero_grad(set_to_none=False)
@@ -280,10 +298,14 @@ def test_pipeline_stage_budget_bounds_the_round_peak() -> None:
         )
 
     want, _, _ = kept_round()  # gradients allocated from here on
-    again, start, keep_peak = kept_round()
+    again, _, keep_peak = kept_round()
     assert all(torch.equal(a, b) for a, b in zip(want, again, strict=True))
-    budget = keep_peak - (keep_peak - start) // 2
-    mgr = offload.ActivationOffloader(model, gpu_budget=budget)
+    model.zero_grad(set_to_none=False)
+    trace = offload.profile(lambda: stage.round(stages=4), model, warmup_steps=0)
+    floor = _smallest_feasible_budget(trace, hardware)
+    assert floor < keep_peak, (floor, keep_peak)
+    budget = floor + (keep_peak - floor) // 2  # halfway between the feasible ends
+    mgr = offload.ActivationOffloader(model, gpu_budget=budget, hardware=hardware)
     peaks = []
     try:
         with mgr.attach(stage):

@@ -26,8 +26,9 @@ MiB = 1 << 20
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only report")
 
 
-def _python(*args: str) -> subprocess.CompletedProcess[str]:
+def _python(*args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra_env)
     return subprocess.run(
         [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
@@ -201,10 +202,14 @@ def test_cli_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_python_m_offload_info_json(tmp_path: Path) -> None:
+    """Standard output is the JSON alone, also while warnings are emitted (here Python's
+    EncodingWarning for every ``open`` without an encoding): they go to standard error."""
     r = _python(
-        "-m", "offload", "info", "--nvme-dir", str(tmp_path), "--json", "--probe-bytes", "8MiB"
-    )
+        "-m", "offload", "info", "--nvme-dir", str(tmp_path), "--json", "--probe-bytes", "8MiB",
+        PYTHONWARNDEFAULTENCODING="1",
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
+    assert "EncodingWarning" in r.stderr  # the case checked: warnings while collecting
     info = json.loads(r.stdout)
     assert info["nvme"]["path"] == str(tmp_path.resolve())
     assert info["nvme"]["write_gb_per_s"] > 0 and info["nvme"]["free_bytes"] > 0
