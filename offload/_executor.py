@@ -581,8 +581,13 @@ class Executor:
             if self._deferred_releases:
                 self._drain_releases()
             inflight = self._inflight
-            while inflight and self._copy_out_done(inflight[0]):
-                fam = inflight.popleft()
+            while inflight:
+                fam = inflight[0]
+                if not self._copy_out_done(fam):
+                    break
+                if not inflight or inflight[0] is not fam:
+                    continue  # released while it was asked: see NOTE [ Re-entrant release ]
+                inflight.popleft()
                 self._inflight_bytes -= fam.nbytes
                 self._retire(fam)
             while self._orphans and self._orphans[0][0].done():
@@ -838,7 +843,13 @@ class Executor:
         # off the device as it was, for the unpack to try again.
         raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
         if self.cuda and fam.spill is None and fam.tier.name != "host":
-            fam.staging = self.pool.allocate(fam.nbytes)  # NVMe -> pinned staging -> device
+            staging = self.pool.allocate(fam.nbytes)  # NVMe -> pinned staging -> device
+            if fam.life is not Life.OFF_DEVICE:
+                staging.release()  # the family was released meanwhile, as below
+                return
+            fam.staging = staging
+        if fam.life is not Life.OFF_DEVICE:
+            return  # released while memory was allocated: see NOTE [ Re-entrant release ]
         fam.to(Life.COPYING_IN)
         fam.unpacked = 0
         self._mark_ahead(fam, True)
@@ -1028,6 +1039,18 @@ class Executor:
             self._drain_releases()
         finally:
             self.lock.release()
+
+    # NOTE [ Re-entrant release ]
+    #     A release runs from a member's finalizer, which a GC pass runs at whatever allocation
+    #     starts it, on the allocating thread, where the executor's lock (re-entrant) is often
+    #     held already. So inside the executor any call that can allocate (an event query:
+    #     ``torch.cuda.Event.query`` makes a ``super()`` object; a tensor or host region; a tier
+    #     write) may free a family and take it out of ``_inflight``. Code that reads executor
+    #     state, makes such a call, then acts on what it read reads it again: poll retires the
+    #     head of ``_inflight`` only if it is still the family whose copy it asked about (the
+    #     next one's copy may still run), a reload whose family was freed while its memory was
+    #     allocated stops, and lists a release appends to are swapped out before they are
+    #     walked (``_collect_pending``).
 
     def _drain_releases(self) -> None:
         # Caller holds the lock.

@@ -2369,3 +2369,114 @@ def test_storage_bytes_is_every_byte_of_the_storage_for_any_layout() -> None:
     # every dtype was drawn, and conjugate and negative views of several
     assert {k[0] for k in kinds} == {str(d) for d in _LAYOUT_DTYPES}
     assert sum(k[1] for k in kinds) >= 2 and sum(k[2] for k in kinds) >= 4
+
+
+# -- releases from a GC pass inside the executor (NOTE [ Re-entrant release ]) -------------------
+
+
+@contextlib.contextmanager
+def gc_pass_when_returning(fn: Any, **args: Any) -> Iterator[list[int]]:
+    """Run a GC pass on this thread each time ``fn`` returns (with ``args`` among its locals):
+    where an allocation would start one (on CUDA, ``torch.cuda.Event.query`` allocates). Yields
+    a one-item list counting the passes run."""
+    import sys
+
+    code = fn.__code__
+    passes = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "return" or frame.f_code is not code:
+            return
+        if all(frame.f_locals.get(k) == v for k, v in args.items()):
+            passes[0] += 1
+            gc.collect()
+
+    before = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield passes
+    finally:
+        sys.setprofile(before)
+
+
+def garbage(*objs: Any) -> None:
+    """Leave ``objs`` to the next GC pass only: in a reference cycle, with no other reference."""
+    cycle: list[Any] = [*objs]
+    cycle.append(cycle)
+
+
+def test_a_release_while_poll_asks_about_a_copy_retires_no_running_copy() -> None:
+    """A GC pass inside poll's query of the oldest copy out (a dropped graph's finalizer
+    released that family) made poll retire the next family instead, whose copy was still
+    running: its source was dropped (on CUDA, device memory the D2H copy still read; on CPU the
+    retire raised TimeoutError asking the unfinished write for its error). Poll now retires
+    only the family it asked about."""
+    from offload._executor import Executor
+
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.0)
+    mgr = offload.ActivationOffloader(nn.Linear(2, 2), min_offload_bytes=0, _copy_engine=engine)
+    hold = threading.Event()
+    seen: list[Any] = []
+    x1 = torch.randn(32, 32, requires_grad=True)
+    x2 = torch.randn(32, 32, requires_grad=True)
+    gc.collect()
+    gc.disable()  # only the pass below may finalize the dropped graph
+    try:
+        with engine.paused():  # nothing is copied before the step's last poll
+            with mgr:
+                y1 = Saver.apply(seen, x1 * 1)  # family a
+                blocker = engine.submit(hold.wait)  # the copy worker stops after a's copy
+                y2 = Saver.apply(seen, x2 * 1)  # family b: copied once the blocker returns
+        ex = mgr._executor
+        a, b = ex.step.families
+        a.handle.wait()
+        assert not b.handle.done() and list(ex._inflight) == [a, b]
+        garbage(y1)
+        del y1
+        with gc_pass_when_returning(Executor._copy_out_done) as passes:
+            ex.poll()
+        assert passes[0] >= 1 and a.life is Life.FREED  # what this test is about
+        assert b.life is Life.COPYING_OUT and b.source is not None
+        assert list(ex._inflight) == [b] and ex._inflight_bytes == b.nbytes
+        hold.set()
+        blocker.result(timeout=30)
+        y2.backward()
+        assert torch.equal(seen[-1][0][1], x2) and torch.equal(x2.grad, torch.ones_like(x2))
+        assert_nothing_live(mgr)
+    finally:
+        gc.enable()
+        hold.set()
+        mgr.close()
+        engine.close()
+
+
+def test_a_release_while_a_prefetch_allocates_stops_that_reload() -> None:
+    """A GC pass at the allocation of a prefetch's buffer (a dropped graph's finalizer released
+    the family being reloaded) left the reload going on a freed family: an illegal move from
+    'freed' to 'copying in' raised out of the backward that prefetched it. The reload stops."""
+    from offload._family import aligned_buffer
+
+    mgr = offload.ActivationOffloader(nn.Linear(2, 2), min_offload_bytes=0)
+    seen: list[Any] = []
+    x1 = torch.randn(32, 32, requires_grad=True)
+    x2 = torch.randn(16, 16, requires_grad=True)
+    gc.collect()
+    gc.disable()  # only the pass below may finalize the dropped graph
+    try:
+        with mgr:
+            y1 = Saver.apply(seen, x1 * 1)  # family a: its graph is dropped below
+            y2 = Saver.apply(seen, x2 * 1)  # family b: its backward's look-ahead reaches a
+        ex = mgr._executor
+        a, b = ex.step.families
+        assert a.life is Life.OFF_DEVICE and b.life is Life.OFF_DEVICE
+        garbage(y1)
+        del y1
+        with gc_pass_when_returning(aligned_buffer, nbytes=a.nbytes) as passes:
+            y2.backward()
+        assert passes[0] == 1 and a.life is Life.FREED and a.resident is None
+        assert torch.equal(seen[-1][0][1], x2) and torch.equal(x2.grad, torch.ones_like(x2))
+        assert ex._ahead_bytes == 0
+        assert_nothing_live(mgr)
+    finally:
+        gc.enable()
+        mgr.close()
