@@ -43,7 +43,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ from lifecycle._tensors import version_root
 from lifecycle._trace import WHOLE_STORAGE_FACTOR
 from offload._errors import OffloadError, from_storage, modified_after_save
 from offload._family import (
+    ALIGN_BYTES,
     Family,
     Life,
     aligned_buffer,
@@ -160,6 +161,9 @@ class Executor:
             the automatic ``max_inflight_bytes`` (see :meth:`prefetch_bytes`).
         pool: host regions for D2H copies and NVMe staging (GPU paths).
         staging_bytes: the most pinned bytes NVMe writes may hold while the disk catches up.
+        room: whether a reload buffer of that many bytes fits on the device now; a prefetch
+            that does not is skipped (see NOTE [ Prefetch under memory pressure ]). ``None``:
+            every prefetch is tried.
     """
 
     def __init__(
@@ -172,8 +176,10 @@ class Executor:
         prefetch_bytes: int,
         pool: storage.HostPool,
         staging_bytes: int = 0,
+        room: Callable[[int], bool] | None = None,
     ) -> None:
         self.device = device
+        self.room = room
         self.cuda = device.type == "cuda"
         self.tiers = list(tiers)
         self.cpu_budget_bytes = cpu_budget_bytes
@@ -814,6 +820,11 @@ class Executor:
         """Prefetch ``fam``; False when memory for it is short now (a prefetch is only ahead of
         time: its unpack reloads it then, and raises there if memory is still short)."""
         if fam.life is Life.OFF_DEVICE and fam.members > 0 and not self._reuse(fam):
+            if self.room is not None and not self.room(fam.nbytes + ALIGN_BYTES):
+                # See NOTE [ Prefetch under memory pressure ] in _device.py.
+                if self.step is not None:
+                    self.step.stats.prefetches_skipped += 1
+                return False
             try:
                 self._start_reload(fam)
             except (torch.OutOfMemoryError, storage.StorageFullError):

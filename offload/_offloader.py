@@ -44,7 +44,7 @@ from lifecycle._tensors import (
     wraps_parameter,
 )
 from lifecycle._units import parse_bytes
-from offload._device import compute_device
+from offload._device import RoomProbe, compute_device, room_probe
 from offload._errors import OffloadError, from_infeasible, modified_after_save
 from offload._executor import Executor, _Member
 from offload._family import span_of
@@ -257,6 +257,7 @@ class ActivationOffloader:
         max_inflight_bytes: int | str | None = None,
         on_infeasible: str = "raise",
         _copy_engine: storage.CopyEngine | None = None,
+        _room: RoomProbe | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -442,6 +443,7 @@ class ActivationOffloader:
         # Per step: the outputs recipes stood for, by id (one rebuild serves all their packs).
         self._rebuilds: dict[int, tuple[weakref.ref[torch.Tensor], int, SharedRebuild]] = {}
         self._engine = _copy_engine
+        self._room = _room  # the device's room probe; None: room_probe(device)
         self._tiers: list[storage.Tier] | None = None  # made at the first step
         self._executor: Executor | None = None
         self._done = StepStats()  # steps before the last one
@@ -813,6 +815,7 @@ class ActivationOffloader:
                 prefetch_bytes=inflight,
                 pool=pool,
                 staging_bytes=staging,
+                room=self._room if self._room is not None else room_probe(self.device),
             )
         except BaseException:
             # Nothing holds these yet (an nvme_dir removed since the manager was made, say):

@@ -2480,3 +2480,39 @@ def test_a_release_while_a_prefetch_allocates_stops_that_reload() -> None:
     finally:
         gc.enable()
         mgr.close()
+
+
+# -- prefetch under memory pressure (NOTE [ Prefetch under memory pressure ]) -------------------
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt_block"])
+def test_a_prefetch_without_room_on_the_device_is_left_to_its_unpack(name: str) -> None:
+    """A room probe that says the device has no room for a reload: no prefetch is tried (on
+    CUDA each try would OOM, and the allocator empty its cache, a device synchronization),
+    each is counted, every family is reloaded by its unpack instead, and the gradients are
+    bitwise those without offloading. With room, the same steps prefetch."""
+    from offload._family import ALIGN_BYTES
+
+    want = [reference_grads(name, s) for s in range(2)]
+    asked: list[int] = []
+
+    def no_room(nbytes: int) -> bool:
+        asked.append(nbytes)
+        return False
+
+    for room, prefetched in ((no_room, False), (lambda n: True, True)):
+        case = ALL_MODELS[name](seed=0)
+        with manager(case.model, _room=room) as mgr:
+            for s in range(2):
+                assert_bitwise(offloaded_step(case, mgr, s), want[s])
+                last = mgr.stats.last
+                assert last.reloads == last.records_offloaded_cpu > 0
+                if prefetched:
+                    assert last.stalls < last.reloads and last.prefetches_skipped == 0
+                else:
+                    assert last.stalls == last.reloads  # each at its unpack
+                    assert last.prefetches_skipped > 0
+                    # asked for a family's bytes and the buffer's alignment slack
+                    sizes = {f.nbytes + ALIGN_BYTES for f in mgr._executor.step.families}
+                    assert asked and set(asked) <= sizes
+            assert_nothing_live(mgr)
