@@ -53,6 +53,7 @@ from lifecycle._recorder import graph_task
 from lifecycle._simulate import automatic_bounds
 from lifecycle._tensors import version_root
 from lifecycle._trace import WHOLE_STORAGE_FACTOR
+from offload._device import GraphCapture
 from offload._errors import OffloadError, from_storage, modified_after_save
 from offload._family import (
     ALIGN_BYTES,
@@ -180,6 +181,10 @@ class Executor:
     ) -> None:
         self.device = device
         self.room = room
+        # See NOTE [ No query while capturing ] in _device.py: every completion query goes
+        # through it; ``_in_capture`` is its last answer on the step's threads.
+        self.capture = GraphCapture(device)
+        self._in_capture = False
         self.cuda = device.type == "cuda"
         self.tiers = list(tiers)
         self.cpu_budget_bytes = cpu_budget_bytes
@@ -246,11 +251,20 @@ class Executor:
 
     def begin_step(self, index: int) -> StepStats:
         with self.lock:
-            self._drain_releases()
-            self._release_lost()
+            capturing = self._capturing()  # see NOTE [ No query while capturing ]
+            if not capturing:
+                self._drain_releases()
+                self._release_lost()
             self.step = _StepState(index, self.pool.host_allocations)
-            self._collect_pending()
+            if not capturing:
+                self._collect_pending()
             return self.step.stats
+
+    def _capturing(self) -> bool:
+        """Whether a CUDA graph capture runs (NOTE [ No query while capturing ]); the answer
+        is kept for releases on other threads."""
+        self._in_capture = now = self.capture.capturing()
+        return now
 
     def count_host_allocations(self) -> None:
         """The current step's ``stats.host_allocations``: slabs the host pool (shared with other
@@ -268,6 +282,8 @@ class Executor:
             if step is None:
                 return
             step.failed = True
+            if not step.families:
+                return  # (a step inside a CUDA graph capture: _abandon's waits are forbidden)
             self._abandon(
                 step.families,
                 f"the step that saved this tensor (step {step.index}) raised; its offloaded "
@@ -289,7 +305,8 @@ class Executor:
         moves its record's counts, see ``_recount``): the stats read next are final. A stats
         read calls it (``ActivationOffloader.stats``)."""
         with self.lock:
-            self._drain_releases()
+            if not self._capturing():  # see NOTE [ No query while capturing ]
+                self._drain_releases()
             writes = [f.handle.written for f in self._inflight if f.handle is not None]
             writes += [written for written, _, _ in self._orphans]
             writes += [handle.written for _, handle in self._writing]
@@ -313,8 +330,9 @@ class Executor:
 
     def live_families(self) -> int:
         with self.lock:
-            self._drain_releases()
-            self._release_lost()
+            if not self._capturing():  # see NOTE [ No query while capturing ]
+                self._drain_releases()
+                self._release_lost()
             return sum(1 for f in self._live if f.life is not Life.FREED)
 
     # -- offload -----------------------------------------------------------------------------
@@ -566,8 +584,8 @@ class Executor:
         if self.cuda:
             # The device copy may go once D completed: the bytes are in pinned memory (the host
             # tier's region, or NVMe staging whose file write goes on without it).
-            return fam.source_event is None or fam.source_event.query()
-        return fam.handle.done()
+            return fam.source_event is None or self.capture.query(fam.source_event)
+        return self.capture.done(fam.handle)
 
     def _wait_copy_out(self, fam: Family) -> None:
         if self.cuda:
@@ -582,6 +600,8 @@ class Executor:
     def poll(self) -> None:
         """Retire finished copies out (drop their sources) and free what waited for events."""
         with self.lock:
+            if self._capturing():
+                return  # see NOTE [ No query while capturing ]
             # (Every pack and module boundary comes here: each step is skipped when it has
             # nothing to do.)
             if self._deferred_releases:
@@ -596,7 +616,7 @@ class Executor:
                 inflight.popleft()
                 self._inflight_bytes -= fam.nbytes
                 self._retire(fam)
-            while self._orphans and self._orphans[0][0].done():
+            while self._orphans and self.capture.done(self._orphans[0][0]):
                 written, fam, tier = self._orphans.popleft()
                 self._orphan_bytes -= fam.nbytes
                 self._forget_failed_write(fam, written, tier)
@@ -608,7 +628,7 @@ class Executor:
     def _poll_writes(self) -> None:
         """GPU + NVMe: release the pinned copy of records whose file write completed; adopt it
         into the host tier (or keep it) when the write failed, so no byte is lost."""
-        while self._writing and self._writing[0][1].done():
+        while self._writing and self.capture.done(self._writing[0][1]):
             fam, handle = self._writing.popleft()
             self._writing_bytes -= fam.nbytes
             region, fam.spill = fam.spill, None
@@ -732,8 +752,8 @@ class Executor:
         with self.lock:
             if step is None:
                 step = self.step
-            if step is None or step.failed:
-                return
+            if step is None or step.failed or self._capturing():
+                return  # (see NOTE [ No query while capturing ])
             window = window and step.windowed
             self.poll()
             for fam in needed:
@@ -1042,7 +1062,11 @@ class Executor:
         holding the lock waits for: blocking on the lock there deadlocked ``close()``. Such a
         release is queued instead and done by the next lock holder (``_drain_releases``).
         """
-        if not self.lock.acquire(blocking=False):
+        if (
+            self._in_capture  # see NOTE [ No query while capturing ]: done after the capture
+            or self.capture.capturing()
+            or not self.lock.acquire(blocking=False)
+        ):
             self._deferred_releases.append(fam)  # deque.append is atomic
             return
         try:
@@ -1079,7 +1103,7 @@ class Executor:
         if fam.life is Life.COPYING_OUT and fam in self._inflight:
             self._inflight.remove(fam)
             self._inflight_bytes -= fam.nbytes
-            if fam.handle is not None and not fam.handle.done():
+            if fam.handle is not None and not self.capture.done(fam.handle):
                 # Its write still runs (backward ran ahead of the tier): it stays counted.
                 if fam.spill is not None:
                     # GPU + NVMe: the I/O threads read the pinned copy until the write ends; it
@@ -1150,16 +1174,16 @@ class Executor:
     def _events_done(self, fam: Family) -> bool:
         # Rule 4 covers the I/O future too: an NVMe read still filling the staging region must
         # finish before _drop hands that region back to the pool.
-        if fam.reload is not None and not fam.reload.done():
+        if fam.reload is not None and not self.capture.done(fam.reload):
             return False
         if (
             fam.spill is not None
             and fam.handle is not None
-            and not fam.handle.done()
+            and not self.capture.done(fam.handle)
             and not self._queued_write(fam)
         ):
             return False  # I/O threads still read the pinned copy (unless _poll_writes frees it)
-        return all(e is None or e.query() for e in (fam.source_event, fam.reload_event))
+        return all(e is None or self.capture.query(e) for e in (fam.source_event, fam.reload_event))
 
     def _queued_write(self, fam: Family) -> bool:
         """Whether ``fam``'s file write is in the queue whose pinned copies _poll_writes frees."""
@@ -1170,7 +1194,7 @@ class Executor:
         # the RLock) may append to them meanwhile, and rebuilding them from a local copy lost it.
         regions, self._pending_regions = self._pending_regions, []
         for region, event in regions:
-            if event.query():
+            if self.capture.query(event):
                 region.release()
             else:
                 self._pending_regions.append((region, event))
@@ -1183,7 +1207,7 @@ class Executor:
 
     def _release_after(self, region: Any, event: Any) -> None:
         # Rule 4: a staging region goes back to the pool once the H2D copy reading it is done.
-        if event is None or event.query():
+        if event is None or self.capture.query(event):
             region.release()
         else:
             self._pending_regions.append((region, event))
@@ -1210,7 +1234,7 @@ class Executor:
     def _forget_failed_write(self, fam: Family, written: storage.Transfer, tier: str) -> None:
         """A write of ``fam`` into ``tier`` that ended after its family was let go (freed, or
         being freed): if it failed, its bytes were never stored there, though counted so."""
-        if written.done() and written.exception(timeout=0) is not None:
+        if self.capture.done(written) and written.exception(timeout=0) is not None:
             self._recount(fam, tier, None)
 
     def _recount(self, fam: Family, failed: str, now: str | None) -> None:

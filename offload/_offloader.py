@@ -1081,6 +1081,7 @@ class ActivationOffloader:
                 and self._profiler is not None
                 and not self._overlapping
                 and torch.is_grad_enabled()
+                and not ex.capture.capturing()  # its packs pass through: no plan's timings
             ):
                 # The first planned step of a profiled signature: recorded for its timings.
                 self._refine_next.discard(sig)
@@ -1105,8 +1106,8 @@ class ActivationOffloader:
             return
         if self._profiler is None:
             return  # the model is gone
-        if not torch.is_grad_enabled():
-            return  # nothing is saved to plan
+        if not torch.is_grad_enabled() or ex.capture.capturing():
+            return  # nothing is saved to plan (inside a CUDA graph capture, packs pass through)
         if not self._overlapping:
             self._overlap_skips.pop(sig, None)  # only steps in a row count
         else:  # see _drop_unfinished_profile
@@ -1720,7 +1721,7 @@ class ActivationOffloader:
             self._step_keys.append(key)  # a profiling step's structure (NOTE [ Structure ])
         elif self._cursor >= 0:
             self._follow(key)
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+        if ex.capture.capturing():  # see NOTE [ No query while capturing ] in _device.py
             self._warn_once("graphs", "CUDA graph capture: saved tensors are left in place")
             return self._keep(t, stats)
         if self._deferred and _sequence_nr is not None and _sequence_nr() != self._deferred_at:
@@ -1858,10 +1859,10 @@ class ActivationOffloader:
 
     def _flush_deferred(self) -> None:
         """Store the deferred packs (NOTE [ Fill after pack ]): their ops have returned."""
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+        ex = self._executor
+        if ex is not None and ex.capture.capturing():
             return  # no copy inside a CUDA graph: after the capture, or kept at unpack
         pending, self._deferred = self._deferred, []
-        ex = self._executor
         for ref in pending:
             d = ref()
             if d is None or d.tensor is None or ex is None or ex.step is None:
