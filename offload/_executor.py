@@ -650,11 +650,16 @@ class Executor:
                 self.host_bytes += host_charge(fam.nbytes)
                 self._recount(fam, "nvme", "host")
                 self._say_write_failed("nvme", fam, error, "went to the host tier")
+                if fam.life is Life.FREED and fam not in self._live:
+                    # Freed and dropped by a GC pass in that write (NOTE [ Re-entrant
+                    # release ]); one still waiting for its events is dropped with this handle.
+                    self._drop(fam)
             else:
-                self._recount(fam, "nvme", None)
-                self._say_write_failed("nvme", fam, error, "stay in pinned memory")
+                # Before the log line, which allocates: see NOTE [ Re-entrant release ].
                 fam.tier = fam.handle = None
                 fam.spill = region  # the record's only copy now
+                self._recount(fam, "nvme", None)
+                self._say_write_failed("nvme", fam, error, "stay in pinned memory")
 
     def _retire(self, fam: Family) -> None:
         if fam.life is not Life.COPYING_OUT:
@@ -683,9 +688,12 @@ class Executor:
             self.host_bytes -= host_charge(fam.nbytes)
         # On CUDA the source is device memory, which the host tiers do not take: it stays.
         later = [] if self.cuda else self.tiers[self.tiers.index(fam.tier) + 1 :]
+        fam.tier = fam.handle = None  # the failed write released its own space
         self._stats_of(fam).fallbacks += 1
         assert fam.source is not None  # held until a copy out succeeds
         for tier in later:
+            if fam.life is Life.FREED:
+                return  # released by a GC pass in a write below: see NOTE [ Re-entrant release ]
             if tier.name == "host" and not self._host_room(fam.nbytes):
                 continue
             try:
@@ -698,6 +706,9 @@ class Executor:
                 self.host_bytes += host_charge(fam.nbytes)
             self._recount(fam, failed, tier.name)
             self._say_write_failed(failed, fam, error, f"went to the {tier.name} tier")
+            if fam.life is Life.FREED:
+                self._drop(fam)  # released while it was written: its new copy goes too
+                return
             fam.source = None
             fam.to(Life.OFF_DEVICE)
             return
@@ -1084,8 +1095,9 @@ class Executor:
     #     state, makes such a call, then acts on what it read reads it again: poll retires the
     #     head of ``_inflight`` only if it is still the family whose copy it asked about (the
     #     next one's copy may still run), a reload whose family was freed while its memory was
-    #     allocated stops, and lists a release appends to are swapped out before they are
-    #     walked (``_collect_pending``).
+    #     allocated stops, a failed write's new copy (next tier, or pinned) whose family was
+    #     freed meanwhile is freed too, and lists a release appends to are swapped out before
+    #     they are walked (``_collect_pending``).
 
     def _drain_releases(self) -> None:
         # Caller holds the lock.

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -2562,3 +2563,113 @@ def test_a_step_inside_a_simulated_graph_capture_asks_no_completion_query() -> N
     finally:
         mgr.close()
         engine.close()
+
+
+def test_a_release_while_a_failed_write_goes_to_the_next_tier_frees_the_new_copy(
+    tmp_path, monkeypatch
+) -> None:
+    """A late write failure sends the record to the next tier from its held source, inside
+    poll; a GC pass at that write (a dropped graph's finalizer released the family) left poll
+    moving a freed family back 'off device' (an illegal move raised out of the pack or module
+    boundary that polled) and its new copy held for good. The new copy is freed instead."""
+    from offload._executor import host_charge
+
+    seen: list[Any] = []
+    x1 = torch.randn(32, 32, requires_grad=True)
+    x2 = torch.randn(32, 32, requires_grad=True)
+    kw = {"tiers": ("nvme", "cpu"), "nvme_dir": tmp_path}
+    with manager(nn.Linear(2, 2), "deferred", **kw) as mgr:
+        gc.collect()
+        gc.disable()  # only the pass below may finalize the dropped graph
+        try:
+            with mgr._engine.paused(), mgr:  # no write fails before the step's last poll
+                spill = mgr._tiers[0]._file
+
+                def broken(*args: Any, **kw: Any) -> None:
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+                monkeypatch.setattr(spill, "write", broken)
+                y1 = Saver.apply(seen, x1 * 1)  # family a: its graph is dropped below
+                y2 = Saver.apply(seen, x2 * 1)
+            ex = mgr._executor
+            a, b = ex.step.families
+            for fam in (a, b):
+                with contextlib.suppress(storage.StorageError):
+                    fam.handle.wait()  # failed, on the I/O thread
+            garbage(y1)
+            del y1
+            with gc_pass_when_returning(storage.HostTier.write) as passes:
+                ex.poll()
+            assert passes[0] == 2 and a.life is Life.FREED  # what this test is about
+            assert b.life is Life.OFF_DEVICE and b.tier.name == "host"
+            assert ex.host_bytes == host_charge(b.nbytes) == mgr._tiers[1].used_bytes
+            y2.backward()
+        finally:
+            gc.enable()
+        assert torch.equal(seen[-1][0][1], x2) and torch.equal(x2.grad, torch.ones_like(x2))
+        assert_nothing_live(mgr)
+        assert [t.used_bytes for t in mgr._tiers] == [0, 0]
+
+
+@pytest.mark.parametrize("host_room", [True, False], ids=["to_host", "stays_pinned"])
+def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
+    tmp_path, monkeypatch, host_room: bool
+) -> None:
+    """GPU + NVMe, driven by hand on CPU: a file write from pinned staging failed late, so
+    poll adopts the pinned copy into the host tier (or, with no room there, keeps it as the
+    record's copy); a GC pass at that write (or at the log line saying so) finalized the
+    family's last member and freed the family first, and the copy was then kept for good (in
+    the host tier, counted in ``host_bytes``; or the pinned region). It is freed with its
+    family."""
+    from offload._executor import Executor, _Member
+
+    pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.0)
+    nvme = storage.NvmeTier(tmp_path, capacity_bytes=1 << 22, pool=pool, copy_engine=engine)
+    host = storage.HostTier(pool)
+    ex = Executor(
+        device=torch.device("cpu"),
+        tiers=[nvme, host],
+        cpu_budget_bytes=1 << 20 if host_room else 0,
+        max_inflight_bytes=0,
+        prefetch_bytes=0,
+        pool=pool,
+        staging_bytes=1 << 20,
+    )
+    where = storage.HostTier.write if host_room else Executor._say_write_failed
+    gc.collect()
+    gc.disable()  # only the pass below may finalize the member
+    try:
+
+        def broken(*args: Any, **kw: Any) -> None:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(nvme._file, "write", broken)
+        data = torch.zeros(4096, dtype=torch.uint8)
+        fam = hand_family(data)
+        region = pool.allocate(4096)
+        fam.tier, fam.handle, fam.spill = nvme, nvme.write(region, 4096), region
+        fam.to(Life.COPYING_OUT)
+        fam.to(Life.OFF_DEVICE)
+        ex._writing.append((fam, fam.handle))  # as _retire queues it on CUDA
+        ex._writing_bytes += 4096
+        ex._live[fam] = None
+        member = _Member(ex, fam, data, None)
+        fam.members = 1
+        fam.member_refs.append(weakref.ref(member))
+        garbage(member)
+        del member
+        with contextlib.suppress(storage.StorageError):
+            ex._writing[0][1].wait()  # failed
+        with gc_pass_when_returning(where) as passes:
+            ex.poll()
+        assert passes[0] == 1 and fam.life is Life.FREED  # what this test is about
+        assert fam.handle is None and fam.spill is None and ex.host_bytes == 0
+        assert not ex._writing and host.used_bytes == 0 and pool.used_bytes == 0
+    finally:
+        gc.enable()
+        ex.close()
+        host.close()
+        nvme.close()
+        engine.close()
+        pool.close()
