@@ -1,11 +1,14 @@
-"""The compute device, and its clock and memory probe for the recorder.
+"""The compute device: its clock and memory probe for the recorder; its room probe, graph
+capture state and completion queries for the executor.
 
 Nothing here runs at import: CUDA is touched only when a model on a CUDA device is profiled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,6 +45,75 @@ class CudaClock:
         return [first.elapsed_time(s) / 1e3 for s in stamps]  # type: ignore[attr-defined]
 
 
+# NOTE [ No query while capturing ]
+#     While a stream captures a CUDA graph, CUDA forbids asking whether work finished or waiting
+#     for it (cudaEventQuery, cudaEventSynchronize, ...: in the default global capture mode from
+#     any thread): the call fails and invalidates the capture. Pack and unpack pass through then
+#     (DESIGN.md), and every executor entry point that would ask an event (poll at pack and
+#     module boundaries, a step's start collecting the last step's reloads and releases, a
+#     prefetch, a release, a count of live families) asks ``GraphCapture.capturing()`` first:
+#     while it says yes it leaves that work (releases queued) to the first call after the
+#     capture. The executor asks every completion through ``query()`` / ``done()`` below, one
+#     place. A release from another thread (an I/O thread's GC pass) cannot see the capture on
+#     its own stream: it follows the last answer given to the step's threads.
+
+
+class GraphCapture:
+    """Whether the current stream is capturing a CUDA graph, and every completion query of the
+    executor (see NOTE [ No query while capturing ]).
+
+    On CPU nothing captures; :meth:`simulate` makes :meth:`capturing` say yes, so that a test
+    can run steps as if inside ``torch.cuda.graph`` and count the queries asked meanwhile
+    (``queries``), each of which would have invalidated a real capture.
+
+    Example:
+        >>> capture = GraphCapture(torch.device("cpu"))
+        >>> with capture.simulate():
+        ...     capture.capturing()
+        True
+        >>> capture.capturing(), capture.queries
+        (False, 0)
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._simulated = 0
+        self.queries = 0  # completion queries asked while a simulated capture ran
+
+    def capturing(self) -> bool:
+        """Whether the current stream (of the calling thread) is capturing a CUDA graph."""
+        if self._simulated:
+            return True
+        return self.cuda and torch.cuda.is_current_stream_capturing()
+
+    def query(self, event: Any) -> bool:
+        """Whether a CUDA event completed (``cudaEventQuery``)."""
+        if self._simulated:
+            self.queries += 1
+        return bool(event.query())
+
+    def done(self, transfer: Any) -> bool:
+        """Whether a storage transfer or stored handle finished (the CPU path's completion)."""
+        if self._simulated:
+            self.queries += 1
+        return bool(transfer.done())
+
+    @contextlib.contextmanager
+    def simulate(self) -> Iterator[None]:
+        """Say "capturing" until the block exits (CPU tests; see the class docstring).
+
+        Raises:
+            ValueError: on a CUDA device, where captures are real.
+        """
+        if self.cuda:
+            raise ValueError("simulate() is for CPU devices; on CUDA use torch.cuda.graph")
+        self._simulated += 1
+        try:
+            yield
+        finally:
+            self._simulated -= 1
+
+
 def clock_and_probe(device: torch.device) -> tuple[Clock, MemoryProbe | None, str]:
     """The clock, memory probe and a label for ``device``: CUDA events and allocated bytes on a
     CUDA device; the host clock and live saved bytes elsewhere."""
@@ -54,3 +126,62 @@ def clock_and_probe(device: torch.device) -> tuple[Clock, MemoryProbe | None, st
 
         return CudaClock(dev), cuda_memory_allocated, str(dev)
     return MonotonicClock(), None, str(device)
+
+
+# NOTE [ Prefetch under memory pressure ]
+#     A prefetch is only ahead of time: when the device has no room for a reload, the unpack
+#     that needs it loads it then. Trying anyway costs more than the stall it saves: the caching
+#     allocator, out of cached blocks, frees its whole cache (cudaFree, which synchronizes the
+#     device) and retries before it raises, at every trigger while memory stays short. So the
+#     executor asks a room probe (``room_probe``, injected) before it allocates a prefetch's
+#     buffer, and skips the prefetch (``stats.prefetches_skipped``) when the probe says no. The
+#     probe on CUDA asks the allocator's counters and ``cudaMemGetInfo``, neither of which waits
+#     for the device. It can be wrong only towards trying (fragmented cached blocks): then the
+#     out-of-memory path catches it as before.
+
+RoomProbe = Callable[[int], bool]
+"""Whether a new device buffer of that many bytes fits now without the allocator emptying its
+cache."""
+
+_SMALL_BYTES = 1 << 20  # c10's kSmallSize: requests up to it come from the small pool
+_MIN_LARGE_BYTES = 10 << 20  # kMinLargeAlloc: smaller large requests get a 20 MiB segment
+
+
+def _segment_bytes(nbytes: int) -> int:
+    """The device segment c10's caching allocator cudaMallocs for a request it cannot serve
+    from its cache (``get_allocation_size`` in CUDACachingAllocator.cpp)."""
+    if nbytes <= _SMALL_BYTES:
+        return 2 << 20
+    if nbytes < _MIN_LARGE_BYTES:
+        return 20 << 20
+    return -(-nbytes // (2 << 20)) * (2 << 20)
+
+
+class CudaRoom:
+    """The room probe of a CUDA device: the allocator's cached, unallocated bytes in the pool
+    the request comes from, else free device memory for a new segment. No synchronization:
+    the allocator's counters are host state, and ``cudaMemGetInfo`` does not wait for work
+    queued on the device (see NOTE [ Prefetch under memory pressure ])."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, nbytes: int) -> bool:
+        stats = torch.cuda.memory_stats_as_nested_dict(self.device)  # {} before CUDA's init
+        pool = "small_pool" if nbytes <= _SMALL_BYTES else "large_pool"
+        try:
+            cached = (
+                stats["reserved_bytes"][pool]["current"] - stats["allocated_bytes"][pool]["current"]
+            )
+        except KeyError:
+            cached = 0
+        if cached >= nbytes:
+            return True
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free >= _segment_bytes(nbytes)
+
+
+def room_probe(device: torch.device) -> RoomProbe | None:
+    """The room probe of ``device``: :class:`CudaRoom` on CUDA; none elsewhere (host memory is
+    not the allocator's to empty)."""
+    return CudaRoom(device) if device.type == "cuda" else None

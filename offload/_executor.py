@@ -43,7 +43,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -53,8 +53,10 @@ from lifecycle._recorder import graph_task
 from lifecycle._simulate import automatic_bounds
 from lifecycle._tensors import version_root
 from lifecycle._trace import WHOLE_STORAGE_FACTOR
+from offload._device import GraphCapture
 from offload._errors import OffloadError, from_storage, modified_after_save
 from offload._family import (
+    ALIGN_BYTES,
     Family,
     Life,
     aligned_buffer,
@@ -160,6 +162,9 @@ class Executor:
             the automatic ``max_inflight_bytes`` (see :meth:`prefetch_bytes`).
         pool: host regions for D2H copies and NVMe staging (GPU paths).
         staging_bytes: the most pinned bytes NVMe writes may hold while the disk catches up.
+        room: whether a reload buffer of that many bytes fits on the device now; a prefetch
+            that does not is skipped (see NOTE [ Prefetch under memory pressure ]). ``None``:
+            every prefetch is tried.
     """
 
     def __init__(
@@ -172,8 +177,14 @@ class Executor:
         prefetch_bytes: int,
         pool: storage.HostPool,
         staging_bytes: int = 0,
+        room: Callable[[int], bool] | None = None,
     ) -> None:
         self.device = device
+        self.room = room
+        # See NOTE [ No query while capturing ] in _device.py: every completion query goes
+        # through it; ``_in_capture`` is its last answer on the step's threads.
+        self.capture = GraphCapture(device)
+        self._in_capture = False
         self.cuda = device.type == "cuda"
         self.tiers = list(tiers)
         self.cpu_budget_bytes = cpu_budget_bytes
@@ -240,11 +251,20 @@ class Executor:
 
     def begin_step(self, index: int) -> StepStats:
         with self.lock:
-            self._drain_releases()
-            self._release_lost()
+            capturing = self._capturing()  # see NOTE [ No query while capturing ]
+            if not capturing:
+                self._drain_releases()
+                self._release_lost()
             self.step = _StepState(index, self.pool.host_allocations)
-            self._collect_pending()
+            if not capturing:
+                self._collect_pending()
             return self.step.stats
+
+    def _capturing(self) -> bool:
+        """Whether a CUDA graph capture runs (NOTE [ No query while capturing ]); the answer
+        is kept for releases on other threads."""
+        self._in_capture = now = self.capture.capturing()
+        return now
 
     def count_host_allocations(self) -> None:
         """The current step's ``stats.host_allocations``: slabs the host pool (shared with other
@@ -262,6 +282,8 @@ class Executor:
             if step is None:
                 return
             step.failed = True
+            if not step.families:
+                return  # (a step inside a CUDA graph capture: _abandon's waits are forbidden)
             self._abandon(
                 step.families,
                 f"the step that saved this tensor (step {step.index}) raised; its offloaded "
@@ -283,7 +305,8 @@ class Executor:
         moves its record's counts, see ``_recount``): the stats read next are final. A stats
         read calls it (``ActivationOffloader.stats``)."""
         with self.lock:
-            self._drain_releases()
+            if not self._capturing():  # see NOTE [ No query while capturing ]
+                self._drain_releases()
             writes = [f.handle.written for f in self._inflight if f.handle is not None]
             writes += [written for written, _, _ in self._orphans]
             writes += [handle.written for _, handle in self._writing]
@@ -307,8 +330,9 @@ class Executor:
 
     def live_families(self) -> int:
         with self.lock:
-            self._drain_releases()
-            self._release_lost()
+            if not self._capturing():  # see NOTE [ No query while capturing ]
+                self._drain_releases()
+                self._release_lost()
             return sum(1 for f in self._live if f.life is not Life.FREED)
 
     # -- offload -----------------------------------------------------------------------------
@@ -560,8 +584,8 @@ class Executor:
         if self.cuda:
             # The device copy may go once D completed: the bytes are in pinned memory (the host
             # tier's region, or NVMe staging whose file write goes on without it).
-            return fam.source_event is None or fam.source_event.query()
-        return fam.handle.done()
+            return fam.source_event is None or self.capture.query(fam.source_event)
+        return self.capture.done(fam.handle)
 
     def _wait_copy_out(self, fam: Family) -> None:
         if self.cuda:
@@ -576,16 +600,23 @@ class Executor:
     def poll(self) -> None:
         """Retire finished copies out (drop their sources) and free what waited for events."""
         with self.lock:
+            if self._capturing():
+                return  # see NOTE [ No query while capturing ]
             # (Every pack and module boundary comes here: each step is skipped when it has
             # nothing to do.)
             if self._deferred_releases:
                 self._drain_releases()
             inflight = self._inflight
-            while inflight and self._copy_out_done(inflight[0]):
-                fam = inflight.popleft()
+            while inflight:
+                fam = inflight[0]
+                if not self._copy_out_done(fam):
+                    break
+                if not inflight or inflight[0] is not fam:
+                    continue  # released while it was asked: see NOTE [ Re-entrant release ]
+                inflight.popleft()
                 self._inflight_bytes -= fam.nbytes
                 self._retire(fam)
-            while self._orphans and self._orphans[0][0].done():
+            while self._orphans and self.capture.done(self._orphans[0][0]):
                 written, fam, tier = self._orphans.popleft()
                 self._orphan_bytes -= fam.nbytes
                 self._forget_failed_write(fam, written, tier)
@@ -597,7 +628,7 @@ class Executor:
     def _poll_writes(self) -> None:
         """GPU + NVMe: release the pinned copy of records whose file write completed; adopt it
         into the host tier (or keep it) when the write failed, so no byte is lost."""
-        while self._writing and self._writing[0][1].done():
+        while self._writing and self.capture.done(self._writing[0][1]):
             fam, handle = self._writing.popleft()
             self._writing_bytes -= fam.nbytes
             region, fam.spill = fam.spill, None
@@ -619,11 +650,16 @@ class Executor:
                 self.host_bytes += host_charge(fam.nbytes)
                 self._recount(fam, "nvme", "host")
                 self._say_write_failed("nvme", fam, error, "went to the host tier")
+                if fam.life is Life.FREED and fam not in self._live:
+                    # Freed and dropped by a GC pass in that write (NOTE [ Re-entrant
+                    # release ]); one still waiting for its events is dropped with this handle.
+                    self._drop(fam)
             else:
-                self._recount(fam, "nvme", None)
-                self._say_write_failed("nvme", fam, error, "stay in pinned memory")
+                # Before the log line, which allocates: see NOTE [ Re-entrant release ].
                 fam.tier = fam.handle = None
                 fam.spill = region  # the record's only copy now
+                self._recount(fam, "nvme", None)
+                self._say_write_failed("nvme", fam, error, "stay in pinned memory")
 
     def _retire(self, fam: Family) -> None:
         if fam.life is not Life.COPYING_OUT:
@@ -652,9 +688,12 @@ class Executor:
             self.host_bytes -= host_charge(fam.nbytes)
         # On CUDA the source is device memory, which the host tiers do not take: it stays.
         later = [] if self.cuda else self.tiers[self.tiers.index(fam.tier) + 1 :]
+        fam.tier = fam.handle = None  # the failed write released its own space
         self._stats_of(fam).fallbacks += 1
         assert fam.source is not None  # held until a copy out succeeds
         for tier in later:
+            if fam.life is Life.FREED:
+                return  # released by a GC pass in a write below: see NOTE [ Re-entrant release ]
             if tier.name == "host" and not self._host_room(fam.nbytes):
                 continue
             try:
@@ -667,6 +706,9 @@ class Executor:
                 self.host_bytes += host_charge(fam.nbytes)
             self._recount(fam, failed, tier.name)
             self._say_write_failed(failed, fam, error, f"went to the {tier.name} tier")
+            if fam.life is Life.FREED:
+                self._drop(fam)  # released while it was written: its new copy goes too
+                return
             fam.source = None
             fam.to(Life.OFF_DEVICE)
             return
@@ -721,8 +763,8 @@ class Executor:
         with self.lock:
             if step is None:
                 step = self.step
-            if step is None or step.failed:
-                return
+            if step is None or step.failed or self._capturing():
+                return  # (see NOTE [ No query while capturing ])
             window = window and step.windowed
             self.poll()
             for fam in needed:
@@ -809,6 +851,11 @@ class Executor:
         """Prefetch ``fam``; False when memory for it is short now (a prefetch is only ahead of
         time: its unpack reloads it then, and raises there if memory is still short)."""
         if fam.life is Life.OFF_DEVICE and fam.members > 0 and not self._reuse(fam):
+            if self.room is not None and not self.room(fam.nbytes + ALIGN_BYTES):
+                # See NOTE [ Prefetch under memory pressure ] in _device.py.
+                if self.step is not None:
+                    self.step.stats.prefetches_skipped += 1
+                return False
             try:
                 self._start_reload(fam)
             except (torch.OutOfMemoryError, storage.StorageFullError):
@@ -838,7 +885,13 @@ class Executor:
         # off the device as it was, for the unpack to try again.
         raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
         if self.cuda and fam.spill is None and fam.tier.name != "host":
-            fam.staging = self.pool.allocate(fam.nbytes)  # NVMe -> pinned staging -> device
+            staging = self.pool.allocate(fam.nbytes)  # NVMe -> pinned staging -> device
+            if fam.life is not Life.OFF_DEVICE:
+                staging.release()  # the family was released meanwhile, as below
+                return
+            fam.staging = staging
+        if fam.life is not Life.OFF_DEVICE:
+            return  # released while memory was allocated: see NOTE [ Re-entrant release ]
         fam.to(Life.COPYING_IN)
         fam.unpacked = 0
         self._mark_ahead(fam, True)
@@ -1020,7 +1073,11 @@ class Executor:
         holding the lock waits for: blocking on the lock there deadlocked ``close()``. Such a
         release is queued instead and done by the next lock holder (``_drain_releases``).
         """
-        if not self.lock.acquire(blocking=False):
+        if (
+            self._in_capture  # see NOTE [ No query while capturing ]: done after the capture
+            or self.capture.capturing()
+            or not self.lock.acquire(blocking=False)
+        ):
             self._deferred_releases.append(fam)  # deque.append is atomic
             return
         try:
@@ -1028,6 +1085,19 @@ class Executor:
             self._drain_releases()
         finally:
             self.lock.release()
+
+    # NOTE [ Re-entrant release ]
+    #     A release runs from a member's finalizer, which a GC pass runs at whatever allocation
+    #     starts it, on the allocating thread, where the executor's lock (re-entrant) is often
+    #     held already. So inside the executor any call that can allocate (an event query:
+    #     ``torch.cuda.Event.query`` makes a ``super()`` object; a tensor or host region; a tier
+    #     write) may free a family and take it out of ``_inflight``. Code that reads executor
+    #     state, makes such a call, then acts on what it read reads it again: poll retires the
+    #     head of ``_inflight`` only if it is still the family whose copy it asked about (the
+    #     next one's copy may still run), a reload whose family was freed while its memory was
+    #     allocated stops, a failed write's new copy (next tier, or pinned) whose family was
+    #     freed meanwhile is freed too, and lists a release appends to are swapped out before
+    #     they are walked (``_collect_pending``).
 
     def _drain_releases(self) -> None:
         # Caller holds the lock.
@@ -1045,7 +1115,7 @@ class Executor:
         if fam.life is Life.COPYING_OUT and fam in self._inflight:
             self._inflight.remove(fam)
             self._inflight_bytes -= fam.nbytes
-            if fam.handle is not None and not fam.handle.done():
+            if fam.handle is not None and not self.capture.done(fam.handle):
                 # Its write still runs (backward ran ahead of the tier): it stays counted.
                 if fam.spill is not None:
                     # GPU + NVMe: the I/O threads read the pinned copy until the write ends; it
@@ -1116,16 +1186,16 @@ class Executor:
     def _events_done(self, fam: Family) -> bool:
         # Rule 4 covers the I/O future too: an NVMe read still filling the staging region must
         # finish before _drop hands that region back to the pool.
-        if fam.reload is not None and not fam.reload.done():
+        if fam.reload is not None and not self.capture.done(fam.reload):
             return False
         if (
             fam.spill is not None
             and fam.handle is not None
-            and not fam.handle.done()
+            and not self.capture.done(fam.handle)
             and not self._queued_write(fam)
         ):
             return False  # I/O threads still read the pinned copy (unless _poll_writes frees it)
-        return all(e is None or e.query() for e in (fam.source_event, fam.reload_event))
+        return all(e is None or self.capture.query(e) for e in (fam.source_event, fam.reload_event))
 
     def _queued_write(self, fam: Family) -> bool:
         """Whether ``fam``'s file write is in the queue whose pinned copies _poll_writes frees."""
@@ -1136,7 +1206,7 @@ class Executor:
         # the RLock) may append to them meanwhile, and rebuilding them from a local copy lost it.
         regions, self._pending_regions = self._pending_regions, []
         for region, event in regions:
-            if event.query():
+            if self.capture.query(event):
                 region.release()
             else:
                 self._pending_regions.append((region, event))
@@ -1149,7 +1219,7 @@ class Executor:
 
     def _release_after(self, region: Any, event: Any) -> None:
         # Rule 4: a staging region goes back to the pool once the H2D copy reading it is done.
-        if event is None or event.query():
+        if event is None or self.capture.query(event):
             region.release()
         else:
             self._pending_regions.append((region, event))
@@ -1176,7 +1246,7 @@ class Executor:
     def _forget_failed_write(self, fam: Family, written: storage.Transfer, tier: str) -> None:
         """A write of ``fam`` into ``tier`` that ended after its family was let go (freed, or
         being freed): if it failed, its bytes were never stored there, though counted so."""
-        if written.done() and written.exception(timeout=0) is not None:
+        if self.capture.done(written) and written.exception(timeout=0) is not None:
             self._recount(fam, tier, None)
 
     def _recount(self, fam: Family, failed: str, now: str | None) -> None:

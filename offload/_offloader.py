@@ -44,7 +44,7 @@ from lifecycle._tensors import (
     wraps_parameter,
 )
 from lifecycle._units import parse_bytes
-from offload._device import compute_device
+from offload._device import RoomProbe, compute_device, room_probe
 from offload._errors import OffloadError, from_infeasible, modified_after_save
 from offload._executor import Executor, _Member
 from offload._family import span_of
@@ -257,6 +257,7 @@ class ActivationOffloader:
         max_inflight_bytes: int | str | None = None,
         on_infeasible: str = "raise",
         _copy_engine: storage.CopyEngine | None = None,
+        _room: RoomProbe | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -442,6 +443,7 @@ class ActivationOffloader:
         # Per step: the outputs recipes stood for, by id (one rebuild serves all their packs).
         self._rebuilds: dict[int, tuple[weakref.ref[torch.Tensor], int, SharedRebuild]] = {}
         self._engine = _copy_engine
+        self._room = _room  # the device's room probe; None: room_probe(device)
         self._tiers: list[storage.Tier] | None = None  # made at the first step
         self._executor: Executor | None = None
         self._done = StepStats()  # steps before the last one
@@ -813,6 +815,7 @@ class ActivationOffloader:
                 prefetch_bytes=inflight,
                 pool=pool,
                 staging_bytes=staging,
+                room=self._room if self._room is not None else room_probe(self.device),
             )
         except BaseException:
             # Nothing holds these yet (an nvme_dir removed since the manager was made, say):
@@ -1078,6 +1081,7 @@ class ActivationOffloader:
                 and self._profiler is not None
                 and not self._overlapping
                 and torch.is_grad_enabled()
+                and not ex.capture.capturing()  # its packs pass through: no plan's timings
             ):
                 # The first planned step of a profiled signature: recorded for its timings.
                 self._refine_next.discard(sig)
@@ -1102,8 +1106,8 @@ class ActivationOffloader:
             return
         if self._profiler is None:
             return  # the model is gone
-        if not torch.is_grad_enabled():
-            return  # nothing is saved to plan
+        if not torch.is_grad_enabled() or ex.capture.capturing():
+            return  # nothing is saved to plan (inside a CUDA graph capture, packs pass through)
         if not self._overlapping:
             self._overlap_skips.pop(sig, None)  # only steps in a row count
         else:  # see _drop_unfinished_profile
@@ -1717,7 +1721,7 @@ class ActivationOffloader:
             self._step_keys.append(key)  # a profiling step's structure (NOTE [ Structure ])
         elif self._cursor >= 0:
             self._follow(key)
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+        if ex.capture.capturing():  # see NOTE [ No query while capturing ] in _device.py
             self._warn_once("graphs", "CUDA graph capture: saved tensors are left in place")
             return self._keep(t, stats)
         if self._deferred and _sequence_nr is not None and _sequence_nr() != self._deferred_at:
@@ -1855,10 +1859,10 @@ class ActivationOffloader:
 
     def _flush_deferred(self) -> None:
         """Store the deferred packs (NOTE [ Fill after pack ]): their ops have returned."""
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+        ex = self._executor
+        if ex is not None and ex.capture.capturing():
             return  # no copy inside a CUDA graph: after the capture, or kept at unpack
         pending, self._deferred = self._deferred, []
-        ex = self._executor
         for ref in pending:
             d = ref()
             if d is None or d.tensor is None or ex is None or ex.step is None:

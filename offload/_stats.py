@@ -43,6 +43,8 @@ class StepStats:
             ``total``: over the last ``LEAD_WINDOW`` prefetches, so that a long run's stats
             neither grow nor slow down).
         backpressure_waits: packs that waited for older copies (``max_inflight_bytes``).
+        prefetches_skipped: prefetches not started because the device had no room for the
+            reload (its unpack loads it then, a stall); each try counts.
         fallbacks: records that went to a later tier because an earlier one was full or failed,
             or stayed where they were when a write failed after pack and no later tier had
             room (only the first such failure of each tier is logged as a warning); counted
@@ -78,6 +80,7 @@ class StepStats:
     stall_s: float = 0.0
     prefetch_lead_s_p50: float = 0.0
     backpressure_waits: int = 0
+    prefetches_skipped: int = 0
     fallbacks: int = 0
     host_allocations: int = 0
     peak_allocated_bytes: int = 0

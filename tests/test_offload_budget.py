@@ -2346,3 +2346,54 @@ def test_predict_1f1b_offload_peak_is_min_memory_modes_on_a_stage() -> None:
             assert saved.peak_planned == predicted.offload.peak_bytes - predicted.offload.base_bytes
     finally:
         mgr.close()
+
+
+def test_a_step_inside_a_graph_capture_is_neither_profiled_nor_timed() -> None:
+    """Inside a CUDA graph capture (simulated on CPU, see NOTE [ No query while capturing ])
+    packs pass through, so such a step shows neither the signature's structure nor the plan's
+    timings: it is not profiled (the next step is) and not the planned step timed for the
+    refinement (the next one is). Profiled inside a capture, its clock's CUDA events would be
+    captured too and read with a device synchronization, which the capture forbids."""
+    torch.manual_seed(0)
+    model = Blocks()
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    profiling: list[Any] = []
+
+    def grads(mgr: offload.ActivationOffloader | None) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).sum()
+            if mgr is not None:
+                profiling.append(mgr._profiling)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def captured(mgr: offload.ActivationOffloader) -> dict[str, torch.Tensor]:
+        with mgr._executor.capture.simulate(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "saved tensors are left in place"
+            return grads(mgr)
+
+    want = grads(None)
+    trace = offload.profile(lambda: grads(None), model, warmup_steps=0)
+    budget = trace.peak_saved_bytes // 2
+    mgr = offload.ActivationOffloader(model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0)
+    try:
+        assert_bitwise([grads(mgr)], [want])  # makes the executor; profiled
+        first = mgr.plan
+        assert first is not None and profiling[-1] is not None
+        assert_bitwise([captured(mgr)], [want])
+        assert profiling[-1] is None and mgr.plan is first  # not timed for the refinement
+        assert_bitwise([grads(mgr)], [want])
+        assert profiling[-1] is not None  # this one is
+        refined = mgr.plan
+        assert refined is not first and refined is not None and refined.metadata["refined"]
+        assert_bitwise([grads(mgr)], [want])
+        assert mgr.stats.last.unplanned_records == 0
+        x = torch.randn(32, 128, generator=torch.Generator().manual_seed(2))  # a new signature
+        want = grads(None)
+        assert_bitwise([captured(mgr)], [want])
+        assert profiling[-1] is None  # not profiled
+        assert_bitwise([grads(mgr)], [want])
+        assert profiling[-1] is not None  # this one is
+    finally:
+        mgr.close()

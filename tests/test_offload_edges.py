@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -2369,3 +2370,306 @@ def test_storage_bytes_is_every_byte_of_the_storage_for_any_layout() -> None:
     # every dtype was drawn, and conjugate and negative views of several
     assert {k[0] for k in kinds} == {str(d) for d in _LAYOUT_DTYPES}
     assert sum(k[1] for k in kinds) >= 2 and sum(k[2] for k in kinds) >= 4
+
+
+# -- releases from a GC pass inside the executor (NOTE [ Re-entrant release ]) -------------------
+
+
+@contextlib.contextmanager
+def gc_pass_when_returning(fn: Any, **args: Any) -> Iterator[list[int]]:
+    """Run a GC pass on this thread each time ``fn`` returns (with ``args`` among its locals):
+    where an allocation would start one (on CUDA, ``torch.cuda.Event.query`` allocates). Yields
+    a one-item list counting the passes run."""
+    import sys
+
+    code = fn.__code__
+    passes = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "return" or frame.f_code is not code:
+            return
+        if all(frame.f_locals.get(k) == v for k, v in args.items()):
+            passes[0] += 1
+            gc.collect()
+
+    before = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield passes
+    finally:
+        sys.setprofile(before)
+
+
+def garbage(*objs: Any) -> None:
+    """Leave ``objs`` to the next GC pass only: in a reference cycle, with no other reference."""
+    cycle: list[Any] = [*objs]
+    cycle.append(cycle)
+
+
+def test_a_release_while_poll_asks_about_a_copy_retires_no_running_copy() -> None:
+    """A GC pass inside poll's query of the oldest copy out (a dropped graph's finalizer
+    released that family) made poll retire the next family instead, whose copy was still
+    running: its source was dropped (on CUDA, device memory the D2H copy still read; on CPU the
+    retire raised TimeoutError asking the unfinished write for its error). Poll now retires
+    only the family it asked about."""
+    from offload._executor import Executor
+
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.0)
+    mgr = offload.ActivationOffloader(nn.Linear(2, 2), min_offload_bytes=0, _copy_engine=engine)
+    hold = threading.Event()
+    seen: list[Any] = []
+    x1 = torch.randn(32, 32, requires_grad=True)
+    x2 = torch.randn(32, 32, requires_grad=True)
+    gc.collect()
+    gc.disable()  # only the pass below may finalize the dropped graph
+    try:
+        with engine.paused():  # nothing is copied before the step's last poll
+            with mgr:
+                y1 = Saver.apply(seen, x1 * 1)  # family a
+                blocker = engine.submit(hold.wait)  # the copy worker stops after a's copy
+                y2 = Saver.apply(seen, x2 * 1)  # family b: copied once the blocker returns
+        ex = mgr._executor
+        a, b = ex.step.families
+        a.handle.wait()
+        assert not b.handle.done() and list(ex._inflight) == [a, b]
+        garbage(y1)
+        del y1
+        with gc_pass_when_returning(Executor._copy_out_done) as passes:
+            ex.poll()
+        assert passes[0] >= 1 and a.life is Life.FREED  # what this test is about
+        assert b.life is Life.COPYING_OUT and b.source is not None
+        assert list(ex._inflight) == [b] and ex._inflight_bytes == b.nbytes
+        hold.set()
+        blocker.result(timeout=30)
+        y2.backward()
+        assert torch.equal(seen[-1][0][1], x2) and torch.equal(x2.grad, torch.ones_like(x2))
+        assert_nothing_live(mgr)
+    finally:
+        gc.enable()
+        hold.set()
+        mgr.close()
+        engine.close()
+
+
+def test_a_release_while_a_prefetch_allocates_stops_that_reload() -> None:
+    """A GC pass at the allocation of a prefetch's buffer (a dropped graph's finalizer released
+    the family being reloaded) left the reload going on a freed family: an illegal move from
+    'freed' to 'copying in' raised out of the backward that prefetched it. The reload stops."""
+    from offload._family import aligned_buffer
+
+    mgr = offload.ActivationOffloader(nn.Linear(2, 2), min_offload_bytes=0)
+    seen: list[Any] = []
+    x1 = torch.randn(32, 32, requires_grad=True)
+    x2 = torch.randn(16, 16, requires_grad=True)
+    gc.collect()
+    gc.disable()  # only the pass below may finalize the dropped graph
+    try:
+        with mgr:
+            y1 = Saver.apply(seen, x1 * 1)  # family a: its graph is dropped below
+            y2 = Saver.apply(seen, x2 * 1)  # family b: its backward's look-ahead reaches a
+        ex = mgr._executor
+        a, b = ex.step.families
+        assert a.life is Life.OFF_DEVICE and b.life is Life.OFF_DEVICE
+        garbage(y1)
+        del y1
+        with gc_pass_when_returning(aligned_buffer, nbytes=a.nbytes) as passes:
+            y2.backward()
+        assert passes[0] == 1 and a.life is Life.FREED and a.resident is None
+        assert torch.equal(seen[-1][0][1], x2) and torch.equal(x2.grad, torch.ones_like(x2))
+        assert ex._ahead_bytes == 0
+        assert_nothing_live(mgr)
+    finally:
+        gc.enable()
+        mgr.close()
+
+
+# -- prefetch under memory pressure (NOTE [ Prefetch under memory pressure ]) -------------------
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt_block"])
+def test_a_prefetch_without_room_on_the_device_is_left_to_its_unpack(name: str) -> None:
+    """A room probe that says the device has no room for a reload: no prefetch is tried (on
+    CUDA each try would OOM, and the allocator empty its cache, a device synchronization),
+    each is counted, every family is reloaded by its unpack instead, and the gradients are
+    bitwise those without offloading. With room, the same steps prefetch."""
+    from offload._family import ALIGN_BYTES
+
+    want = [reference_grads(name, s) for s in range(2)]
+    asked: list[int] = []
+
+    def no_room(nbytes: int) -> bool:
+        asked.append(nbytes)
+        return False
+
+    for room, prefetched in ((no_room, False), (lambda n: True, True)):
+        case = ALL_MODELS[name](seed=0)
+        with manager(case.model, _room=room) as mgr:
+            for s in range(2):
+                assert_bitwise(offloaded_step(case, mgr, s), want[s])
+                last = mgr.stats.last
+                assert last.reloads == last.records_offloaded_cpu > 0
+                if prefetched:
+                    assert last.stalls < last.reloads and last.prefetches_skipped == 0
+                else:
+                    assert last.stalls == last.reloads  # each at its unpack
+                    assert last.prefetches_skipped > 0
+                    # asked for a family's bytes and the buffer's alignment slack
+                    sizes = {f.nbytes + ALIGN_BYTES for f in mgr._executor.step.families}
+                    assert asked and set(asked) <= sizes
+            assert_nothing_live(mgr)
+
+
+# -- CUDA graph capture, simulated on CPU (NOTE [ No query while capturing ]) ---------------------
+
+
+def test_a_step_inside_a_simulated_graph_capture_asks_no_completion_query() -> None:
+    """CUDA forbids event queries while a stream captures a graph (one invalidates the
+    capture). On CPU ``GraphCapture.simulate()`` says "capturing" to the checks a real capture
+    meets: a step run inside it, with the last step's copies still in flight and that step's
+    graph dropped meanwhile, asks no completion query (at the step's start, every module
+    boundary, its backward's prefetches, the dropped graph's releases); its packs pass through,
+    warned once. After it the waiting releases are done and steps offload as before, every
+    gradient bitwise."""
+    case = mlp(seed=0)
+    want = [reference_grads("mlp", s) for s in range(4)]
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.0005, seed=0)
+    mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0, _copy_engine=engine)
+    try:
+        assert_bitwise(offloaded_step(case, mgr, 0), want[0])  # a warm-up step
+        ex = mgr._executor
+        with engine.paused():  # step 1's copies stay in flight through the capture
+            case.model.zero_grad(set_to_none=True)
+            with mgr:
+                held = case.loss(case.batch(1))
+            assert ex._inflight
+            case.model.zero_grad(set_to_none=True)
+            with (
+                ex.capture.simulate(),
+                pytest.warns(RuntimeWarning, match="CUDA graph capture: saved tensors"),
+            ):
+                with mgr:
+                    loss = case.loss(case.batch(2))
+                loss.backward()
+                del held  # step 1's graph dies inside the capture: its releases wait
+                assert ex._deferred_releases
+            assert ex.capture.queries == 0  # what this test is about
+            assert_bitwise(case.grads(), want[2])
+        last = mgr.stats.last
+        assert last.records_offloaded_cpu == 0 and last.records_kept == last.records > 0
+        assert_bitwise(offloaded_step(case, mgr, 3), want[3])
+        assert mgr.stats.last.records_offloaded_cpu > 0
+        assert not ex._deferred_releases
+        assert_nothing_live(mgr)
+    finally:
+        mgr.close()
+        engine.close()
+
+
+def test_a_release_while_a_failed_write_goes_to_the_next_tier_frees_the_new_copy(
+    tmp_path, monkeypatch
+) -> None:
+    """A late write failure sends the record to the next tier from its held source, inside
+    poll; a GC pass at that write (a dropped graph's finalizer released the family) left poll
+    moving a freed family back 'off device' (an illegal move raised out of the pack or module
+    boundary that polled) and its new copy held for good. The new copy is freed instead."""
+    from offload._executor import host_charge
+
+    seen: list[Any] = []
+    x1 = torch.randn(32, 32, requires_grad=True)
+    x2 = torch.randn(32, 32, requires_grad=True)
+    kw = {"tiers": ("nvme", "cpu"), "nvme_dir": tmp_path}
+    with manager(nn.Linear(2, 2), "deferred", **kw) as mgr:
+        gc.collect()
+        gc.disable()  # only the pass below may finalize the dropped graph
+        try:
+            with mgr._engine.paused(), mgr:  # no write fails before the step's last poll
+                spill = mgr._tiers[0]._file
+
+                def broken(*args: Any, **kw: Any) -> None:
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+                monkeypatch.setattr(spill, "write", broken)
+                y1 = Saver.apply(seen, x1 * 1)  # family a: its graph is dropped below
+                y2 = Saver.apply(seen, x2 * 1)
+            ex = mgr._executor
+            a, b = ex.step.families
+            for fam in (a, b):
+                with contextlib.suppress(storage.StorageError):
+                    fam.handle.wait()  # failed, on the I/O thread
+            garbage(y1)
+            del y1
+            with gc_pass_when_returning(storage.HostTier.write) as passes:
+                ex.poll()
+            assert passes[0] == 2 and a.life is Life.FREED  # what this test is about
+            assert b.life is Life.OFF_DEVICE and b.tier.name == "host"
+            assert ex.host_bytes == host_charge(b.nbytes) == mgr._tiers[1].used_bytes
+            y2.backward()
+        finally:
+            gc.enable()
+        assert torch.equal(seen[-1][0][1], x2) and torch.equal(x2.grad, torch.ones_like(x2))
+        assert_nothing_live(mgr)
+        assert [t.used_bytes for t in mgr._tiers] == [0, 0]
+
+
+@pytest.mark.parametrize("host_room", [True, False], ids=["to_host", "stays_pinned"])
+def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
+    tmp_path, monkeypatch, host_room: bool
+) -> None:
+    """GPU + NVMe, driven by hand on CPU: a file write from pinned staging failed late, so
+    poll adopts the pinned copy into the host tier (or, with no room there, keeps it as the
+    record's copy); a GC pass at that write (or at the log line saying so) finalized the
+    family's last member and freed the family first, and the copy was then kept for good (in
+    the host tier, counted in ``host_bytes``; or the pinned region). It is freed with its
+    family."""
+    from offload._executor import Executor, _Member
+
+    pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.0)
+    nvme = storage.NvmeTier(tmp_path, capacity_bytes=1 << 22, pool=pool, copy_engine=engine)
+    host = storage.HostTier(pool)
+    ex = Executor(
+        device=torch.device("cpu"),
+        tiers=[nvme, host],
+        cpu_budget_bytes=1 << 20 if host_room else 0,
+        max_inflight_bytes=0,
+        prefetch_bytes=0,
+        pool=pool,
+        staging_bytes=1 << 20,
+    )
+    where = storage.HostTier.write if host_room else Executor._say_write_failed
+    gc.collect()
+    gc.disable()  # only the pass below may finalize the member
+    try:
+
+        def broken(*args: Any, **kw: Any) -> None:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(nvme._file, "write", broken)
+        data = torch.zeros(4096, dtype=torch.uint8)
+        fam = hand_family(data)
+        region = pool.allocate(4096)
+        fam.tier, fam.handle, fam.spill = nvme, nvme.write(region, 4096), region
+        fam.to(Life.COPYING_OUT)
+        fam.to(Life.OFF_DEVICE)
+        ex._writing.append((fam, fam.handle))  # as _retire queues it on CUDA
+        ex._writing_bytes += 4096
+        ex._live[fam] = None
+        member = _Member(ex, fam, data, None)
+        fam.members = 1
+        fam.member_refs.append(weakref.ref(member))
+        garbage(member)
+        del member
+        with contextlib.suppress(storage.StorageError):
+            ex._writing[0][1].wait()  # failed
+        with gc_pass_when_returning(where) as passes:
+            ex.poll()
+        assert passes[0] == 1 and fam.life is Life.FREED  # what this test is about
+        assert fam.handle is None and fam.spill is None and ex.host_bytes == 0
+        assert not ex._writing and host.used_bytes == 0 and pool.used_bytes == 0
+    finally:
+        gc.enable()
+        ex.close()
+        host.close()
+        nvme.close()
+        engine.close()
+        pool.close()

@@ -413,6 +413,7 @@ def test_stats_fields_and_as_dict() -> None:
             "min_memory_steps",
             "fallbacks",
             "host_allocations",
+            "prefetches_skipped",
         ):
             assert key in d["last"]
         assert st.total.steps == 2 and st.last.steps == 1
