@@ -6,6 +6,7 @@ Nothing here runs at import: CUDA is touched only when a model on a CUDA device 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,42 @@ def compute_device(model: nn.Module) -> torch.device:
     for b in model.buffers():
         return b.device
     return torch.device("cpu")
+
+
+class DeviceStreams:
+    """Which stream work on the compute device is queued on, for the ordering rules that depend
+    on it (NOTE [ Stream ordering ] in ``_executor.py``), injected into the executor.
+
+    On CUDA these are ``torch.cuda``'s streams and events. Elsewhere they are ``torch.cpu``'s
+    stand-ins for device-agnostic code: ``torch.cpu.stream(s)`` switches what
+    ``torch.cpu.current_stream()`` returns, so which stream a copy is ordered after (and which
+    stream a buffer is marked used on) is chosen on CPU exactly as on CUDA, and tested there,
+    while events and marks do nothing (CPU ops complete in program order).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def current(self) -> Any:
+        """The stream ops on the device are queued on now (this thread's current stream)."""
+        if self.cuda:
+            return torch.cuda.current_stream(self.device)
+        return torch.cpu.current_stream()
+
+    def record(self, stream: Any) -> Any:
+        """An event recorded on ``stream`` now (CUDA), else ``None``."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def mark_used(self, t: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator that ``stream`` uses ``t``'s block: freed, the block is
+        handed out again only after the work queued on ``stream`` so far (CUDA), else nothing."""
+        if self.cuda:
+            t.record_stream(stream)
 
 
 class CudaClock:

@@ -1812,6 +1812,7 @@ class ActivationOffloader:
             # NOTE [ Fill after pack ]: no gradient, so possibly an op's buffer that the op
             # itself fills after saving it: copied once the op has returned.
             d = _Deferred(t, local, module, dtensor, tier, key, own)
+            d.stream = ex.streams.current()  # the op's stream: its fill is queued there
             self._deferred.append(weakref.ref(d))
             if _sequence_nr is not None:
                 self._deferred_at = _sequence_nr()
@@ -1835,11 +1836,13 @@ class ActivationOffloader:
         key: tuple[str, int, int],
         own: list[Any] | None,
         seq: int,
+        stream: Any = None,
     ) -> _Member:
-        """Store ``local`` (a pack's tensor, or its DTensor's shard) and return its handle."""
+        """Store ``local`` (a pack's tensor, or its DTensor's shard) and return its handle;
+        ``stream``: the stream its op ran on, when not the current one (a deferred pack)."""
         held = self._held_clock()
         started = time.perf_counter() if held is not None else 0.0
-        member = ex.offload(local, module, dtensor, tier)
+        member = ex.offload(local, module, dtensor, tier, stream)
         if held is not None:
             held.held_s += time.perf_counter() - started
         member.key, member.seq = key, seq
@@ -1869,9 +1872,11 @@ class ActivationOffloader:
                 # Changed in place before its copy: autograd's check, as for any saved tensor.
                 d.error = modified_after_save(f"a tensor saved by {d.module}", t, d.version)
                 continue
-            d.member = self._offload(ex, local, d.module, d.dtensor, d.tier, d.key, d.own, d.seq)
+            d.member = self._offload(
+                ex, local, d.module, d.dtensor, d.tier, d.key, d.own, d.seq, d.stream
+            )
             d.tensor = d.local = None
-            d.own = None
+            d.own = d.stream = None
 
     def _keep_deferred(self) -> None:
         """Backward has begun: a pack still waiting stays where it is (copied now, it would
@@ -2229,7 +2234,10 @@ def _add_note(exc: BaseException, note: str) -> None:
 #     anyway. An in-place change before the copy (a version bump) raises at unpack, as
 #     autograd would; a copy that fails (a full tier) raises where it runs, the step's exit
 #     included, which then fails the step as an exception in its block does. nn.RReLU modules
-#     stay kept as well (lifecycle/_recorder.py).
+#     stay kept as well (lifecycle/_recorder.py). The copy is ordered after the stream current
+#     at the pack (the op's: its fill is queued there), remembered with it, not after the
+#     stream current at the flush: a pack under torch.cuda.stream(s2) flushed by the next op
+#     on the default stream would otherwise be copied before s2 wrote it.
 
 
 class _Deferred:
@@ -2246,6 +2254,7 @@ class _Deferred:
         "module",
         "own",
         "seq",
+        "stream",
         "tensor",
         "tier",
         "version",
@@ -2268,6 +2277,7 @@ class _Deferred:
         self.member: _Member | None = None
         self.error: RuntimeError | None = None
         self.seq = -1
+        self.stream: Any = None  # the stream current at the pack (the op's), until stored
 
 
 # The module hooks hold their manager weakly: the model outlives a manager dropped without

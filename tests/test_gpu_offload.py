@@ -389,3 +389,108 @@ def test_norm_outputs_rebuilt_bitwise_on_cuda(kind: str, autocast: bool) -> None
     norms = 3 * 8 * 512 * 1024 * (2 if autocast else 4)
     weights = 5 * 1024 * 1024 * 2 if autocast else 0
     assert (last.records_rebuilt, last.bytes_rebuilt) == (8 if autocast else 3, norms + weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streams (gpu-streams): a deferred pack's stream, reload buffers used on another stream, the
+# copy streams, NVMe I/O threads' device, stall time. CPU halves in tests/test_offload_streams.py.
+
+
+def _busy(stream: torch.cuda.Stream, n: int = 30) -> torch.Tensor:
+    """Queue ``n`` 4096 x 4096 matmuls (tens of ms) on ``stream``; no autograd."""
+    with torch.cuda.stream(stream), torch.no_grad():
+        a = torch.full((4096, 4096), 1e-4, device="cuda")
+        for _ in range(n):
+            a = torch.tanh(a @ a)
+    return a
+
+
+def test_a_deferred_mask_on_a_saturated_side_stream_is_copied_after_it() -> None:
+    """NOTE [ Fill after pack ]: a dropout run under a side stream whose queue holds tens of ms
+    of matmuls saves its mask (no gradient), stored at the next op's pack on the default stream.
+    Its copy out must wait for the side stream: ordered after the default stream instead, it
+    read the mask's block before the dropout wrote it (an all-ones block freed there just
+    before), and backward reloaded those stale bytes exactly."""
+    from test_offload_streams import SideBranch
+
+    torch.manual_seed(0)
+    model = SideBranch(width=4096, busy=30).cuda()
+    model.side = torch.cuda.Stream()
+    x = torch.randn(4096, 2048, device="cuda")
+
+    def grads(mgr: offload.ActivationOffloader | None) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with torch.cuda.stream(model.side):
+            stale = torch.ones(4096 * 4096, dtype=torch.bool, device="cuda")  # the mask's size
+        del stale  # its block goes back to the side stream's pool, for the mask
+        torch.manual_seed(3)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).sum()
+        torch.cuda.synchronize()  # every copy out done: backward reloads the stored bytes
+        loss.backward()
+        torch.cuda.synchronize()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    want = grads(None)
+    again = grads(None)
+    assert all(torch.equal(want[k], again[k]) for k in want), "baseline is not deterministic"
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    try:
+        for _ in range(2):
+            got = grads(mgr)
+            assert mgr.stats.last.bytes_offloaded_cpu > 4096 * 4096  # the mask among them
+            for k in want:
+                assert torch.equal(got[k], want[k]), k
+    finally:
+        mgr.close()
+
+
+def test_a_reload_buffer_unpacked_on_another_stream_is_not_reused_before_it_is_read() -> None:
+    """NOTE [ Reload buffers used on another stream ]: reloads started under a side stream (a
+    backward pre-hook of a node on it) come from that stream's pool and are unpacked by nodes on
+    the default stream, saturated here. Once backward freed them, the side stream must not get
+    their blocks back while the default stream's queued kernels may still read them: before,
+    an allocation of the same size on the side stream right after backward got one of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.Tanh(), nn.Linear(4096, 4096)).cuda()
+    x = torch.randn(2048, 4096, device="cuda", requires_grad=True)
+    side = torch.cuda.Stream()
+
+    def run(mgr: offload.ActivationOffloader | None) -> tuple[dict[str, torch.Tensor], bool]:
+        model.zero_grad(set_to_none=True)
+        reused = False
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).sum()
+        torch.cuda.synchronize()
+        sizes: list[tuple[int, int]] = []
+        if mgr is not None:
+            ex = mgr._executor
+            assert ex is not None and ex.step is not None
+            with torch.cuda.stream(side):
+                ex.prefetch(ex.step.families)
+            torch.cuda.current_stream().wait_stream(side)
+            sizes = [
+                (f.resident.untyped_storage().data_ptr(), f.resident.untyped_storage().nbytes())
+                for f in ex.step.families
+                if f.resident is not None
+            ]
+            assert len(sizes) == 3
+        busy = _busy(torch.cuda.current_stream())  # the nodes' kernels queue behind this
+        loss.backward()
+        del loss
+        with torch.cuda.stream(side):
+            fresh = [torch.empty(n, dtype=torch.uint8, device="cuda") for _, n in sizes]
+            reused = any(t.data_ptr() == p for t, (p, _) in zip(fresh, sizes, strict=True))
+        torch.cuda.synchronize()
+        assert float(busy.sum()) >= 0
+        return {k: p.grad.clone() for k, p in model.named_parameters()}, reused
+
+    want, _ = run(None)
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    try:
+        got, reused = run(mgr)
+        assert not reused
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+    finally:
+        mgr.close()
