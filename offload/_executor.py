@@ -55,7 +55,7 @@ from lifecycle._recorder import graph_task
 from lifecycle._simulate import automatic_bounds
 from lifecycle._tensors import version_root
 from lifecycle._trace import WHOLE_STORAGE_FACTOR
-from offload._device import DeviceStreams
+from offload._device import DeviceStreams, copy_streams
 from offload._errors import OffloadError, from_storage, modified_after_save
 from offload._family import (
     Family,
@@ -222,9 +222,8 @@ class Executor:
         # Which stream an op ran on (NOTE [ Stream ordering ]); injected, so CPU tests can see it.
         self.streams = DeviceStreams(device)
         if self.cuda:
-            # Created here, never at import: see "Importing is free".
-            self._d2h = torch.cuda.Stream(device)
-            self._h2d = torch.cuda.Stream(device)
+            # Drawn here, never at import: see "Importing is free", and NOTE [ Copy streams ].
+            self._d2h, self._h2d = copy_streams(device)
 
     @property
     def max_inflight_bytes(self) -> int:
@@ -545,8 +544,9 @@ class Executor:
     def _io_event(self) -> Any:
         """An event for I/O threads to wait on: D again, blocking (NOTE [ Stream ordering ])."""
         io = torch.cuda.Event(blocking=True)
-        # Recorded under the lock right after D, with nothing queued on the D2H stream since
-        # (only _store queues work there): it completes when D does.
+        # Recorded under the lock right after D: it completes when D does, or later when another
+        # manager on the device (which shares the D2H stream, NOTE [ Copy streams ]) queued a
+        # copy between them; only _store queues work there.
         io.record(self._d2h)
         return io
 

@@ -494,3 +494,28 @@ def test_a_reload_buffer_unpacked_on_another_stream_is_not_reused_before_it_is_r
             assert torch.equal(got[k], want[k]), k
     finally:
         mgr.close()
+
+
+def test_copy_streams_are_the_processs_own_and_alias_no_drawn_stream() -> None:
+    """NOTE [ Copy streams ]: every manager on a device shares one D2H and one H2D stream, drawn
+    once from the priority -2 pool, so no stream that torch hands out at its default priority
+    (0) or FSDP2's (-1) is one of them, however many are drawn. Before, each manager drew two
+    of the default pool's 32: the 16th manager's copies ran on the streams of the first."""
+    model = nn.Linear(256, 256).cuda()
+    managers = [offload.ActivationOffloader(model, min_offload_bytes=0) for _ in range(2)]
+    try:
+        for mgr in managers:
+            with mgr:
+                model(torch.randn(8, 256, device="cuda")).sum().backward()
+        a, b = (mgr._executor for mgr in managers)
+        assert a is not None and b is not None
+        assert (a._d2h, a._h2d) == (b._d2h, b._h2d) and a._d2h != a._h2d
+        ours = {a._d2h.cuda_stream, a._h2d.cuda_stream}
+        drawn = [torch.cuda.Stream(priority=p) for p in (0, -1) for _ in range(64)]
+        assert not ours & {s.cuda_stream for s in drawn}
+        _, greatest = a._d2h.priority_range()  # (0, -3) where the device has 4 levels or more
+        if greatest <= -2:
+            assert a._d2h.priority == a._h2d.priority == -2
+    finally:
+        for mgr in managers:
+            mgr.close()
