@@ -190,6 +190,9 @@ class Executor:
         self._next_fid = 0
         self._pending_free: list[Family] = []  # GPU: freed families waiting for D / R
         self._pending_regions: list[tuple[Any, Any]] = []  # GPU: staging waiting for R
+        # GPU: (before, after, step) events around compute waits on R, not yet read (NOTE
+        # [ Stall time on CUDA ]).
+        self._stall_marks: list[tuple[Any, Any, _StepState]] = []
         # Copies out not yet seen complete, oldest first, of every step: a step's last copies are
         # often still in flight when the next step begins (pipelining, two forwards before their
         # backwards), and they must still be retired (their sources dropped) and counted by
@@ -294,6 +297,8 @@ class Executor:
             for written in writes:
                 with contextlib.suppress(storage.StorageError):
                     written.wait()  # a failure is handled by poll(): next tier, or recounted
+            if self._stall_marks:
+                self._gather_stalls(wait=True)
             self.poll()
 
     def take_late(self) -> StepStats:
@@ -617,6 +622,8 @@ class Executor:
                 self._poll_writes()
             if self._pending_regions or self._pending_free:
                 self._collect_pending()
+            if self._stall_marks:
+                self._gather_stalls()
 
     def _poll_writes(self) -> None:
         """GPU + NVMe: release the pinned copy of records whose file write completed; adopt it
@@ -965,7 +972,7 @@ class Executor:
                 # Rule 3: the consumer runs on the current stream, after R. Waited at every
                 # unpack, not only the one that finished the reload: a member unpacked later, or
                 # one reusing a live buffer, may run on another stream.
-                consumer.wait_event(fam.reload_event)
+                self._wait_reload(fam.reload_event, consumer)
             off = aligned_offset(raw, fam.storage_mod)
             out = rebuild(
                 raw,
@@ -997,6 +1004,44 @@ class Executor:
     #     be handed out there while the consumer's kernels may still read it. So an unpack on a
     #     stream other than the allocating one marks the buffer used there (record_stream): the
     #     allocator then reuses the block only after the consumer's work queued so far.
+
+    # NOTE [ Stall time on CUDA ]
+    #     On CUDA an unpack does not block the host on a reload: it makes the compute stream
+    #     wait on R, so host seconds around it read about 0 while the compute stream waits for
+    #     the copy. ``stall_s`` adds, for each unpack that found R not yet complete, the device
+    #     time between an event recorded on the consumer stream just before its wait on R and
+    #     one just after (the time the stream stood still for the copy; about 0 when its own
+    #     queued work outlasted the copy), read once the second completed (at a later poll, or
+    #     at ``settle``, which waits for them). It goes to the stats of the step current at the
+    #     unpack, or to ``late`` once the manager has added those to its totals. Host seconds
+    #     an unpack blocks (an NVMe read into staging) are added as on CPU.
+
+    def _wait_reload(self, reload_event: Any, consumer: Any) -> None:
+        """Make ``consumer`` wait on R; time the wait on the device when R is not complete yet
+        (NOTE [ Stall time on CUDA ])."""
+        step = self.step
+        if step is None or reload_event.query():
+            consumer.wait_event(reload_event)  # complete: the stream does not wait
+            return
+        before = torch.cuda.Event(enable_timing=True)
+        before.record(consumer)  # where the consumer's wait begins
+        consumer.wait_event(reload_event)  # rule 3
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(consumer)  # reached once R completed and the stream got there
+        self._stall_marks.append((before, after, step))
+
+    def _gather_stalls(self, wait: bool = False) -> None:
+        """Add the device time of completed stall waits to ``stall_s`` (NOTE [ Stall time on
+        CUDA ]); ``wait``: wait for those not complete yet."""
+        marks, self._stall_marks = self._stall_marks, []
+        for before, after, step in marks:
+            if wait:
+                after.synchronize()
+            elif not after.query():
+                self._stall_marks.append((before, after, step))
+                continue
+            stats = step.stats if not step.counted else self.late
+            stats.stall_s += before.elapsed_time(after) / 1e3
 
     def _finish_reload(self, fam: Family) -> None:
         try:
@@ -1279,5 +1324,6 @@ class Executor:
             self._orphans.clear()
             self._orphan_bytes = 0
             self._pending_free, self._pending_regions = [], []
+            self._stall_marks = []
             self._live.clear()
             self.step = None

@@ -519,3 +519,27 @@ def test_copy_streams_are_the_processs_own_and_alias_no_drawn_stream() -> None:
     finally:
         for mgr in managers:
             mgr.close()
+
+
+def test_stall_s_counts_the_time_the_compute_stream_waits_for_a_reload() -> None:
+    """NOTE [ Stall time on CUDA ]: one 256 MiB saved tensor, reloaded when its backward begins
+    on an idle device: the compute stream waits for the whole H2D copy, which no PCIe link
+    moves faster than 1 TB/s. Before, stall_s read host seconds around an unpack that does not
+    block the host (microseconds)."""
+    nbytes = 256 << 20
+    w = torch.randn(nbytes // 4, device="cuda", requires_grad=True)
+    x = torch.randn(nbytes // 4, device="cuda")
+    holder = nn.Module()
+    holder.w = nn.Parameter(w.detach())
+    mgr = offload.ActivationOffloader(holder, min_offload_bytes=0)
+    try:
+        for _ in range(2):
+            with mgr:
+                loss = (holder.w * x).sum()  # mul saves x (no gradient: stored at the exit)
+            torch.cuda.synchronize()  # the copy out is done and the device idle
+            loss.backward()
+            last = mgr.stats.last
+            assert last.bytes_offloaded_cpu >= nbytes and last.reloads >= 1
+            assert last.stall_s >= nbytes / 1e12, last.stall_s
+    finally:
+        mgr.close()
