@@ -212,7 +212,8 @@ class ActivationOffloader:
             without one it moves records to, raises ``ValueError``.
         hardware: the :class:`HardwareModel` (or a path to one, read here) to plan with;
             ``None``: measure this machine once with :func:`offload.probe_hardware` (cached on
-            disk).
+            disk), here, when a budget is given (on CUDA the probe allocates 2 x 256 MiB on the
+            device and pinned, then empties torch's device and pinned caches).
         keep: module names (as in ``named_modules()``) or ``nn.Module`` types whose saved
             tensors never move.
         max_inflight_bytes: bound on copies out in flight (on a CPU device also those whose
@@ -370,6 +371,12 @@ class ActivationOffloader:
         self._hardware: HardwareModel | None = (
             None if hardware is None else resolve_hardware(hardware, self.device)
         )
+        if self._hardware is None and self._budget_bytes is not None:
+            # Measured now, before training allocates: on CUDA the probe holds 2 x 256 MiB on
+            # the device and pinned, and empties the allocators' caches when done. Lazily, at the
+            # first plan (the second step's entry, or in a pipeline round with microbatches'
+            # activations alive), it emptied them mid-training.
+            self._hardware = resolve_hardware(None, self.device)
         self._plans: dict[str, Plan] = {}
         self._active_plans: dict[str, ActivePlan] = {}
         # Signatures run in min-memory mode because their budget cannot be met (on_infeasible=
