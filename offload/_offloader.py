@@ -810,7 +810,13 @@ class ActivationOffloader:
                     # to the closer, started here, where starting a thread is safe.
                     start_closer()
                     tiers.append(
-                        storage.NvmeTier(cfg.nvme_dir, pool=pool, copy_engine=self._engine)
+                        storage.NvmeTier(
+                            cfg.nvme_dir,
+                            pool=pool,
+                            copy_engine=self._engine,
+                            # Its I/O threads wait on this device's events: see cuda_device.
+                            cuda_device=self.device.index if self._cuda else None,
+                        )
                     )
             ex = Executor(
                 device=self.device,
@@ -2486,7 +2492,14 @@ def _close_resources(handles: list[Any], resources: list[Any], recompute: dict[s
 
 def _close_all(resources: list[Any]) -> None:
     for r in resources:  # the executor first, then the tiers
-        with contextlib.suppress(Exception):
+        # The executor's close waits on its events, maybe on the closer thread, which has no
+        # current CUDA device: there it would create a context on device 0 (see NvmeTier's
+        # cuda_device), so its device is made current for it.
+        cuda = getattr(r, "cuda", False) is True
+        with (
+            contextlib.suppress(Exception),
+            torch.cuda.device(r.device) if cuda else contextlib.nullcontext(),
+        ):
             r.close()
 
 

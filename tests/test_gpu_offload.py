@@ -543,3 +543,36 @@ def test_stall_s_counts_the_time_the_compute_stream_waits_for_a_reload() -> None
             assert last.stall_s >= nbytes / 1e12, last.stall_s
     finally:
         mgr.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_nvme_io_threads_create_no_context_on_device_0_for_a_manager_on_cuda_1(tmp_path) -> None:
+    """The NVMe tier's I/O threads wait on the manager's CUDA events: with cuda:1 their current
+    device, no CUDA context appears on device 0 (hundreds of MiB per rank there) in a process
+    whose own thread set cuda:1. Before, the threads had none set and cudaEventSynchronize
+    created device 0's primary context."""
+    code = textwrap.dedent(
+        f"""
+        import torch, offload
+        from torch import nn
+        torch.cuda.set_device(1)  # as each rank does: this thread's waits are on cuda:1
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024)).to("cuda:1")
+        mgr = offload.ActivationOffloader(
+            model, tiers=("nvme",), nvme_dir={str(tmp_path)!r}, min_offload_bytes=0
+        )
+        for _ in range(3):
+            with mgr:
+                loss = model(torch.randn(512, 1024, device="cuda:1")).pow(2).sum()
+            loss.backward()
+        assert mgr.stats.last.bytes_offloaded_nvme > 0
+        mgr.close()
+        torch.cuda.synchronize(1)
+        print("context on 0:", torch._C._cuda_hasPrimaryContext(0))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=150
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "context on 0: False" in r.stdout, r.stdout

@@ -4,10 +4,15 @@ storage's I/O threads, and the warning about a compiled leaf that holds most of 
 from __future__ import annotations
 
 import logging
+import threading
 
+import pytest
+import torch
 from models import ALL_MODELS
 
 import offload
+import storage
+from storage._transfer import IoThreads
 
 
 def _probe_lines(caplog) -> list[str]:
@@ -47,3 +52,52 @@ def test_a_manager_without_a_budget_does_not_probe(tmp_path, monkeypatch) -> Non
     mgr = offload.ActivationOffloader(case.model)
     mgr.close()
     assert not list(tmp_path.glob("hardware-*.json"))
+
+
+def test_io_threads_run_their_initializer_on_each_thread_before_its_tasks() -> None:
+    """The hook NvmeTier sets each I/O thread's CUDA device with runs first on every thread."""
+    started: set[int] = set()
+    lock = threading.Lock()
+
+    def initializer() -> None:
+        with lock:
+            started.add(threading.get_ident())
+
+    io = IoThreads(3, "storage-test", "a test", initializer=initializer)
+    try:
+        barrier = threading.Barrier(3)
+
+        def task() -> bool:
+            barrier.wait(timeout=30)  # one task on each of the three threads
+            return threading.get_ident() in started
+
+        assert all(f.result(timeout=30) for f in [io.submit(task) for _ in range(3)])
+        assert len(started) == 3
+    finally:
+        io.shutdown()
+
+
+def test_nvme_tier_sets_its_io_threads_cuda_device(tmp_path, caplog) -> None:
+    """``cuda_device=N``: each I/O thread makes cuda:N current before its first task, so waiting
+    on the manager's events creates no context on device 0. Without CUDA the attempt fails (it is
+    logged) and the tier works as before."""
+    for bad in (-1, True, "0"):
+        with pytest.raises(ValueError, match="cuda_device"):
+            storage.NvmeTier(tmp_path, capacity_bytes=1 << 20, cuda_device=bad)  # type: ignore[arg-type]
+    pool = storage.HostPool(1 << 20, slab_bytes=1 << 20)
+    tier = storage.NvmeTier(
+        tmp_path, capacity_bytes=1 << 20, pool=pool, cuda_device=0, io_threads=1
+    )
+    try:
+        with caplog.at_level(logging.ERROR, logger="storage"):
+            x = torch.arange(1024, dtype=torch.float32)
+            h = tier.write(x)
+            y = torch.empty_like(x)
+            tier.read(h, y).wait()
+            assert torch.equal(x, y)
+            tier.free(h)
+        if not torch.cuda.is_available():
+            assert any("initializer of an I/O thread" in r.getMessage() for r in caplog.records)
+    finally:
+        tier.close()
+        pool.close()
