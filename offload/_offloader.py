@@ -470,6 +470,10 @@ class ActivationOffloader:
         self._warned: set[str] = set()
         self._params = ParameterStorages()
         self._module_handles = self._install_module_hooks(model)
+        # See NOTE [ One compiled leaf holding the step ].
+        self._compiled_leaves = {
+            n for n, m in named_modules_stop_at_compiled(model) if is_compiled(m)
+        }
         self._outer_calls = outer_calls(self._module_handles)
         # The root and every module with buffers (whose train / eval mode may decide whether its
         # forward changes them): their modes are part of a budgeted step's signature.
@@ -709,6 +713,7 @@ class ActivationOffloader:
             else:
                 self._executor.poll()
                 self._check_given_plan()
+                self._check_compiled_share()
                 self._end_structure()
             self._stack.clear()
             self._backward_entries.clear()
@@ -916,6 +921,46 @@ class ActivationOffloader:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"offload: {msg}", RuntimeWarning, stacklevel=_user_stacklevel())
+
+    # NOTE [ One compiled leaf holding the step ]
+    #     A compiled module is a leaf (no hooks inside it). Under AOTAutograd (inductor,
+    #     aot_eager) its saved tensors are packed together when its compiled forward returns and
+    #     unpacked together when its backward starts, so the leaf's reloads all come back at once:
+    #     with one leaf holding most of the step (the whole model compiled), the peak barely
+    #     drops while every byte still crosses PCIe twice. At the end of each step's forward, if
+    #     one compiled leaf holds more than half of the bytes the step stored, the manager warns
+    #     once, naming it and pointing at per-block compilation.
+
+    def _check_compiled_share(self) -> None:
+        """Warn once when one compiled leaf holds most of the step's stored bytes (NOTE [ One
+        compiled leaf holding the step ])."""
+        ex = self._executor
+        if not self._compiled_leaves or "compiled_share" in self._warned or ex is None:
+            return
+        step = ex.step
+        if step is None or step.stored_bytes == 0:
+            return
+        held: dict[str, int] = {}
+        for fam in step.families:
+            if fam.module in self._compiled_leaves:
+                held[fam.module] = held.get(fam.module, 0) + fam.nbytes
+        if not held:
+            return
+        name, nbytes = max(held.items(), key=lambda kv: kv[1])
+        if 2 * nbytes <= step.stored_bytes:
+            return
+        which = "the whole model (its root module)" if name == "" else f"module {name!r}"
+        self._warn_once(
+            "compiled_share",
+            f"{which} is compiled and holds {nbytes} of the {step.stored_bytes} bytes this step "
+            f"stored ({100 * nbytes // step.stored_bytes}%). A compiled module is one leaf: "
+            "its saved tensors all come back when its backward starts (under AOTAutograd, as "
+            "with inductor, they are also packed together when its compiled forward returns), "
+            "so offloading them lowers the peak little while PCIe is still paid. Compile each "
+            "block instead (for b in model.blocks: b.compile()) and "
+            "make the manager on the model: each block's tensors then leave as it ends and "
+            "come back just before its backward",
+        )
 
     def _check_foreign_hooks(self, module: str) -> None:
         """At a module call of the step (forward, not paused): warn once when a foreign

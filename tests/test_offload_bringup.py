@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 
 import pytest
 import torch
 from models import ALL_MODELS
+from torch import nn
 
 import offload
 import storage
@@ -101,3 +103,69 @@ def test_nvme_tier_sets_its_io_threads_cuda_device(tmp_path, caplog) -> None:
     finally:
         tier.close()
         pool.close()
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _Blocks(nn.Module):
+    def __init__(self, n: int = 3, width: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def _compiled_share_warnings(where: str) -> tuple[list[str], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _Blocks()
+    x = torch.randn(16, 32)
+    torch._dynamo.reset()
+    if where == "model":
+        model.compile(backend="aot_eager")
+    else:
+        for b in model.blocks:
+            b.compile(backend="aot_eager")
+    model(x).pow(2).sum().backward()  # the compiled model without offload: the reference
+    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                with mgr:
+                    loss = model(x).pow(2).sum()
+                loss.backward()
+        assert mgr.stats.last.bytes_offloaded_cpu > 0
+        got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    finally:
+        mgr.close()
+        torch._dynamo.reset()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    return [str(w.message) for w in caught if "compiled" in str(w.message)], got
+
+
+def test_a_whole_compiled_model_holding_the_step_warns_once_naming_it() -> None:
+    """NOTE [ One compiled leaf holding the step ]: with the whole model compiled (AOTAutograd,
+    as inductor uses), every saved tensor is packed at the model's end and reloaded together at
+    its backward's start; the manager says so once and points at per-block compilation. Before,
+    nothing was said."""
+    said, _ = _compiled_share_warnings("model")
+    assert len(said) == 1, said
+    assert "the whole model" in said[0] and "b.compile()" in said[0]
+
+
+def test_per_block_compilation_does_not_warn() -> None:
+    said, _ = _compiled_share_warnings("blocks")
+    assert said == []
