@@ -1021,7 +1021,7 @@ class Executor:
         (NOTE [ Stall time on CUDA ])."""
         step = self.step
         if step is None or reload_event.query():
-            consumer.wait_event(reload_event)  # complete: the stream does not wait
+            consumer.wait_event(reload_event)  # complete (no stall), or no step to count it
             return
         before = torch.cuda.Event(enable_timing=True)
         before.record(consumer)  # where the consumer's wait begins
