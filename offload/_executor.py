@@ -5,8 +5,9 @@ tensors come here and when backward is about to need them.
 
 NOTE [ Stream ordering ]
     These rules and no others (DESIGN.md; each was a silent wrong gradient when broken):
-    1. Offload: pack records event P on the current stream; the D2H stream waits on P, copies into
-       a host region, records D. The family keeps its source (``t.detach()``'s bytes) until D is
+    1. Offload: pack records event P on the current stream (a deferred pack: on the stream that
+       was current at its pack, see NOTE [ Fill after pack ]); the D2H stream waits on P, copies
+       into a host region, records D. The family keeps its source (``t.detach()``'s bytes) until D is
        seen complete (polled at every pack and module boundary); sources get no record_stream.
     2. Back-pressure: bytes of copies not yet seen complete never exceed ``max_inflight_bytes``;
        beyond it pack waits on the oldest D.
@@ -14,7 +15,8 @@ NOTE [ Stream ordering ]
        allocator reuses a block only on the stream that allocated it; the H2D stream waits on an
        event recorded right after that allocation and on D, copies, records R; unpack makes the
        current stream wait on R. While the source is still held, unpack returns views of it and
-       nothing is copied.
+       nothing is copied. An unpack on a stream other than the allocating one marks the buffer
+       used there (NOTE [ Reload buffers used on another stream ]).
     4. Host regions and file ranges are freed only after the last event that read or wrote them
        (D, R, or the tier's own transfer) completed; CPU code never reads a region before D.
     5. On CUDA, unpack and backward pre-hooks run on the autograd device thread; on CPU in the
@@ -53,7 +55,7 @@ from lifecycle._recorder import graph_task
 from lifecycle._simulate import automatic_bounds
 from lifecycle._tensors import version_root
 from lifecycle._trace import WHOLE_STORAGE_FACTOR
-from offload._device import GraphCapture
+from offload._device import DeviceStreams, GraphCapture, copy_streams
 from offload._errors import OffloadError, from_storage, modified_after_save
 from offload._family import (
     ALIGN_BYTES,
@@ -198,6 +200,9 @@ class Executor:
         self._next_fid = 0
         self._pending_free: list[Family] = []  # GPU: freed families waiting for D / R
         self._pending_regions: list[tuple[Any, Any]] = []  # GPU: staging waiting for R
+        # GPU: (before, after, step) events around compute waits on R, not yet read (NOTE
+        # [ Stall time on CUDA ]).
+        self._stall_marks: list[tuple[Any, Any, _StepState]] = []
         # Copies out not yet seen complete, oldest first, of every step: a step's last copies are
         # often still in flight when the next step begins (pipelining, two forwards before their
         # backwards), and they must still be retired (their sources dropped) and counted by
@@ -227,10 +232,11 @@ class Executor:
         # short is still found: see _release_lost).
         self._live: dict[Family, None] = {}
         self.meter: Any = None  # offload._live.SavedBytes while one counts reload buffers
+        # Which stream an op ran on (NOTE [ Stream ordering ]); injected, so CPU tests can see it.
+        self.streams = DeviceStreams(device)
         if self.cuda:
-            # Created here, never at import: see "Importing is free".
-            self._d2h = torch.cuda.Stream(device)
-            self._h2d = torch.cuda.Stream(device)
+            # Drawn here, never at import: see "Importing is free", and NOTE [ Copy streams ].
+            self._d2h, self._h2d = copy_streams(device)
 
     @property
     def max_inflight_bytes(self) -> int:
@@ -305,7 +311,8 @@ class Executor:
         moves its record's counts, see ``_recount``): the stats read next are final. A stats
         read calls it (``ActivationOffloader.stats``)."""
         with self.lock:
-            if not self._capturing():  # see NOTE [ No query while capturing ]
+            capturing = self._capturing()  # see NOTE [ No query while capturing ]
+            if not capturing:
                 self._drain_releases()
             writes = [f.handle.written for f in self._inflight if f.handle is not None]
             writes += [written for written, _, _ in self._orphans]
@@ -313,6 +320,8 @@ class Executor:
             for written in writes:
                 with contextlib.suppress(storage.StorageError):
                     written.wait()  # a failure is handled by poll(): next tier, or recounted
+            if self._stall_marks and not capturing:
+                self._gather_stalls(wait=True)
             self.poll()
 
     def take_late(self) -> StepStats:
@@ -338,12 +347,19 @@ class Executor:
     # -- offload -----------------------------------------------------------------------------
 
     def offload(
-        self, t: torch.Tensor, module: str, dtensor: Any, tier: str | None = None
+        self,
+        t: torch.Tensor,
+        module: str,
+        dtensor: Any,
+        tier: str | None = None,
+        stream: Any = None,
     ) -> _Member:
         """Store ``t``'s family (once per family) and return the member handle.
 
         ``tier``: the tier a plan chose (``"host"`` or ``"nvme"``), tried first; the others
         follow in their order (a fallback, counted). ``None``: the tiers in order.
+        ``stream``: the stream the op that saved ``t`` ran on, when that is not the current
+        one (a deferred pack, NOTE [ Fill after pack ]); the copy is ordered after its work.
         """
         root = version_root(t)
         view = root is not t
@@ -380,7 +396,9 @@ class Executor:
                     # walked them.
                     same_id[:] = [f for f in same_id if f.storage_ref() is not None]
             if fam is None:
-                fam = self._new_family(step, t, st, root, view, version, start, end, module, tier)
+                fam = self._new_family(
+                    step, t, st, root, view, version, start, end, module, tier, stream
+                )
             else:
                 step.stats.records_deduplicated += 1
             member = _Member(self, fam, t, dtensor)
@@ -417,6 +435,7 @@ class Executor:
         end: int,
         module: str,
         tier: str | None = None,
+        stream: Any = None,
     ) -> Family:
         # See NOTE [ Alias handling ]: a view spanning at least a quarter of its storage brings
         # the whole storage along (WHOLE_STORAGE_FACTOR, which a trace's family spans follow
@@ -441,7 +460,7 @@ class Executor:
         )
         self._next_fid += 1
         source = storage_bytes(t)[start:end]
-        self._store(step, fam, source, tier)
+        self._store(step, fam, source, tier, stream)
         fam.guard = t
         step.families.append(fam)
         step.stored_bytes += fam.nbytes
@@ -451,15 +470,26 @@ class Executor:
         return fam
 
     def _store(
-        self, step: _StepState, fam: Family, source: torch.Tensor, prefer: str | None = None
+        self,
+        step: _StepState,
+        fam: Family,
+        source: torch.Tensor,
+        prefer: str | None = None,
+        stream: Any = None,
     ) -> None:
         """Start the copy out into the first tier with room (NOTE [ Stream ordering ] rule 1);
-        ``prefer`` names a tier to try first."""
+        ``prefer`` names a tier to try first; ``stream`` the stream that wrote the source when
+        it is not the current one."""
         n = fam.nbytes
         self._largest = max(self._largest, n)
         self._backpressure(step, n)
         region = None
         event = None
+        # P (rule 1) on the stream of the op that saved the tensor: the current one at its pack,
+        # else the one a deferred pack remembered (NOTE [ Fill after pack ]). Recorded on the
+        # stream current at the flush, P did not order the copy after a fill queued on another
+        # stream (an op run under torch.cuda.stream(s2)): its stale bytes were stored.
+        packed = self.streams.record(stream if stream is not None else self.streams.current())
         if self.cuda:
             # Pinned staging of NVMe writes is bounded too: disk slower than PCIe must not
             # exhaust the pool.
@@ -476,8 +506,6 @@ class Executor:
                             e, "no pinned host memory for a D2H copy (raise cpu_budget)"
                         ) from e
                     self._wait_oldest_write(step)
-            packed = torch.cuda.Event()
-            packed.record(torch.cuda.current_stream(self.device))  # P: t is fully computed
             with torch.cuda.stream(self._d2h):
                 self._d2h.wait_event(packed)  # rule 1: the copy reads t only after P
                 region.tensor[:n].copy_(source, non_blocking=True)
@@ -545,8 +573,9 @@ class Executor:
     def _io_event(self) -> Any:
         """An event for I/O threads to wait on: D again, blocking (NOTE [ Stream ordering ])."""
         io = torch.cuda.Event(blocking=True)
-        # Recorded under the lock right after D, with nothing queued on the D2H stream since
-        # (only _store queues work there): it completes when D does.
+        # Recorded under the lock right after D: it completes when D does, or later when another
+        # manager on the device (which shares the D2H stream, NOTE [ Copy streams ]) queued a
+        # copy between them; only _store queues work there.
         io.record(self._d2h)
         return io
 
@@ -624,6 +653,8 @@ class Executor:
                 self._poll_writes()
             if self._pending_regions or self._pending_free:
                 self._collect_pending()
+            if self._stall_marks:
+                self._gather_stalls()
 
     def _poll_writes(self) -> None:
         """GPU + NVMe: release the pinned copy of records whose file write completed; adopt it
@@ -884,6 +915,7 @@ class Executor:
         # Memory first: an allocation that fails (a device OOM, a full pool) leaves the family
         # off the device as it was, for the unpack to try again.
         raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
+        fam.reload_stream = self.streams.current()  # the pool raw came from (rule 3)
         if self.cuda and fam.spill is None and fam.tier.name != "host":
             staging = self.pool.allocate(fam.nbytes)  # NVMe -> pinned staging -> device
             if fam.life is not Life.OFF_DEVICE:
@@ -937,8 +969,10 @@ class Executor:
         fam.to(Life.OFF_DEVICE)
 
     def _h2d_copy(self, fam: Family, dst: torch.Tensor, host: torch.Tensor) -> None:
-        allocated = torch.cuda.Event()
-        allocated.record(torch.cuda.current_stream(self.device))  # rule 3: dst exists
+        # Rule 3: dst exists. On the stream whose pool dst came from, which is not the current
+        # one when an NVMe reload's unpack (on the consumer's stream) runs this: the block's
+        # earlier user on that stream must be done with it before the copy overwrites it.
+        allocated = self.streams.record(fam.reload_stream)
         with torch.cuda.stream(self._h2d):
             self._h2d.wait_event(allocated)
             dst.copy_(host[: fam.nbytes], non_blocking=True)
@@ -983,11 +1017,15 @@ class Executor:
                         stats._leads.append(t0 - fam.reload_started_s)
             raw = fam.resident
             assert raw is not None
+            consumer = self.streams.current()
+            if fam.reload_stream is not None and consumer != fam.reload_stream:
+                # See NOTE [ Reload buffers used on another stream ].
+                self.streams.mark_used(raw, consumer)
             if self.cuda and fam.reload_event is not None:
                 # Rule 3: the consumer runs on the current stream, after R. Waited at every
                 # unpack, not only the one that finished the reload: a member unpacked later, or
                 # one reusing a live buffer, may run on another stream.
-                torch.cuda.current_stream(self.device).wait_event(fam.reload_event)
+                self._wait_reload(fam.reload_event, consumer)
             off = aligned_offset(raw, fam.storage_mod)
             out = rebuild(
                 raw,
@@ -1009,6 +1047,55 @@ class Executor:
             if step is not None:
                 self.prefetch((), step, used=(fam,))
             return self._wrap(m, out)
+
+    # NOTE [ Reload buffers used on another stream ]
+    #     A reload buffer comes from the caching-allocator pool of the stream current when it
+    #     was allocated (rule 3): the stream of the node whose backward pre-hook started the
+    #     prefetch, or of the unpack that reloaded at once. The node that unpacks it may run on
+    #     another stream (autograd runs each node on the stream its forward op ran on). Freed
+    #     once autograd drops its view, the block would go back to the first stream's pool and
+    #     be handed out there while the consumer's kernels may still read it. So an unpack on a
+    #     stream other than the allocating one marks the buffer used there (record_stream): the
+    #     allocator then reuses the block only after the consumer's work queued so far.
+
+    # NOTE [ Stall time on CUDA ]
+    #     On CUDA an unpack does not block the host on a reload: it makes the compute stream
+    #     wait on R, so host seconds around it read about 0 while the compute stream waits for
+    #     the copy. ``stall_s`` adds, for each unpack that found R not yet complete, the device
+    #     time between an event recorded on the consumer stream just before its wait on R and
+    #     one just after (the time the stream stood still for the copy; about 0 when its own
+    #     queued work outlasted the copy), read once the second completed (at a later poll, or
+    #     at ``settle``, which waits for them). It goes to the stats of the step current at the
+    #     unpack, or to ``late`` once the manager has added those to its totals. Host seconds
+    #     an unpack blocks (an NVMe read into staging) are added as on CPU.
+
+    def _wait_reload(self, reload_event: Any, consumer: Any) -> None:
+        """Make ``consumer`` wait on R; time the wait on the device when R is not complete yet
+        (NOTE [ Stall time on CUDA ])."""
+        step = self.step
+        # Inside a capture no query and no timing (NOTE [ No query while capturing ]).
+        if step is None or self.capture.capturing() or self.capture.query(reload_event):
+            consumer.wait_event(reload_event)  # complete (no stall), or nothing to count it
+            return
+        before = torch.cuda.Event(enable_timing=True)
+        before.record(consumer)  # where the consumer's wait begins
+        consumer.wait_event(reload_event)  # rule 3
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(consumer)  # reached once R completed and the stream got there
+        self._stall_marks.append((before, after, step))
+
+    def _gather_stalls(self, wait: bool = False) -> None:
+        """Add the device time of completed stall waits to ``stall_s`` (NOTE [ Stall time on
+        CUDA ]); ``wait``: wait for those not complete yet."""
+        marks, self._stall_marks = self._stall_marks, []
+        for before, after, step in marks:
+            if wait:
+                after.synchronize()
+            elif not self.capture.query(after):
+                self._stall_marks.append((before, after, step))
+                continue
+            stats = step.stats if not step.counted else self.late
+            stats.stall_s += before.elapsed_time(after) / 1e3
 
     def _finish_reload(self, fam: Family) -> None:
         try:
@@ -1308,5 +1395,6 @@ class Executor:
             self._orphans.clear()
             self._orphan_bytes = 0
             self._pending_free, self._pending_regions = [], []
+            self._stall_marks = []
             self._live.clear()
             self.step = None

@@ -83,6 +83,7 @@ class Family:
         "reload",
         "reload_event",
         "reload_started_s",
+        "reload_stream",
         "resident",
         "resident_ref",
         "root_ref",
@@ -151,6 +152,9 @@ class Family:
         self.reload: Any = None  # storage Transfer of a reload in flight
         self.reload_event: Any = None  # CUDA event R (copy in done)
         self.reload_started_s = 0.0
+        # The stream current when the reload buffer was allocated: its caching-allocator pool
+        # (see NOTE [ Stream ordering ], rule 3, in _executor.py).
+        self.reload_stream: Any = None
         self.resident: torch.Tensor | None = None  # raw uint8 device buffer of a reload
         self.resident_ref: weakref.ref | None = None
         self.ahead = False  # counted in the executor's look-ahead bytes

@@ -212,7 +212,8 @@ class ActivationOffloader:
             without one it moves records to, raises ``ValueError``.
         hardware: the :class:`HardwareModel` (or a path to one, read here) to plan with;
             ``None``: measure this machine once with :func:`offload.probe_hardware` (cached on
-            disk).
+            disk), here, when a budget is given (on CUDA the probe allocates 2 x 256 MiB on the
+            device and pinned, then empties torch's device and pinned caches).
         keep: module names (as in ``named_modules()``) or ``nn.Module`` types whose saved
             tensors never move.
         max_inflight_bytes: bound on copies out in flight (on a CPU device also those whose
@@ -371,6 +372,12 @@ class ActivationOffloader:
         self._hardware: HardwareModel | None = (
             None if hardware is None else resolve_hardware(hardware, self.device)
         )
+        if self._hardware is None and self._budget_bytes is not None:
+            # Measured now, before training allocates: on CUDA the probe holds 2 x 256 MiB on
+            # the device and pinned, and empties the allocators' caches when done. Lazily, at the
+            # first plan (the second step's entry, or in a pipeline round with microbatches'
+            # activations alive), it emptied them mid-training.
+            self._hardware = resolve_hardware(None, self.device)
         self._plans: dict[str, Plan] = {}
         self._active_plans: dict[str, ActivePlan] = {}
         # Signatures run in min-memory mode because their budget cannot be met (on_infeasible=
@@ -465,6 +472,10 @@ class ActivationOffloader:
         self._warned: set[str] = set()
         self._params = ParameterStorages()
         self._module_handles = self._install_module_hooks(model)
+        # See NOTE [ One compiled leaf holding the step ].
+        self._compiled_leaves = {
+            n for n, m in named_modules_stop_at_compiled(model) if is_compiled(m)
+        }
         self._outer_calls = outer_calls(self._module_handles)
         # The root and every module with buffers (whose train / eval mode may decide whether its
         # forward changes them): their modes are part of a budgeted step's signature.
@@ -704,6 +715,7 @@ class ActivationOffloader:
             else:
                 self._executor.poll()
                 self._check_given_plan()
+                self._check_compiled_share()
                 self._end_structure()
             self._stack.clear()
             self._backward_entries.clear()
@@ -805,7 +817,13 @@ class ActivationOffloader:
                     # to the closer, started here, where starting a thread is safe.
                     start_closer()
                     tiers.append(
-                        storage.NvmeTier(cfg.nvme_dir, pool=pool, copy_engine=self._engine)
+                        storage.NvmeTier(
+                            cfg.nvme_dir,
+                            pool=pool,
+                            copy_engine=self._engine,
+                            # Its I/O threads wait on this device's events: see cuda_device.
+                            cuda_device=self.device.index if self._cuda else None,
+                        )
                     )
             ex = Executor(
                 device=self.device,
@@ -906,6 +924,46 @@ class ActivationOffloader:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"offload: {msg}", RuntimeWarning, stacklevel=_user_stacklevel())
+
+    # NOTE [ One compiled leaf holding the step ]
+    #     A compiled module is a leaf (no hooks inside it). Under AOTAutograd (inductor,
+    #     aot_eager) its saved tensors are packed together when its compiled forward returns and
+    #     unpacked together when its backward starts, so the leaf's reloads all come back at once:
+    #     with one leaf holding most of the step (the whole model compiled), the peak barely
+    #     drops while every byte still crosses PCIe twice. At the end of each step's forward, if
+    #     one compiled leaf holds more than half of the bytes the step stored, the manager warns
+    #     once, naming it and pointing at per-block compilation.
+
+    def _check_compiled_share(self) -> None:
+        """Warn once when one compiled leaf holds most of the step's stored bytes (NOTE [ One
+        compiled leaf holding the step ])."""
+        ex = self._executor
+        if not self._compiled_leaves or "compiled_share" in self._warned or ex is None:
+            return
+        step = ex.step
+        if step is None or step.stored_bytes == 0:
+            return
+        held: dict[str, int] = {}
+        for fam in step.families:
+            if fam.module in self._compiled_leaves:
+                held[fam.module] = held.get(fam.module, 0) + fam.nbytes
+        if not held:
+            return
+        name, nbytes = max(held.items(), key=lambda kv: kv[1])
+        if 2 * nbytes <= step.stored_bytes:
+            return
+        which = "the whole model (its root module)" if name == "" else f"module {name!r}"
+        self._warn_once(
+            "compiled_share",
+            f"{which} is compiled and holds {nbytes} of the {step.stored_bytes} bytes this step "
+            f"stored ({100 * nbytes // step.stored_bytes}%). A compiled module is one leaf: "
+            "its saved tensors all come back when its backward starts (under AOTAutograd, as "
+            "with inductor, they are also packed together when its compiled forward returns), "
+            "so offloading them lowers the peak little while PCIe is still paid. Compile each "
+            "block instead (for b in model.blocks: b.compile()) and "
+            "make the manager on the model: each block's tensors then leave as it ends and "
+            "come back just before its backward",
+        )
 
     def _check_foreign_hooks(self, module: str) -> None:
         """At a module call of the step (forward, not paused): warn once when a foreign
@@ -1816,6 +1874,7 @@ class ActivationOffloader:
             # NOTE [ Fill after pack ]: no gradient, so possibly an op's buffer that the op
             # itself fills after saving it: copied once the op has returned.
             d = _Deferred(t, local, module, dtensor, tier, key, own)
+            d.stream = ex.streams.current()  # the op's stream: its fill is queued there
             self._deferred.append(weakref.ref(d))
             if _sequence_nr is not None:
                 self._deferred_at = _sequence_nr()
@@ -1839,11 +1898,13 @@ class ActivationOffloader:
         key: tuple[str, int, int],
         own: list[Any] | None,
         seq: int,
+        stream: Any = None,
     ) -> _Member:
-        """Store ``local`` (a pack's tensor, or its DTensor's shard) and return its handle."""
+        """Store ``local`` (a pack's tensor, or its DTensor's shard) and return its handle;
+        ``stream``: the stream its op ran on, when not the current one (a deferred pack)."""
         held = self._held_clock()
         started = time.perf_counter() if held is not None else 0.0
-        member = ex.offload(local, module, dtensor, tier)
+        member = ex.offload(local, module, dtensor, tier, stream)
         if held is not None:
             held.held_s += time.perf_counter() - started
         member.key, member.seq = key, seq
@@ -1873,9 +1934,11 @@ class ActivationOffloader:
                 # Changed in place before its copy: autograd's check, as for any saved tensor.
                 d.error = modified_after_save(f"a tensor saved by {d.module}", t, d.version)
                 continue
-            d.member = self._offload(ex, local, d.module, d.dtensor, d.tier, d.key, d.own, d.seq)
+            d.member = self._offload(
+                ex, local, d.module, d.dtensor, d.tier, d.key, d.own, d.seq, d.stream
+            )
             d.tensor = d.local = None
-            d.own = None
+            d.own = d.stream = None
 
     def _keep_deferred(self) -> None:
         """Backward has begun: a pack still waiting stays where it is (copied now, it would
@@ -2233,7 +2296,10 @@ def _add_note(exc: BaseException, note: str) -> None:
 #     anyway. An in-place change before the copy (a version bump) raises at unpack, as
 #     autograd would; a copy that fails (a full tier) raises where it runs, the step's exit
 #     included, which then fails the step as an exception in its block does. nn.RReLU modules
-#     stay kept as well (lifecycle/_recorder.py).
+#     stay kept as well (lifecycle/_recorder.py). The copy is ordered after the stream current
+#     at the pack (the op's: its fill is queued there), remembered with it, not after the
+#     stream current at the flush: a pack under torch.cuda.stream(s2) flushed by the next op
+#     on the default stream would otherwise be copied before s2 wrote it.
 
 
 class _Deferred:
@@ -2250,6 +2316,7 @@ class _Deferred:
         "module",
         "own",
         "seq",
+        "stream",
         "tensor",
         "tier",
         "version",
@@ -2272,6 +2339,7 @@ class _Deferred:
         self.member: _Member | None = None
         self.error: RuntimeError | None = None
         self.seq = -1
+        self.stream: Any = None  # the stream current at the pack (the op's), until stored
 
 
 # The module hooks hold their manager weakly: the model outlives a manager dropped without
@@ -2473,7 +2541,14 @@ def _close_resources(handles: list[Any], resources: list[Any], recompute: dict[s
 
 def _close_all(resources: list[Any]) -> None:
     for r in resources:  # the executor first, then the tiers
-        with contextlib.suppress(Exception):
+        # The executor's close waits on its events, maybe on the closer thread, which has no
+        # current CUDA device: there it would create a context on device 0 (see NvmeTier's
+        # cuda_device), so its device is made current for it.
+        cuda = getattr(r, "cuda", False) is True
+        with (
+            contextlib.suppress(Exception),
+            torch.cuda.device(r.device) if cuda else contextlib.nullcontext(),
+        ):
             r.close()
 
 

@@ -38,7 +38,10 @@ class StepStats:
             out (or its file write, on CPU) still runs gets its source back and is not
             reloaded, so ``reloads`` can be lower than the records offloaded.
         stalls: unpacks that found no reload started and had to load synchronously.
-        stall_s: seconds unpack spent waiting for bytes (stalls and late prefetches).
+        stall_s: seconds unpack spent waiting for bytes (stalls and late prefetches). On
+            CUDA: the device time the consumer stream stood still waiting for a reload's copy
+            (CUDA events around its wait, read once complete), plus host time an unpack
+            blocked (an NVMe read); the host clock alone read about 0 there.
         prefetch_lead_s_p50: median seconds between a prefetch starting and its unpack (in
             ``total``: over the last ``LEAD_WINDOW`` prefetches, so that a long run's stats
             neither grow nor slow down).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import zlib
@@ -75,9 +76,14 @@ class NvmeTier(Tier):
         backend: ``"posix"`` (plain files, always available), or ``"kvikio"`` to also accept
             CUDA tensors as sources and destinations (GPU-direct; those records carry no checksum
             because their bytes never reach the host).
+        cuda_device: the index of the CUDA device whose events the I/O threads wait on (the
+            ``after=`` of writes): made each I/O thread's current device when it starts. A
+            thread with none current that waits on a CUDA event creates a CUDA context on
+            device 0 (hundreds of MiB there) for a caller on ``cuda:N``. ``None``: not set.
 
     Raises:
-        ValueError: ``directory`` does not exist, or a size or backend is invalid.
+        ValueError: ``directory`` does not exist, or a size, backend or ``cuda_device`` is
+            invalid.
         ImportError: ``backend="kvikio"`` without kvikio or without a CUDA device.
 
     Example:
@@ -108,10 +114,18 @@ class NvmeTier(Tier):
         preallocate: bool = True,
         copy_engine: CopyEngine | None = None,
         backend: str = "posix",
+        cuda_device: int | None = None,
     ) -> None:
         super().__init__()
         if backend not in ("posix", "kvikio"):
             raise ValueError(f"backend must be 'posix' or 'kvikio'; got {backend!r}")
+        if cuda_device is not None and (
+            isinstance(cuda_device, bool) or not isinstance(cuda_device, int) or cuda_device < 0
+        ):
+            raise ValueError(
+                f"cuda_device must be None or a CUDA device index (an int >= 0); got {cuda_device!r}"
+            )
+        self._cuda_device = cuda_device
         check_count(io_threads, name="io_threads", minimum=1)
         for arg, value in (("capacity_bytes", capacity_bytes), ("growth_bytes", growth_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -467,7 +481,14 @@ class NvmeTier(Tier):
                     raise StorageError("the nvme tier is closed")
                 track_gc_passes()
                 self._executor = IoThreads(
-                    self._io_threads, "storage-io", f"NVMe I/O in {self.private_directory}"
+                    self._io_threads,
+                    "storage-io",
+                    f"NVMe I/O in {self.private_directory}",
+                    initializer=(
+                        None
+                        if self._cuda_device is None
+                        else functools.partial(torch.cuda.set_device, self._cuda_device)
+                    ),
                 )
             return self._executor
 

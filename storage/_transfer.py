@@ -428,6 +428,8 @@ class IoThreads:
         threads: how many threads (started at once).
         name: the threads' name prefix.
         label: what the tasks are for, named in the warning about tasks abandoned at exit.
+        initializer: run on each thread before its first task (a failure is logged and the
+            thread runs its tasks anyway), e.g. setting the thread's CUDA device.
 
     Example:
         >>> io = IoThreads(2, "storage-example", "an example")
@@ -436,8 +438,16 @@ class IoThreads:
         >>> io.shutdown()
     """
 
-    def __init__(self, threads: int, name: str, label: str) -> None:
+    def __init__(
+        self,
+        threads: int,
+        name: str,
+        label: str,
+        *,
+        initializer: Callable[[], object] | None = None,
+    ) -> None:
         self.label = label
+        self._initializer = initializer
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._pending: dict[Future[Any], str] = {}  # submitted, not finished -> the task's name
         self._lock = threading.Lock()
@@ -484,6 +494,13 @@ class IoThreads:
 
     def _work(self) -> None:
         mark_worker_thread()
+        if self._initializer is not None:
+            try:
+                self._initializer()
+            except Exception:
+                logger.exception(
+                    "storage: the initializer of an I/O thread (%s) failed", self.label
+                )
         while (task := self._tasks.get()) is not None:
             future, fn, args = task
             if not future.done():  # else abandoned at exit before it started

@@ -488,6 +488,61 @@ def test_graph_capture_after_offloaded_steps_replays_bitwise(name: str) -> None:
         mgr.close()
 
 
+# ---------------------------------------------------------------------------------------------
+# Streams (gpu-streams): a deferred pack's stream, reload buffers used on another stream, the
+# copy streams, NVMe I/O threads' device, stall time. CPU halves in tests/test_offload_streams.py.
+
+
+def _busy(stream: torch.cuda.Stream, n: int = 30) -> torch.Tensor:
+    """Queue ``n`` 4096 x 4096 matmuls (tens of ms) on ``stream``; no autograd."""
+    with torch.cuda.stream(stream), torch.no_grad():
+        a = torch.full((4096, 4096), 1e-4, device="cuda")
+        for _ in range(n):
+            a = torch.tanh(a @ a)
+    return a
+
+
+def test_a_deferred_mask_on_a_saturated_side_stream_is_copied_after_it() -> None:
+    """NOTE [ Fill after pack ]: a dropout run under a side stream whose queue holds tens of ms
+    of matmuls saves its mask (no gradient), stored at the next op's pack on the default stream.
+    Its copy out must wait for the side stream: ordered after the default stream instead, it
+    read the mask's block before the dropout wrote it (an all-ones block freed there just
+    before), and backward reloaded those stale bytes exactly."""
+    from test_offload_streams import SideBranch
+
+    torch.manual_seed(0)
+    model = SideBranch(width=4096, busy=30).cuda()
+    model.side = torch.cuda.Stream()
+    x = torch.randn(4096, 2048, device="cuda")
+
+    def grads(mgr: offload.ActivationOffloader | None) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with torch.cuda.stream(model.side):
+            stale = torch.ones(4096 * 4096, dtype=torch.bool, device="cuda")  # the mask's size
+        torch.cuda.synchronize()  # the block holds ones before the step begins
+        del stale  # its block goes back to the side stream's pool, for the mask
+        torch.manual_seed(3)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).sum()
+        torch.cuda.synchronize()  # every copy out done: backward reloads the stored bytes
+        loss.backward()
+        torch.cuda.synchronize()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    want = grads(None)
+    again = grads(None)
+    assert all(torch.equal(want[k], again[k]) for k in want), "baseline is not deterministic"
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    try:
+        for _ in range(2):
+            got = grads(mgr)
+            assert mgr.stats.last.bytes_offloaded_cpu > 4096 * 4096  # the mask among them
+            for k in want:
+                assert torch.equal(got[k], want[k]), k
+    finally:
+        mgr.close()
+
+
 def test_room_probe_answers_without_waiting_for_the_device() -> None:
     """The room probe that guards prefetches (``offload._device.CudaRoom``) reads the
     allocator's counters and cudaMemGetInfo: it says yes to a small reload and no to one larger
@@ -508,3 +563,145 @@ def test_room_probe_answers_without_waiting_for_the_device() -> None:
     assert not room(2 * total) and room(32 << 20)
     assert not queued.query()  # the probe did not wait for the kernel
     torch.cuda.synchronize()
+
+
+def test_a_reload_buffer_unpacked_on_another_stream_is_not_reused_before_it_is_read() -> None:
+    """NOTE [ Reload buffers used on another stream ]: reloads started under a side stream (a
+    backward pre-hook of a node on it) come from that stream's pool and are unpacked by nodes on
+    the default stream, saturated here. Once backward freed them, the side stream must not get
+    their blocks back while the default stream's queued kernels may still read them: before,
+    an allocation of the same size on the side stream right after backward got one of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.Tanh(), nn.Linear(4096, 4096)).cuda()
+    x = torch.randn(2048, 4096, device="cuda", requires_grad=True)
+    side = torch.cuda.Stream()
+
+    def run(mgr: offload.ActivationOffloader | None) -> tuple[dict[str, torch.Tensor], bool]:
+        model.zero_grad(set_to_none=True)
+        reused = False
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).sum()
+        torch.cuda.synchronize()
+        sizes: list[tuple[int, int]] = []
+        if mgr is not None:
+            ex = mgr._executor
+            assert ex is not None and ex.step is not None
+            with torch.cuda.stream(side):
+                ex.prefetch(ex.step.families)
+            torch.cuda.current_stream().wait_stream(side)
+            sizes = [
+                (f.resident.untyped_storage().data_ptr(), f.resident.untyped_storage().nbytes())
+                for f in ex.step.families
+                if f.resident is not None
+            ]
+            assert len(sizes) == 3
+        busy = _busy(torch.cuda.current_stream())  # the nodes' kernels queue behind this
+        loss.backward()
+        del loss
+        with torch.cuda.stream(side):
+            fresh = [torch.empty(n, dtype=torch.uint8, device="cuda") for _, n in sizes]
+            reused = any(t.data_ptr() == p for t, (p, _) in zip(fresh, sizes, strict=True))
+        torch.cuda.synchronize()
+        assert float(busy.sum()) >= 0
+        return {k: p.grad.clone() for k, p in model.named_parameters()}, reused
+
+    want, _ = run(None)
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    try:
+        got, reused = run(mgr)
+        assert not reused
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+    finally:
+        mgr.close()
+
+
+def test_copy_streams_are_the_processs_own_and_alias_no_drawn_stream() -> None:
+    """NOTE [ Copy streams ]: every manager on a device shares one D2H and one H2D stream, drawn
+    once from the priority -2 pool, so no stream that torch hands out at its default priority
+    (0) or FSDP2's (-1) is one of them, however many are drawn. Before, each manager drew two
+    of the default pool's 32: the 16th manager's copies ran on the streams of the first."""
+    model = nn.Linear(256, 256).cuda()
+    managers = [offload.ActivationOffloader(model, min_offload_bytes=0) for _ in range(2)]
+    try:
+        for mgr in managers:
+            with mgr:
+                model(torch.randn(8, 256, device="cuda")).sum().backward()
+        a, b = (mgr._executor for mgr in managers)
+        assert a is not None and b is not None
+        assert (a._d2h, a._h2d) == (b._d2h, b._h2d) and a._d2h != a._h2d
+        ours = {a._d2h.cuda_stream, a._h2d.cuda_stream}
+        _, greatest = a._d2h.priority_range()  # (0, -3) where the device has 4 levels or more
+        # Where -2 clamps to -1, the copy streams come from FSDP2's pool (NOTE [ Copy streams ]).
+        levels = (0, -1) if greatest <= -2 else (0,)
+        drawn = [torch.cuda.Stream(priority=p) for p in levels for _ in range(64)]
+        assert not ours & {s.cuda_stream for s in drawn}
+        if greatest <= -2:
+            assert a._d2h.priority == a._h2d.priority == -2
+    finally:
+        for mgr in managers:
+            mgr.close()
+
+
+def test_stall_s_counts_the_time_the_compute_stream_waits_for_a_reload() -> None:
+    """NOTE [ Stall time on CUDA ]: one 256 MiB saved tensor, reloaded when its module's backward
+    begins on an idle device and unpacked right after: the compute stream waits for the whole
+    H2D copy, which no PCIe link moves faster than 1 TB/s. Before, stall_s read host seconds
+    around an unpack that does not block the host (microseconds)."""
+
+    class Scale(nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(n, device="cuda"))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.w * x  # saves x (no gradient: stored at the module's end)
+
+    nbytes = 256 << 20
+    x = torch.randn(nbytes // 4, device="cuda")
+    scale = Scale(nbytes // 4)
+    mgr = offload.ActivationOffloader(scale, min_offload_bytes=0)
+    try:
+        for _ in range(2):
+            with mgr:
+                loss = scale(x).sum()
+            torch.cuda.synchronize()  # the copy out is done and the device idle
+            loss.backward()
+            last = mgr.stats.last
+            assert last.bytes_offloaded_cpu >= nbytes and last.reloads >= 1
+            assert last.stall_s >= nbytes / 1e12, last.stall_s
+    finally:
+        mgr.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_nvme_io_threads_create_no_context_on_device_0_for_a_manager_on_cuda_1(tmp_path) -> None:
+    """The NVMe tier's I/O threads wait on the manager's CUDA events: with cuda:1 their current
+    device, no CUDA context appears on device 0 (hundreds of MiB per rank there) in a process
+    whose own thread set cuda:1. Before, the threads had none set and cudaEventSynchronize
+    created device 0's primary context."""
+    code = textwrap.dedent(
+        f"""
+        import torch, offload
+        from torch import nn
+        torch.cuda.set_device(1)  # as each rank does: this thread's waits are on cuda:1
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024)).to("cuda:1")
+        mgr = offload.ActivationOffloader(
+            model, tiers=("nvme",), nvme_dir={str(tmp_path)!r}, min_offload_bytes=0
+        )
+        for _ in range(3):
+            with mgr:
+                loss = model(torch.randn(512, 1024, device="cuda:1")).pow(2).sum()
+            loss.backward()
+        assert mgr.stats.last.bytes_offloaded_nvme > 0
+        mgr.close()
+        torch.cuda.synchronize(1)
+        print("context on 0:", torch._C._cuda_hasPrimaryContext(0))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=150
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "context on 0: False" in r.stdout, r.stdout

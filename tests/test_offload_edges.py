@@ -195,9 +195,11 @@ def test_tensor_parallel_dtensors_bitwise(cpu_mesh, engine: str) -> None:
             ex = mgr._executor
             original = ex.offload
 
-            def spy(t: torch.Tensor, module: str, dtensor: Any, tier: Any = None) -> Any:
+            def spy(
+                t: torch.Tensor, module: str, dtensor: Any, tier: Any = None, stream: Any = None
+            ) -> Any:
                 wrapped.append(dtensor is not None)
-                return original(t, module, dtensor, tier)
+                return original(t, module, dtensor, tier, stream)
 
             ex.offload = spy
             loss = model(x).pow(2).sum()
@@ -661,9 +663,11 @@ def test_keep_a_module_type() -> None:
             ex = mgr._executor
             original = ex.offload
 
-            def spy(t: torch.Tensor, module: str, dtensor: Any, tier: Any = None) -> Any:
+            def spy(
+                t: torch.Tensor, module: str, dtensor: Any, tier: Any = None, stream: Any = None
+            ) -> Any:
                 modules.append(module)
-                return original(t, module, dtensor, tier)
+                return original(t, module, dtensor, tier, stream)
 
             ex.offload = spy
             loss = case.loss(case.batch())

@@ -207,9 +207,11 @@ def spy_offloads(probe: Callable[[torch.Tensor], bool] | None = None) -> Iterato
     calls: list[Offload] = []
     original = Executor.offload
 
-    def spy(self: Any, t: torch.Tensor, module: str, dtensor: Any, tier: Any = None) -> Any:
+    def spy(
+        self: Any, t: torch.Tensor, module: str, dtensor: Any, tier: Any = None, stream: Any = None
+    ) -> Any:
         calls.append(Offload(module, dtensor is not None, probe is not None and probe(t)))
-        return original(self, t, module, dtensor, tier)
+        return original(self, t, module, dtensor, tier, stream)
 
     Executor.offload = spy  # type: ignore[method-assign]
     try:
