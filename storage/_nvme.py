@@ -16,7 +16,7 @@ import torch
 from storage._budget import default_nvme_budget_bytes
 from storage._errors import ChecksumError, StorageError, StorageFullError
 from storage._extents import ExtentAllocator
-from storage._file import SpillFile, buffer_of, storage_error
+from storage._file import SpillFile, buffer_of, remove_stale_private_dirs, storage_error
 from storage._kvikio import KvikioFile
 from storage._pool import HostPool, HostRegion, shared_host_pool
 from storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
@@ -141,6 +141,8 @@ class NvmeTier(Tier):
         self._backend = backend
         self._file: SpillFile | None = None  # see NOTE [ Spill file layout ]: made on demand
         self._kvikio: KvikioFile | None = None
+        # See NOTE [ Directories left by a killed process ].
+        remove_stale_private_dirs(self._directory)
         with contextlib.suppress(StorageError):
             self._open_file(None)  # at once where it can be; else each write tries again
         self._alloc = ExtentAllocator(alignment=ALIGNMENT_BYTES)

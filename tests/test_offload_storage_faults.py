@@ -241,3 +241,77 @@ def test_the_last_tier_is_never_quarantined(tmp_path) -> None:
         assert mgr.stats.total.tiers_quarantined == 0
     finally:
         mgr.close()
+
+
+KILLED_CHILD = """
+import sys, time
+import torch
+from torch import nn
+import offload
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+mgr = offload.ActivationOffloader(
+    model, min_offload_bytes=0, tiers=("nvme",), nvme_dir=sys.argv[1]
+)
+with mgr:
+    loss = model(torch.randn(32, 64)).sum()
+loss.backward()
+print(mgr._tiers[0].private_directory, flush=True)
+time.sleep(600)  # killed here, its tier still open
+"""
+
+
+def test_directories_of_a_killed_process_are_removed_by_the_next_manager(tmp_path) -> None:
+    """A process SIGKILLed during training leaves its private directory in nvme_dir; the next
+    manager to start there removes it, and only such directories: not a symlink named like one
+    (nor its target), not a live process's, not a name that is not ours, not a directory
+    holding anything but a spill file. (Before, they piled up, one per killed run.)"""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CHILD, str(nvme)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert child.stdout is not None
+        left = child.stdout.readline().strip()
+    finally:
+        child.kill()
+        child.wait(60)
+    assert os.path.basename(left).startswith(f"offload-pid{child.pid}-"), left
+    assert os.path.isdir(left)
+    dead = child.pid
+    # Killed between creating its spill file and unlinking it: removed with its spill file.
+    unlinked_late = nvme / f"offload-rank0-local0-pid{dead}-abc_123"
+    unlinked_late.mkdir()
+    (unlinked_late / "spill.bin").write_bytes(b"x" * 4096)
+    # Kept: a symlink named like ours (and its target), a live process's directory, one that
+    # holds something else, names that are not ours.
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "spill.bin").write_bytes(b"keep")
+    kept = [
+        nvme / f"offload-pid{dead}-symlink1",
+        nvme / f"offload-pid{os.getppid()}-liveproc",
+        nvme / f"offload-pid{dead}-notempty",
+        nvme / f"offload-pid{dead}-",
+        nvme / f"offload-pid{dead}x-abcdefgh",
+        nvme / "my-data",
+    ]
+    kept[0].symlink_to(target, target_is_directory=True)
+    for path in kept[1:]:
+        path.mkdir()
+    (kept[2] / "weights.pt").write_bytes(b"mine")
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model, min_offload_bytes=0, tiers=("nvme",), nvme_dir=nvme
+    )
+    try:
+        step(case, mgr)
+        ours = mgr._tiers[0].private_directory
+        assert sorted(os.listdir(nvme)) == sorted([os.path.basename(ours), *(p.name for p in kept)])
+        assert (target / "spill.bin").read_bytes() == b"keep"
+        assert (kept[2] / "weights.pt").read_bytes() == b"mine"
+    finally:
+        mgr.close()
