@@ -64,6 +64,7 @@ from offload._family import (
     storage_bytes,
 )
 from offload._stats import StepStats
+from storage._transfer import reset_in_forked_child
 from storage._units import round_up
 
 log = logging.getLogger("offload")
@@ -224,6 +225,8 @@ class Executor:
         self._failing: dict[str, tuple[int, int]] = {}
         self.quarantined: list[str] = []  # tier names set aside, in order
         self.warn_once: Callable[[str, str], None] | None = None  # the manager's, set by it
+        self._forked = False  # a forked child that has not yet dropped the parent's families
+        reset_in_forked_child(self)
         self._ahead_bytes = 0  # see _mark_ahead
         # GPU + NVMe: records whose file write runs from pinned staging, oldest first, each with
         # its write's handle (kept here: freeing the family clears ``fam.handle``).
@@ -260,6 +263,7 @@ class Executor:
 
     def begin_step(self, index: int) -> StepStats:
         with self.lock:
+            self._forget_parent()
             self._drain_releases()
             self._release_lost()
             self.step = _StepState(index, self.pool.host_allocations)
@@ -303,6 +307,7 @@ class Executor:
         moves its record's counts, see ``_recount``): the stats read next are final. A stats
         read calls it (``ActivationOffloader.stats``)."""
         with self.lock:
+            self._forget_parent()
             self._drain_releases()
             writes = [f.handle.written for f in self._inflight if f.handle is not None]
             writes += [written for written, _, _ in self._orphans]
@@ -327,6 +332,7 @@ class Executor:
 
     def live_families(self) -> int:
         with self.lock:
+            self._forget_parent()
             self._drain_releases()
             self._release_lost()
             return sum(1 for f in self._live if f.life is not Life.FREED)
@@ -606,6 +612,8 @@ class Executor:
         with self.lock:
             # (Every pack and module boundary comes here: each step is skipped when it has
             # nothing to do.)
+            if self._forked:
+                self._forget_parent()
             if self._deferred_releases:
                 self._drain_releases()
             inflight = self._inflight
@@ -966,6 +974,7 @@ class Executor:
         """The member's tensor, with the family's bytes on the device."""
         fam = m.family
         with self.lock:
+            self._forget_parent()
             if fam.error is not None:
                 raise fam.error
             if fam.life is Life.FREED:
@@ -1238,6 +1247,50 @@ class Executor:
                     self._forget_failed_write(fam, fam.handle.written, fam.tier.name)
                 self._free(fam)
 
+    def _after_fork_in_child(self) -> None:
+        # See NOTE [ Forked children ] in storage/_transfer.py: only a new lock here, at the
+        # fork; the rest at the next call (_forget_parent), when the tiers' locks are new too.
+        self.lock = threading.RLock()
+        self._forked = True
+
+    def _forget_parent(self) -> None:
+        """In a forked child, at its first call: drop every family of the parent (their copies
+        and reads ran on the parent's threads, which are not here; an NVMe record is in the
+        parent's file), without waiting for anything; their host bytes go back to the pool. A
+        graph saved before the fork raises a clear error at its unpack. Caller holds the lock.
+        """
+        if not self._forked:
+            return
+        self._forked = False
+        why = (
+            "this tensor was saved in the parent process before os.fork(); a forked child has "
+            "none of the parent's copies, reads or I/O threads, so the offloaded activations "
+            "saved before the fork were dropped here. Run forward again in this process"
+        )
+        if self.cuda:
+            why += " (CUDA does not survive a fork: use the 'spawn' start method)"
+        families = [*self._live, *self._pending_free]
+        families += [fam for _, fam, _ in self._orphans] + [fam for fam, _ in self._writing]
+        self._inflight.clear()
+        self._orphans.clear()
+        self._writing.clear()
+        self._deferred_releases.clear()
+        self._pending_free = []
+        for region, _ in self._pending_regions:
+            region.release()
+        self._pending_regions = []
+        for fam in families:
+            if fam.error is None:
+                fam.error = OffloadError(why)
+            if fam.life is not Life.FREED:
+                fam.to(Life.FREED)
+            self._drop(fam)  # the tiers forgot the parent's transfers; no wait here
+        self._live.clear()
+        self._inflight_bytes = self._orphan_bytes = self._writing_bytes = self._ahead_bytes = 0
+        if self.step is not None:
+            self.step.families = []
+            self.step.by_storage.clear()
+
     def _wait_transfers(self, fam: Family) -> None:
         for t in (fam.reload, getattr(fam.handle, "written", None)):
             if t is not None:
@@ -1274,6 +1327,7 @@ class Executor:
     def close(self) -> None:
         """Release every family's bytes (later unpacks raise) and wait for copies in flight."""
         with self.lock:
+            self._forget_parent()
             self._abandon(
                 list(self._live),
                 "the offload manager that saved this tensor was closed (by close(), or by its "

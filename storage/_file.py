@@ -141,6 +141,7 @@ class SpillFile:
         os.chmod(self.directory, 0o700)
         path = os.path.join(self.directory, "spill.bin")
         fds: list[int] = []
+        self._fds = fds
         self._finalizer = weakref.finalize(self, _cleanup, fds, self.directory, path)
         try:
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -209,6 +210,15 @@ class SpillFile:
     def close(self) -> None:
         """Close the descriptors and remove the private directory. Idempotent."""
         self._finalizer()
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close the inherited descriptors (the parent's stay open) and leave
+        the directory, which is the parent's. See NOTE [ Forked children ]."""
+        if self._finalizer.detach() is not None:
+            for fd in self._fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._fds.clear()
 
     def _fd_for(self, part: np.ndarray, offset: int) -> int:
         if (

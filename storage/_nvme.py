@@ -152,6 +152,10 @@ class NvmeTier(Tier):
         self._executor: IoThreads | None = None
         self._executor_lock = threading.Lock()
         self._stopped = False  # _stop() ran: no new I/O threads
+        # Staging regions of tensor writes not yet finished (a set: add and discard are atomic
+        # under the GIL), and in a forked child those of the parent's, which no thread finishes.
+        self._staging: set[HostRegion] = set()
+        self._parent_staging: list[HostRegion] = []
 
     # -- properties ---------------------------------------------------------------------------------
 
@@ -191,6 +195,8 @@ class NvmeTier(Tier):
     ) -> StoredHandle:
         check_waitable(after)
         self._check_open()
+        if self._parent_staging:
+            self._release_parent_staging()
         if isinstance(source, torch.Tensor) and source.device.type != "cpu":
             return self._write_device(source, nbytes, after)
         staging: HostRegion | None = None
@@ -201,6 +207,7 @@ class NvmeTier(Tier):
         else:
             data, n = source_bytes(source, nbytes)
             staging = region = self._staging_pool().allocate(n)
+            self._staging.add(staging)
         # The source region is read by I/O threads until the write completes; see NOTE
         # [ Transfer ordering ]. ``span`` is 4 KiB-aligned and padded, so O_DIRECT applies.
         array = region.span.numpy()
@@ -208,6 +215,7 @@ class NvmeTier(Tier):
         def cleanup() -> None:
             if staging is not None:
                 self._engine.poison(staging.span)
+                self._staging.discard(staging)
                 staging.release()
 
         try:
@@ -497,6 +505,28 @@ class NvmeTier(Tier):
 
     # -- threads and lifetime -----------------------------------------------------------------------
 
+    def _after_fork_in_child(self) -> None:
+        # See NOTE [ Forked children ]: the parent's records live in the parent's file, and the
+        # I/O threads that moved them are not here. The next write makes new ones.
+        super()._after_fork_in_child()
+        for handle in self._live:
+            handle._freed = handle._released = True  # reads say "freed"; free() is a no-op
+        self._live = set()
+        self._used = 0
+        self._alloc = ExtentAllocator(alignment=ALIGNMENT_BYTES)
+        file, self._file, self._kvikio = self._file, None, None
+        if file is not None:
+            file.forget_in_child()
+        self._executor = None
+        self._executor_lock = threading.Lock()
+        # Given back at the next write or close, once the pool's lock is new too.
+        self._parent_staging, self._staging = list(self._staging), set()
+
+    def _release_parent_staging(self) -> None:
+        regions, self._parent_staging = self._parent_staging, []
+        for region in regions:
+            region.release()
+
     def _staging_pool(self) -> HostPool:
         if self._pool is None:
             self._pool = shared_host_pool()
@@ -516,6 +546,7 @@ class NvmeTier(Tier):
             return self._executor
 
     def _stop(self) -> None:
+        self._release_parent_staging()
         with self._executor_lock:
             executor, self._executor = self._executor, None
             self._stopped = True

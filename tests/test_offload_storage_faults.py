@@ -10,8 +10,12 @@ import errno
 import gc
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -314,4 +318,90 @@ def test_directories_of_a_killed_process_are_removed_by_the_next_manager(tmp_pat
         assert (target / "spill.bin").read_bytes() == b"keep"
         assert (kept[2] / "weights.pt").read_bytes() == b"mine"
     finally:
+        mgr.close()
+
+
+def wait_child(pid: int, timeout_s: float) -> int | None:
+    """The exit code of child ``pid``, or None (and the child killed) if it did not end within
+    ``timeout_s``: the parent never hangs on a child that does."""
+    for _ in range(int(timeout_s * 10)):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_trains_with_its_own_threads_and_files(tmp_path) -> None:
+    """A manager used in a child forked after an NVMe step of the parent, with one of the
+    parent's file writes still in flight at the fork: the child's step runs on I/O threads and
+    a private directory of its own, its gradients are bitwise, and ``stats`` and ``close()``
+    return (before, they waited for ever for the parent's I/O threads, which a child does not
+    have). A graph saved before the fork raises a clear error in the child. The parent goes on
+    unharmed."""
+    want = ALL_MODELS["gpt_block"](seed=0)
+    want.step()
+    case = gpt_block(seed=0)
+    mgr = offload.ActivationOffloader(
+        case.model, min_offload_bytes=0, tiers=("nvme", "cpu"), nvme_dir=tmp_path
+    )
+    gate = threading.Event()
+    try:
+        step(case, mgr)
+        tier = mgr._tiers[0]
+        parent_dir = tier.private_directory
+        # One more forward whose writes wait at a gate the child never sees open.
+        real = tier._file.write
+
+        def gated(*args, **kwargs):
+            gate.wait()
+            return real(*args, **kwargs)
+
+        tier._file.write = gated
+        with mgr:
+            held = case.loss(case.batch())
+        pid = os.fork()
+        if pid == 0:  # the child: report by exit status only, never return into pytest
+            code = 1
+            try:
+                signal.alarm(60)  # a hang ends the child (the parent's wait sees no 0)
+                try:
+                    held.backward()
+                except offload.OffloadError as e:
+                    assert "fork" in str(e), e
+                else:
+                    raise AssertionError("a graph saved before the fork ran backward")
+                del held
+                step(case, mgr)
+                for k, g in want.grads().items():
+                    assert torch.equal(case.grads()[k], g), k
+                last = mgr.stats.last
+                assert last.bytes_offloaded_nvme > 0 and last.fallbacks == 0, last
+                ex = mgr._executor
+                assert ex.live_families() == 0 and ex.host_bytes == 0
+                # The parent's staging of the writes in flight at the fork went back too.
+                assert ex.pool.used_bytes == 0, ex.pool.used_bytes
+                child_dir = mgr._tiers[0].private_directory
+                assert child_dir != parent_dir and f"pid{os.getpid()}-" in child_dir
+                mgr.close()
+                assert not os.path.exists(child_dir) and os.path.isdir(parent_dir)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        assert wait_child(pid, 90) == 0, "the child failed or hung (its traceback is above)"
+        gate.set()
+        tier._file.write = real
+        held.backward()
+        del held
+        assert os.path.isdir(parent_dir)
+        step(case, mgr)
+        assert_grads_equal(case, want)
+        assert mgr.stats.last.bytes_offloaded_nvme > 0
+    finally:
+        gate.set()  # else close() waits for the gated writes
         mgr.close()
