@@ -68,12 +68,28 @@ from offload._family import (
     storage_bytes,
 )
 from offload._stats import StepStats
+from storage._transfer import reset_in_forked_child
 from storage._units import round_up
 
 log = logging.getLogger("offload")
 
 
 _CONJ, _NEG = 1, 2  # _Member.bits
+
+# NOTE [ Quarantined tiers ]
+# A tier whose records fail in QUARANTINE_FAILING_STEPS consecutive steps (a write or a read
+# raised an error other than "full": EIO, EROFS, ChecksumError from a disk losing writes) is set
+# aside for the rest of the manager's life: it leaves ``Executor.tiers``, so later records go to
+# the next tier (a plan's choice of it counts as a fallback), and the manager warns once. Records
+# already in it stay there: their reads still go to it, and raise if they fail. A full tier is
+# never set aside (space comes back), nor is the last tier left: with nothing to take its records
+# each failure raises as before.
+QUARANTINE_FAILING_STEPS = 3
+
+
+def _step_of(fam: Family) -> _StepState | None:
+    """The step that packed ``fam``, while it lives."""
+    return fam.step_ref() if fam.step_ref is not None else None
 
 
 def host_charge(nbytes: int) -> int:
@@ -220,6 +236,13 @@ class Executor:
         # late, see _recount): the manager adds these to its totals (take_late).
         self.late = StepStats()
         self._failed_tiers: set[str] = set()  # tiers a late write failure was logged for
+        # Per tier: the last step a record of it failed in, and how many consecutive steps did
+        # (NOTE [ Quarantined tiers ]).
+        self._failing: dict[str, tuple[int, int]] = {}
+        self.quarantined: list[str] = []  # tier names set aside, in order
+        self.warn_once: Callable[[str, str], None] | None = None  # the manager's, set by it
+        self._forked = False  # a forked child that has not yet dropped the parent's families
+        reset_in_forked_child(self)
         self._ahead_bytes = 0  # see _mark_ahead
         # GPU + NVMe: records whose file write runs from pinned staging, oldest first, each with
         # its write's handle (kept here: freeing the family clears ``fam.handle``).
@@ -257,6 +280,7 @@ class Executor:
 
     def begin_step(self, index: int) -> StepStats:
         with self.lock:
+            self._forget_parent()
             capturing = self._capturing()  # see NOTE [ No query while capturing ]
             if not capturing:
                 self._drain_releases()
@@ -311,6 +335,7 @@ class Executor:
         moves its record's counts, see ``_recount``): the stats read next are final. A stats
         read calls it (``ActivationOffloader.stats``)."""
         with self.lock:
+            self._forget_parent()
             capturing = self._capturing()  # see NOTE [ No query while capturing ]
             if not capturing:
                 self._drain_releases()
@@ -339,6 +364,7 @@ class Executor:
 
     def live_families(self) -> int:
         with self.lock:
+            self._forget_parent()
             if not self._capturing():  # see NOTE [ No query while capturing ]
                 self._drain_releases()
                 self._release_lost()
@@ -512,7 +538,8 @@ class Executor:
                 event = torch.cuda.Event()
                 event.record(self._d2h)  # D: the host region holds the bytes
         last_error: BaseException | None = None
-        tiers = self.tiers
+        failed: tuple[str, BaseException] | None = None  # the first tier that failed, not full
+        tiers = list(self.tiers)  # a copy: a failure below may quarantine one
         if prefer is not None and prefer != tiers[0].name:
             tiers = sorted(tiers, key=lambda t: t.name != prefer)
         try:
@@ -538,9 +565,16 @@ class Executor:
                         handle = tier.write(source)
                 except storage.StorageError as e:  # full, or an I/O error: the next tier
                     last_error = e
+                    if e.errno is not None and failed is None:  # the OS said so: say it once
+                        failed = (tier.name, e)
+                    self._tier_failed(tier, step, e)
                     continue
-                if i > 0 or last_error is not None:
-                    step.stats.fallbacks += 1
+                if i > 0 or last_error is not None or (prefer not in (None, tier.name)):
+                    step.stats.fallbacks += 1  # (a plan's tier may be quarantined)
+                if failed is not None:
+                    self._say_write_failed(
+                        failed[0], fam, failed[1], f"went to the {tier.name} tier"
+                    )
                 break
             else:
                 if region is not None:
@@ -556,7 +590,7 @@ class Executor:
         finally:
             # A caught error's traceback holds this frame: dropping it here breaks the cycle that
             # kept the frame's tensors (the saved one, its region) alive until a GC pass.
-            last_error = None
+            last_error = failed = None
         fam.tier, fam.handle = tier, handle
         fam.source, fam.source_event = source, event
         fam.to(Life.COPYING_OUT)
@@ -633,6 +667,8 @@ class Executor:
                 return  # see NOTE [ No query while capturing ]
             # (Every pack and module boundary comes here: each step is skipped when it has
             # nothing to do.)
+            if self._forked:
+                self._forget_parent()
             if self._deferred_releases:
                 self._drain_releases()
             inflight = self._inflight
@@ -675,6 +711,7 @@ class Executor:
                 self._release_after(region, fam.reload_event)
                 continue
             self._stats_of(fam).fallbacks += 1
+            self._tier_failed(handle.tier, _step_of(fam), error)
             host = next((t for t in self.tiers if t.name == "host"), None)
             if host is not None and self._host_room(fam.nbytes):
                 fam.tier, fam.handle = host, host.write(region, fam.nbytes)
@@ -718,8 +755,10 @@ class Executor:
         if failed == "host":
             self.host_bytes -= host_charge(fam.nbytes)
         # On CUDA the source is device memory, which the host tiers do not take: it stays.
-        later = [] if self.cuda else self.tiers[self.tiers.index(fam.tier) + 1 :]
+        failed_in = fam.tier
+        later = [] if self.cuda else self._tiers_after(failed_in)
         fam.tier = fam.handle = None  # the failed write released its own space
+        self._tier_failed(failed_in, _step_of(fam), error)
         self._stats_of(fam).fallbacks += 1
         assert fam.source is not None  # held until a copy out succeeds
         for tier in later:
@@ -748,6 +787,46 @@ class Executor:
         self._say_write_failed(failed, fam, error, f"stay on {self.device}")
         fam.tier = fam.handle = None
 
+    def _tiers_after(self, tier: storage.Tier) -> list[storage.Tier]:
+        """The tiers a record that failed in ``tier`` may go to next: those after it, or all
+        that are left once it was quarantined (NOTE [ Quarantined tiers ])."""
+        if tier not in self.tiers:
+            return list(self.tiers)
+        return self.tiers[self.tiers.index(tier) + 1 :]
+
+    def _tier_failed(
+        self, tier: storage.Tier, step: _StepState | None, error: BaseException
+    ) -> None:
+        """A record of ``step`` failed in ``tier``: count the consecutive failing steps, and set
+        the tier aside at QUARANTINE_FAILING_STEPS (see NOTE [ Quarantined tiers ])."""
+        if isinstance(error, storage.StorageFullError) or not isinstance(
+            error, storage.StorageError
+        ):
+            return
+        step = step or self.step
+        if step is None:
+            return
+        last, run = self._failing.get(tier.name, (-2, 0))
+        if step.index == last:
+            return
+        run = run + 1 if step.index == last + 1 else 1
+        self._failing[tier.name] = (step.index, run)
+        if run < QUARANTINE_FAILING_STEPS or tier not in self.tiers or len(self.tiers) < 2:
+            return
+        self.tiers.remove(tier)
+        self.quarantined.append(tier.name)
+        (self.step or step).stats.tiers_quarantined += 1
+        msg = (
+            f"the {tier.name} tier failed in {run} consecutive steps (the last error: {error}); "
+            f"it is set aside for the rest of this manager's life and its records go to the "
+            f"{self.tiers[0].name} tier (stats.tiers_quarantined counts it). Check the disk "
+            "(dmesg) or point nvme_dir elsewhere, and make a new manager to use it again"
+        )
+        if self.warn_once is not None:
+            self.warn_once(f"quarantined {tier.name}", msg)
+        else:
+            log.warning("offload: %s", msg)
+
     def _host_room(self, nbytes: int) -> bool:
         """Whether ``cpu_budget`` has room for a record of ``nbytes`` (see host_charge)."""
         return self.host_bytes + host_charge(nbytes) <= self.cpu_budget_bytes
@@ -765,7 +844,7 @@ class Executor:
             fam.nbytes,
             fam.module or "<root>",
             tier,
-            error,
+            str(error),  # not the error: a log handler keeping it kept its traceback's frames
             now,
             "; later failures of this tier are counted in stats.fallbacks and not logged again"
             if first
@@ -983,6 +1062,7 @@ class Executor:
         """The member's tensor, with the family's bytes on the device."""
         fam = m.family
         with self.lock:
+            self._forget_parent()
             if fam.error is not None:
                 raise fam.error
             if fam.life is Life.FREED:
@@ -1103,6 +1183,7 @@ class Executor:
                 fam.reload.wait()  # CPU copy, or NVMe -> staging on GPU
         except storage.StorageError as e:
             # The failed read has completed: nothing touches the staging region now.
+            self._tier_failed(fam.tier, _step_of(fam), e)
             self._undo_reload(fam)
             # No local may hold the error: its traceback holds this frame (a reference cycle
             # that kept the step's families until a GC pass).
@@ -1324,6 +1405,50 @@ class Executor:
                     self._forget_failed_write(fam, fam.handle.written, fam.tier.name)
                 self._free(fam)
 
+    def _after_fork_in_child(self) -> None:
+        # See NOTE [ Forked children ] in storage/_transfer.py: only a new lock here, at the
+        # fork; the rest at the next call (_forget_parent), when the tiers' locks are new too.
+        self.lock = threading.RLock()
+        self._forked = True
+
+    def _forget_parent(self) -> None:
+        """In a forked child, at its first call: drop every family of the parent (their copies
+        and reads ran on the parent's threads, which are not here; an NVMe record is in the
+        parent's file), without waiting for anything; their host bytes go back to the pool. A
+        graph saved before the fork raises a clear error at its unpack. Caller holds the lock.
+        """
+        if not self._forked:
+            return
+        self._forked = False
+        why = (
+            "this tensor was saved in the parent process before os.fork(); a forked child has "
+            "none of the parent's copies, reads or I/O threads, so the offloaded activations "
+            "saved before the fork were dropped here. Run forward again in this process"
+        )
+        if self.cuda:
+            why += " (CUDA does not survive a fork: use the 'spawn' start method)"
+        families = [*self._live, *self._pending_free]
+        families += [fam for _, fam, _ in self._orphans] + [fam for fam, _ in self._writing]
+        self._inflight.clear()
+        self._orphans.clear()
+        self._writing.clear()
+        self._deferred_releases.clear()
+        self._pending_free = []
+        for region, _ in self._pending_regions:
+            region.release()
+        self._pending_regions = []
+        for fam in families:
+            if fam.error is None:
+                fam.error = OffloadError(why)
+            if fam.life is not Life.FREED:
+                fam.to(Life.FREED)
+            self._drop(fam)  # the tiers forgot the parent's transfers; no wait here
+        self._live.clear()
+        self._inflight_bytes = self._orphan_bytes = self._writing_bytes = self._ahead_bytes = 0
+        if self.step is not None:
+            self.step.families = []
+            self.step.by_storage.clear()
+
     def _wait_transfers(self, fam: Family) -> None:
         for t in (fam.reload, getattr(fam.handle, "written", None)):
             if t is not None:
@@ -1360,6 +1485,7 @@ class Executor:
     def close(self) -> None:
         """Release every family's bytes (later unpacks raise) and wait for copies in flight."""
         with self.lock:
+            self._forget_parent()
             self._abandon(
                 list(self._live),
                 "the offload manager that saved this tensor was closed (by close(), or by its "

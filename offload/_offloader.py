@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -842,6 +842,7 @@ class ActivationOffloader:
             raise
         self._tiers = tiers
         ex.meter = self._meter
+        ex.warn_once = _weak_warn_once(self)
         self._resources[:] = [ex, *tiers, share]
         return ex
 
@@ -2252,6 +2253,19 @@ def _has_storage(t: torch.Tensor) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def _weak_warn_once(mgr: ActivationOffloader) -> Callable[[str, str], None]:
+    """``mgr._warn_once`` for its executor, without a reference to ``mgr`` (the finalizer holds
+    the executor: a strong one would keep the manager alive for ever)."""
+    ref = weakref.ref(mgr)
+
+    def warn_once(key: str, msg: str) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._warn_once(key, msg)
+
+    return warn_once
 
 
 def _user_stacklevel() -> int:

@@ -52,6 +52,9 @@ class StepStats:
             or stayed where they were when a write failed after pack and no later tier had
             room (only the first such failure of each tier is logged as a warning); counted
             in the step that packed the record.
+        tiers_quarantined: tiers set aside during the step because their records failed
+            (not "full": an I/O or checksum error) in ``QUARANTINE_FAILING_STEPS`` (3)
+            consecutive steps; later records go to the next tier (in ``total``: how many were).
         host_allocations: new host pool slabs allocated during the step.
         peak_allocated_bytes / peak_reserved_bytes: CUDA allocator peaks over the step (0 on CPU).
             Under a pipeline attachment, whose microbatch steps overlap, the manager does not
@@ -85,6 +88,7 @@ class StepStats:
     backpressure_waits: int = 0
     prefetches_skipped: int = 0
     fallbacks: int = 0
+    tiers_quarantined: int = 0
     host_allocations: int = 0
     peak_allocated_bytes: int = 0
     peak_reserved_bytes: int = 0

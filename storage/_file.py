@@ -6,6 +6,8 @@ import contextlib
 import errno
 import mmap
 import os
+import re
+import stat
 import tempfile
 import threading
 import weakref
@@ -30,6 +32,58 @@ def private_prefix() -> str:
             parts.append(f"{tag}{value}")
     parts.append(f"pid{os.getpid()}")
     return "-".join(parts) + "-"
+
+
+# NOTE [ Directories left by a killed process ]
+# A process killed before its tier closed (SIGKILL, OOM killer) leaves its private directory
+# behind (the spill file inside was unlinked at once, so no bytes). The next tier made in that
+# nvme_dir removes such directories: only real directories (lstat; a symlink is never followed)
+# owned by this user, whose name is exactly one private_prefix() makes plus mkdtemp's suffix,
+# and whose pid is not a live process here (a live one, or one this process cannot signal, is
+# kept). Inside, only a regular file named spill.bin is removed (a process killed between
+# creating and unlinking it); anything else leaves the directory in place (rmdir fails).
+_PRIVATE_NAME = re.compile(r"offload-(?:rank\d+-)?(?:local\d+-)?pid(\d+)-[A-Za-z0-9_]+")
+
+
+def remove_stale_private_dirs(parent: str) -> list[str]:
+    """Remove private directories in ``parent`` left by processes that no longer run (see NOTE
+    [ Directories left by a killed process ]); returns the paths removed. Best effort: errors
+    leave a directory where it is."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        match = _PRIVATE_NAME.fullmatch(name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            spill = os.path.join(path, "spill.bin")
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.lstat(spill).st_mode):
+                    os.unlink(spill)
+            os.rmdir(path)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's live process
+        return True
+    return True
 
 
 def buffer_of(array: np.ndarray) -> memoryview:
@@ -87,6 +141,7 @@ class SpillFile:
         os.chmod(self.directory, 0o700)
         path = os.path.join(self.directory, "spill.bin")
         fds: list[int] = []
+        self._fds = fds
         self._finalizer = weakref.finalize(self, _cleanup, fds, self.directory, path)
         try:
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -155,6 +210,15 @@ class SpillFile:
     def close(self) -> None:
         """Close the descriptors and remove the private directory. Idempotent."""
         self._finalizer()
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close the inherited descriptors (the parent's stay open) and leave
+        the directory, which is the parent's. See NOTE [ Forked children ]."""
+        if self._finalizer.detach() is not None:
+            for fd in self._fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._fds.clear()
 
     def _fd_for(self, part: np.ndarray, offset: int) -> int:
         if (

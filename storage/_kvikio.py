@@ -42,12 +42,17 @@ class KvikioFile:
     """
 
     def __init__(self, fd: int) -> None:
-        if not kvikio_available():
-            raise ImportError(_EXTRA_HINT + "; and a CUDA device")
+        self.check_available()
         import kvikio
 
         # "r+" opens for reading and writing without truncating (kvikio's "w" would truncate).
         self._file = kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
+
+    @staticmethod
+    def check_available() -> None:
+        """Raise the ImportError saying what to install when :func:`kvikio_available` is False."""
+        if not kvikio_available():
+            raise ImportError(_EXTRA_HINT + "; and a CUDA device")
 
     def pwrite(self, device_bytes: torch.Tensor, file_offset: int) -> int:
         """Write a contiguous CUDA uint8 tensor at ``file_offset``; returns the bytes written."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -16,7 +17,7 @@ import torch
 from storage._budget import default_nvme_budget_bytes
 from storage._errors import ChecksumError, StorageError, StorageFullError
 from storage._extents import ExtentAllocator
-from storage._file import SpillFile, buffer_of, storage_error
+from storage._file import SpillFile, buffer_of, remove_stale_private_dirs, storage_error
 from storage._kvikio import KvikioFile
 from storage._pool import HostPool, HostRegion, shared_host_pool
 from storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
@@ -52,6 +53,10 @@ _DEFAULT_GROWTH_BYTES = 256 << 20
 # Each record carries one crc32 per 4 MiB chunk of its data bytes (not the padding), computed on
 # the I/O thread that writes the chunk and checked on the thread that reads it back, before the
 # read's transfer can complete: a mismatch fails the transfer with ChecksumError.
+# The directory and file are made with the tier where they can be; where they cannot (a disk
+# read-only, full or out of inodes), the next write that needs bytes tries again, and its
+# failure is the record's StorageFullError / StorageError naming the directory, so the caller
+# falls back as for any full tier and a disk that comes back is used again.
 
 
 class NvmeTier(Tier):
@@ -83,7 +88,9 @@ class NvmeTier(Tier):
 
     Raises:
         ValueError: ``directory`` does not exist, or a size, backend or ``cuda_device`` is
-            invalid.
+            invalid. A directory where the spill file cannot be made (read-only, full) is no
+            error here: each write raises ``StorageFullError`` / ``StorageError`` naming it
+            until it can.
         ImportError: ``backend="kvikio"`` without kvikio or without a CUDA device.
 
     Example:
@@ -140,15 +147,18 @@ class NvmeTier(Tier):
         self._capacity = capacity_bytes // ALIGNMENT_BYTES * ALIGNMENT_BYTES
         self._growth = max(ALIGNMENT_BYTES, round_up(growth_bytes))
         self._io_threads = io_threads
-        self._file = SpillFile(self._directory, direct_io=direct_io, preallocate=preallocate)
-        self._kvikio: KvikioFile | None = None
+        self._direct_io, self._preallocate = direct_io, preallocate
+        if not os.path.isdir(self._directory):
+            raise ValueError(f"nvme directory {self._directory!r} does not exist")
         if backend == "kvikio":
-            try:
-                self._kvikio = KvikioFile(self._file.fd)
-            except BaseException:
-                self._file.close()
-                raise
+            KvikioFile.check_available()
         self._backend = backend
+        self._file: SpillFile | None = None  # see NOTE [ Spill file layout ]: made on demand
+        self._kvikio: KvikioFile | None = None
+        # See NOTE [ Directories left by a killed process ].
+        remove_stale_private_dirs(self._directory)
+        with contextlib.suppress(StorageError):
+            self._open_file(None)  # at once where it can be; else each write tries again
         self._alloc = ExtentAllocator(alignment=ALIGNMENT_BYTES)
         self._pool = pool
         self._own_engine = copy_engine is None
@@ -156,6 +166,10 @@ class NvmeTier(Tier):
         self._executor: IoThreads | None = None
         self._executor_lock = threading.Lock()
         self._stopped = False  # _stop() ran: no new I/O threads
+        # Staging regions of tensor writes not yet finished (a set: add and discard are atomic
+        # under the GIL), and in a forked child those of the parent's, which no thread finishes.
+        self._staging: set[HostRegion] = set()
+        self._parent_staging: list[HostRegion] = []
 
     # -- properties ---------------------------------------------------------------------------------
 
@@ -165,9 +179,10 @@ class NvmeTier(Tier):
         return self._directory
 
     @property
-    def private_directory(self) -> str:
-        """This tier's own 0700 subdirectory (empty: the file is unlinked)."""
-        return self._file.directory
+    def private_directory(self) -> str | None:
+        """This tier's own 0700 subdirectory (empty: the file is unlinked); ``None`` while the
+        spill file could not be made yet (a full or read-only disk)."""
+        return None if self._file is None else self._file.directory
 
     @property
     def capacity_bytes(self) -> int:
@@ -176,12 +191,12 @@ class NvmeTier(Tier):
     @property
     def file_bytes(self) -> int:
         """Current size of the spill file (it grows in chunks, never shrinks before close)."""
-        return self._file.size
+        return 0 if self._file is None else self._file.size
 
     @property
     def direct_io(self) -> bool:
-        """Whether aligned I/O bypasses the page cache here."""
-        return self._file.direct_io
+        """Whether aligned I/O bypasses the page cache here (False before the file exists)."""
+        return self._file is not None and self._file.direct_io
 
     @property
     def backend(self) -> str:
@@ -194,6 +209,8 @@ class NvmeTier(Tier):
     ) -> StoredHandle:
         check_waitable(after)
         self._check_open()
+        if self._parent_staging:
+            self._release_parent_staging()
         if isinstance(source, torch.Tensor) and source.device.type != "cpu":
             return self._write_device(source, nbytes, after)
         staging: HostRegion | None = None
@@ -204,6 +221,7 @@ class NvmeTier(Tier):
         else:
             data, n = source_bytes(source, nbytes)
             staging = region = self._staging_pool().allocate(n)
+            self._staging.add(staging)
         # The source region is read by I/O threads until the write completes; see NOTE
         # [ Transfer ordering ]. ``span`` is 4 KiB-aligned and padded, so O_DIRECT applies.
         array = region.span.numpy()
@@ -211,6 +229,7 @@ class NvmeTier(Tier):
         def cleanup() -> None:
             if staging is not None:
                 self._engine.poison(staging.span)
+                self._staging.discard(staging)
                 staging.release()
 
         try:
@@ -277,7 +296,7 @@ class NvmeTier(Tier):
         wait_for(after)
         crcs = _chunk_crcs(array, start, data_end)
         handle._crcs[index : index + len(crcs)] = crcs  # type: ignore[index]
-        self._file.write(array[start:io_end], handle._offset + start)  # type: ignore[operator]
+        self._spill().write(array[start:io_end], handle._offset + start)  # type: ignore[operator]
 
     # -- read ---------------------------------------------------------------------------------------
 
@@ -315,7 +334,7 @@ class NvmeTier(Tier):
         self._engine.delay()
         base = handle._offset
         assert base is not None  # every file record has an offset
-        self._file.read_into(array[start:io_end], base + start)
+        self._spill().read_into(array[start:io_end], base + start)
         for k, actual in enumerate(_chunk_crcs(array, start, data_end)):
             expected = handle._crcs[index + k]  # type: ignore[index]
             if actual == expected:
@@ -337,11 +356,13 @@ class NvmeTier(Tier):
     def _write_device(
         self, source: torch.Tensor, nbytes: int | None, after: object
     ) -> StoredHandle:
-        kv = self._require_kvikio(source)
+        self._require_kvikio(source)
         data, n = source_bytes(source, nbytes)
         handle = self._new_record(n, on_device=True)
         if n == 0:
             return handle
+        kv = self._require_kvikio(source)
+        assert kv is not None  # the record's claim opened the file
         pieces = _pieces(n, n)
 
         def write_piece(piece: tuple[int, int, int, int]) -> None:
@@ -374,6 +395,7 @@ class NvmeTier(Tier):
         def read_piece(piece: tuple[int, int, int, int]) -> None:
             _, start, end, _ = piece
             self._engine.delay()
+            assert kv is not None  # a record with bytes: its claim opened the file
             if kv.pread(dst[start:end], handle._offset + start) != end - start:  # type: ignore[operator]
                 raise StorageError("kvikio read fewer bytes than asked (short file?)")
 
@@ -385,8 +407,9 @@ class NvmeTier(Tier):
             on_error=lambda e: self._map_error(e, "reading a record", None),
         )
 
-    def _require_kvikio(self, tensor: object) -> KvikioFile:
-        if self._kvikio is None:
+    def _require_kvikio(self, tensor: object) -> KvikioFile | None:
+        """The kvikio file (``None`` before the spill file exists); a TypeError without kvikio."""
+        if self._backend != "kvikio":
             device = getattr(tensor, "device", "a device")
             raise TypeError(
                 f"the NVMe tier takes host bytes; got a {device} tensor. Copy it into a "
@@ -424,7 +447,10 @@ class NvmeTier(Tier):
             offset = self._alloc.allocate(padded)
             if offset is not None:
                 return offset
-            size = self._file.size
+            if self._file is None:
+                self._open_file(n)
+            file = self._spill()
+            size = file.size
             need = padded - self._alloc.trailing_free()
             if size + need > self._capacity:
                 raise StorageFullError(
@@ -439,19 +465,43 @@ class NvmeTier(Tier):
             # Grow by a whole chunk when the cap allows; near a full disk, by just what is needed.
             target = min(size + max(need, self._growth), self._capacity)
             try:
-                self._file.grow(target)
+                file.grow(target)
             except OSError as first:
                 if target == size + need:
                     raise self._map_error(first, "growing the spill file", n) from first
                 try:
-                    self._file.grow(size + need)
+                    file.grow(size + need)
                 except OSError as e:
                     raise self._map_error(e, "growing the spill file", n) from e
-            self._alloc.add(size, self._file.size - size)
+            self._alloc.add(size, file.size - size)
             offset = self._alloc.allocate(padded)
             if offset is None:  # pragma: no cover - the growth above made room
                 raise StorageError("the spill file grew but the record still does not fit")
             return offset
+
+    def _open_file(self, nbytes: int | None) -> None:
+        """Make the private directory and spill file (and kvikio's view of it), under the lock
+        or in ``__init__``. An OS error (ENOSPC, EDQUOT, EROFS, EACCES) is raised mapped,
+        naming the directory: the record for ``nbytes`` goes to another tier, and the next
+        write tries again."""
+        try:
+            spill = SpillFile(
+                self._directory, direct_io=self._direct_io, preallocate=self._preallocate
+            )
+        except OSError as e:
+            raise self._map_error(e, "creating the spill file", nbytes) from e
+        if self._backend == "kvikio":
+            try:
+                self._kvikio = KvikioFile(spill.fd)
+            except BaseException:
+                spill.close()
+                raise
+        self._file = spill
+
+    def _spill(self) -> SpillFile:
+        file = self._file
+        assert file is not None  # a record with bytes was claimed in it
+        return file
 
     def _release(self, handle: StoredHandle) -> None:
         if handle._charge and not self._closed:
@@ -469,6 +519,28 @@ class NvmeTier(Tier):
 
     # -- threads and lifetime -----------------------------------------------------------------------
 
+    def _after_fork_in_child(self) -> None:
+        # See NOTE [ Forked children ]: the parent's records live in the parent's file, and the
+        # I/O threads that moved them are not here. The next write makes new ones.
+        super()._after_fork_in_child()
+        for handle in self._live:
+            handle._freed = handle._released = True  # reads say "freed"; free() is a no-op
+        self._live = set()
+        self._used = 0
+        self._alloc = ExtentAllocator(alignment=ALIGNMENT_BYTES)
+        file, self._file, self._kvikio = self._file, None, None
+        if file is not None:
+            file.forget_in_child()
+        self._executor = None
+        self._executor_lock = threading.Lock()
+        # Given back at the next write or close, once the pool's lock is new too.
+        self._parent_staging, self._staging = list(self._staging), set()
+
+    def _release_parent_staging(self) -> None:
+        regions, self._parent_staging = self._parent_staging, []
+        for region in regions:
+            region.release()
+
     def _staging_pool(self) -> HostPool:
         if self._pool is None:
             self._pool = shared_host_pool()
@@ -483,7 +555,7 @@ class NvmeTier(Tier):
                 self._executor = IoThreads(
                     self._io_threads,
                     "storage-io",
-                    f"NVMe I/O in {self.private_directory}",
+                    f"NVMe I/O in {self.private_directory or self._directory}",
                     initializer=(
                         None
                         if self._cuda_device is None
@@ -493,6 +565,7 @@ class NvmeTier(Tier):
             return self._executor
 
     def _stop(self) -> None:
+        self._release_parent_staging()
         with self._executor_lock:
             executor, self._executor = self._executor, None
             self._stopped = True
@@ -504,12 +577,13 @@ class NvmeTier(Tier):
             self._engine.close()
         if self._kvikio is not None:
             self._kvikio.close()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def __repr__(self) -> str:
         return (
             f"NvmeTier({self._directory!r}, used={format_bytes(self._used)}, "
-            f"file={format_bytes(self._file.size)}, cap={format_bytes(self._capacity)}, "
+            f"file={format_bytes(self.file_bytes)}, cap={format_bytes(self._capacity)}, "
             f"direct_io={self.direct_io})"
         )
 

@@ -13,6 +13,7 @@ import torch
 from storage._budget import default_cpu_budget_bytes
 from storage._errors import StorageError, StorageFullError
 from storage._extents import ExtentAllocator
+from storage._transfer import reset_in_forked_child
 from storage._units import ALIGNMENT_BYTES, format_bytes, next_pow2, prev_pow2, round_up
 
 logger = logging.getLogger("storage")
@@ -205,6 +206,11 @@ class HostPool:
         self._host_allocations = 0
         self._closed = False
         self._ever_pinned = False
+        reset_in_forked_child(self)
+
+    def _after_fork_in_child(self) -> None:
+        # See NOTE [ Forked children ]: a thread of the parent may have held the lock.
+        self._lock = threading.Lock()
 
     # -- accounting -------------------------------------------------------------------------------
 
@@ -485,8 +491,12 @@ class HostPool:
 def _allocate_host(nbytes: int, *, pinned: bool) -> torch.Tensor:
     if pinned:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    # Anonymous mmap is page-aligned, and its pages are committed on first touch only.
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    # Anonymous mmap is page-aligned, and its pages are committed on first touch only. Private:
+    # Python's default, MAP_SHARED, left a forked child and its parent writing the same slabs
+    # (NOTE [ Forked children ]).
+    private = getattr(mmap, "MAP_PRIVATE", None)
+    buffer = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def _empty_host_cache() -> None:

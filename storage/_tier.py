@@ -19,6 +19,7 @@ from storage._transfer import (
     finish_elsewhere,
     finished,
     on_worker_thread,
+    reset_in_forked_child,
 )
 
 if TYPE_CHECKING:
@@ -154,6 +155,20 @@ class Tier(ABC):
         self._used = 0
         self._closed = False
         self._close_done = threading.Event()  # close()'s work has finished (see close)
+        reset_in_forked_child(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: new locks, and the parent's transfers forgotten (they never end
+        here). Subclasses drop what else the parent's threads or files held. See NOTE [ Forked
+        children ]."""
+        self._lock = threading.Lock()
+        self._started = threading.Condition(self._lock)
+        self._inflight = set()
+        self._starting = 0
+        for handle in self._live:
+            handle._pending = 0  # their transfers were the parent's
+        if self._closed:
+            self._close_done.set()
 
     @abstractmethod
     def write(

@@ -154,6 +154,14 @@ class CopyEngine:
         self._worker: IoThreads | None = None
         self._worker_lock = threading.Lock()
         self._stopped: threading.Event | None = None  # set once the last close's worker stopped
+        reset_in_forked_child(self)
+
+    def _after_fork_in_child(self) -> None:
+        # See NOTE [ Forked children ]: the parent's worker thread is not here.
+        self._random_lock = threading.Lock()
+        self._worker_lock = threading.Lock()
+        self._worker = None
+        self._stopped = None
 
     @property
     def deferred(self) -> bool:
@@ -263,6 +271,42 @@ _gc_track_lock = threading.Lock()
 
 def _note_gc(phase: str, info: dict[str, Any]) -> None:
     _gc_state.collecting = phase == "start"
+
+
+# NOTE [ Forked children ]
+# A child forked from this process (os.fork, a fork-started DataLoader or multiprocessing worker)
+# has none of storage's threads, and the locks they held at the fork stay held in it for ever.
+# Every object that owns threads, locks or transfers registers itself here when it is made, and
+# in the child ``_after_fork_in_child()`` runs on each (in no particular order, so each touches
+# only its own state): new locks; transfers and thread pools of the parent forgotten (their
+# futures never complete here); an NVMe tier forgets the parent's records and spill file (its
+# descriptor shares the parent's file offset-free, but the ranges are the parent's), closing the
+# inherited descriptors without removing the parent's directory, and makes new threads and a
+# new private directory at its next write. Host memory records stay: the child has a copy of
+# the bytes (on CPU; CUDA and pinned memory do not survive a fork). The offload executor drops
+# the parent's saved tensors at its next call (NOTE there). Nothing runs at the fork but these
+# resets; registering installs one os.register_at_fork hook, at the first object, never at import.
+_fork_resets: weakref.WeakSet[Any] = weakref.WeakSet()
+_fork_lock = threading.Lock()
+_fork_hooked = False
+
+
+def reset_in_forked_child(owner: object) -> None:
+    """Have ``owner._after_fork_in_child()`` run in each child forked from this process (see
+    NOTE [ Forked children ]); ``owner`` is held weakly."""
+    global _fork_hooked
+    with _fork_lock:
+        _fork_resets.add(owner)
+        if not _fork_hooked and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_reset_forked)
+            _fork_hooked = True
+
+
+def _reset_forked() -> None:
+    global _fork_lock
+    _fork_lock = threading.Lock()  # the parent's may have been held by another thread
+    for owner in list(_fork_resets):
+        owner._after_fork_in_child()
 
 
 def track_gc_passes() -> None:

@@ -506,6 +506,39 @@ def test_real_enospc_during_a_sparse_write_is_storage_full(tiny_tmpfs, pool):
         assert tier.used_bytes == 0 and pool.used_bytes == 0
 
 
+def test_a_read_only_disk_fails_each_write_until_it_is_writable_again(tiny_tmpfs, pool):
+    """The private directory cannot be made on a read-only disk (a real EROFS, also for root):
+    the tier is made all the same and each write raises StorageError naming the directory (a
+    bare OSError from the constructor before), so the caller can fall back; once the disk is
+    writable again the next write makes the spill file and stores the record."""
+
+    def remount(mode: str) -> None:
+        done = subprocess.run(
+            ["mount", "-o", f"remount,{mode}", str(tiny_tmpfs)], capture_output=True
+        )
+        assert done.returncode == 0, done.stderr
+
+    remount("ro")
+    with NvmeTier(tiny_tmpfs, capacity_bytes=MiB, pool=pool) as tier:
+        assert tier.private_directory is None and tier.file_bytes == 0
+        for _ in range(2):
+            with pytest.raises(StorageError) as info:
+                tier.write(random_bytes(5000))
+            err = info.value
+            assert err.errno == errno.EROFS and str(tiny_tmpfs) in str(err)
+            assert "creating the spill file" in str(err)
+            assert isinstance(err.__cause__, OSError)
+            assert tier.used_bytes == 0 and pool.used_bytes == 0
+        remount("rw")
+        h = tier.write(random_bytes(5000))
+        out = torch.empty(5000, dtype=torch.uint8)
+        tier.read(h, out).wait()
+        assert torch.equal(out, random_bytes(5000))
+        assert os.path.dirname(tier.private_directory) == str(tiny_tmpfs)
+        tier.free(h)
+    assert os.listdir(tiny_tmpfs) == []
+
+
 def test_efbig_from_a_file_size_limit_is_storage_full(tmp_path):
     """RLIMIT_FSIZE makes the kernel refuse growth with EFBIG (Python ignores SIGXFSZ)."""
     script = textwrap.dedent(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import random
 import threading
+import time
 import weakref
 
 import pytest
@@ -470,3 +472,35 @@ def test_pinned_slabs_given_back_leave_torchs_host_cache():
         assert pinned() - before == 32 * MiB  # not 48 MiB
         assert pool.trim() == 32 * MiB
         assert pinned() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_has_its_own_copy_of_the_pool():
+    """Unpinned slabs were MAP_SHARED anonymous mmaps: a forked child's records and staging
+    overwrote the parent's bytes in the same slabs (the parent read back 2s here). Private
+    now: each process writes its own copy, and the child's pool works with a lock of its own."""
+    with HostPool(1 << 20, slab_bytes=1 << 20) as pool:
+        region = pool.allocate(8192)
+        region.tensor.fill_(1)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                region.tensor.fill_(2)
+                other = pool.allocate(4096)  # the child's own lock and bookkeeping
+                other.release()
+                code = 0 if bool((region.tensor == 2).all()) else 1
+            finally:
+                os._exit(code)
+        for _ in range(600):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the child hung")
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert bool((region.tensor == 1).all())
+        region.release()
