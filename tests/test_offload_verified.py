@@ -1,0 +1,200 @@
+"""Recomputation never changes results: modules the model checkpoints itself and blocks that
+write their input in place are not recomputed, and the first planned step verifies every other
+recomputed module (NOTE [ Verified recomputation ] in offload/_verify.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import offload
+from lifecycle import HardwareModel
+from offload._verify import same_bits
+
+# A 1 MB/s link: the planner recomputes rather than offloads.
+SLOW = HardwareModel.cpu_only(
+    copy_bytes_per_s=1e6, disk_write_bytes_per_s=1e6, disk_read_bytes_per_s=1e6
+)
+STEPS = 4
+
+
+class Block(nn.Module):
+    """LayerNorm, Linear 64->256, GELU, Linear 256->64; ``noise``: times uniform noise drawn
+    from ``gen`` (``"attribute"``: a generator of its own, ``self.gen``; ``"hidden"``: one held
+    in a list, which no attribute scan finds); ``writes_input``: opens with
+    ``LeakyReLU(0.2, inplace=True)``, as pix2pix U-Net blocks do."""
+
+    def __init__(self, noise: str = "", writes_input: bool = False) -> None:
+        super().__init__()
+        self.norm, self.fc1 = nn.LayerNorm(64), nn.Linear(64, 256)
+        self.act, self.fc2 = nn.GELU(), nn.Linear(256, 64)
+        self.lrelu = nn.LeakyReLU(0.2, inplace=True) if writes_input else None
+        self.noise = noise
+        if noise == "attribute":
+            self.gen = torch.Generator().manual_seed(7)
+        elif noise == "hidden":
+            self.gens = [torch.Generator().manual_seed(7)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lrelu is not None:
+            x = self.lrelu(x)
+        h = self.act(self.fc1(self.norm(x)))
+        if self.noise:
+            gen = self.gen if self.noise == "attribute" else self.gens[0]
+            h = h * torch.rand(h.shape, generator=gen)
+        return self.fc2(h)
+
+
+class Residual(nn.Module):
+    """4 residual blocks; ``checkpointed``: the blocks the model runs under non-reentrant
+    ``torch.utils.checkpoint`` itself; ``make``: each block by index."""
+
+    def __init__(self, make: Callable[[int], Block], checkpointed: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(make(i) for i in range(4))
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, b in enumerate(self.blocks):
+            if i in self.checkpointed:
+                x = x + checkpoint(b, x, use_reentrant=False)
+            elif b.lrelu is not None:
+                x = x + b(x * 1.0)  # the block writes its own input, not the residual
+            else:
+                x = x + b(x)
+        return x
+
+
+def run(
+    make: Callable[[], Residual], reseed: bool = False
+) -> tuple[offload.ActivationOffloader, list[warnings.WarningMessage]]:
+    """Train ``make()`` under a manager (budget 60% of the profile's peak, SLOW link) beside a
+    run without offloading, asserting bitwise equal gradients at every step; the manager (still
+    open) and the warnings it gave. ``reseed``: each step seeds the hidden generators first."""
+    ref, model, probe = make(), make(), make()
+    model.load_state_dict(ref.state_dict())
+    xs = [torch.randn(256, 64, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
+    trace = offload.profile(lambda: probe(xs[0]).pow(2).sum().backward(), probe)
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=int(0.6 * trace.peak_saved_bytes), hardware=SLOW, min_offload_bytes=0
+    )
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step, x in enumerate(xs):
+            for m, ctx in ((ref, contextlib.nullcontext()), (model, mgr)):
+                if reseed:
+                    for b in m.blocks:
+                        if b.noise == "hidden":
+                            b.gens[0].manual_seed(100 + step)
+                m.zero_grad(set_to_none=True)
+                with ctx:
+                    loss = m(x).pow(2).sum()
+                loss.backward()
+            for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+                assert torch.equal(a.grad, b.grad), (step, name)
+            if step == 1:
+                # The first planned step recomputed (this test is not vacuous).
+                assert mgr.stats.last.bytes_recomputed > 0
+    return mgr, [w for w in said if "offload" in str(w.message)]
+
+
+def recomputed(mgr: offload.ActivationOffloader) -> set[str]:
+    plan = mgr.plan
+    assert plan is not None
+    return {m for m, _ in plan.recompute_calls}
+
+
+def test_blocks_the_model_checkpoints_itself_are_not_recomputed() -> None:
+    """Blocks 1 and 3 under the model's own non-reentrant checkpoint: a plan that recomputed
+    one (checkpoint inside checkpoint) made every planned backward raise CheckpointError
+    ("Recomputed values ... different metadata"). The trace names them and everything inside;
+    the plan recomputes only blocks 0 and 2."""
+    mgr, said = run(lambda: Residual(lambda i: Block(), checkpointed=(1, 3)))
+    try:
+        assert recomputed(mgr) and recomputed(mgr) <= {"blocks.0", "blocks.2"}
+        trace = mgr._profiler.trace()
+        assert {"blocks.1", "blocks.3", "blocks.1.fc1"} <= set(
+            trace.metadata["checkpointed_modules"]
+        )
+        # The plan's own checkpoints, recorded on the first planned step, are not the model's.
+        assert "blocks.0.fc1" not in trace.metadata["checkpointed_modules"]
+        assert not said
+    finally:
+        mgr.close()
+
+
+def test_blocks_that_write_their_input_in_place_are_not_recomputed() -> None:
+    """Blocks 1 and 3 open with LeakyReLU(inplace=True) on their input, which checkpoint saved:
+    recomputing one made every planned backward raise "modified by an inplace operation". The
+    trace names them; the plan recomputes only the others."""
+    mgr, said = run(lambda: Residual(lambda i: Block(writes_input=i % 2 == 1)))
+    try:
+        assert recomputed(mgr) and not recomputed(mgr) & {"blocks.1", "blocks.3"}
+        meta = mgr._profiler.trace().metadata
+        assert {"blocks.1", "blocks.3"} <= set(meta["input_writing_modules"])
+        assert not said
+    finally:
+        mgr.close()
+
+
+def test_a_modules_own_generator_is_replayed_and_it_stays_recomputed() -> None:
+    """Blocks 1 and 3 draw noise from a torch.Generator of their own (``self.gen``), which
+    checkpoint does not replay: recomputing them gave other gradients from the first planned
+    step on. Their generators are replayed now: the first planned step verifies them equal, and
+    they stay recomputed (no false exclusion), with no warning."""
+    mgr, said = run(lambda: Residual(lambda i: Block(noise="attribute" if i % 2 else "")))
+    try:
+        assert {"blocks.1", "blocks.3"} <= recomputed(mgr)
+        assert mgr.stats.last.bytes_recomputed > 0
+        assert not mgr._verifier.differing
+        assert not said
+    finally:
+        mgr.close()
+
+
+def test_a_recomputation_that_differs_is_found_excluded_and_warned_once() -> None:
+    """Blocks 1 and 3 draw from a generator no attribute scan finds: their recomputation
+    differs. The first planned step finds it, yet its gradients are exact (it uses what the
+    forward saved); the signature is planned again without them, the other blocks stay
+    recomputed, and each is named in one warning. (The loop seeds those generators each step,
+    as the recomputation that finds the difference advances them once more.)"""
+    mgr, said = run(lambda: Residual(lambda i: Block(noise="hidden" if i % 2 else "")), reseed=True)
+    try:
+        assert list(mgr._verifier.differing) and set(mgr._verifier.differing) <= {
+            "blocks.1",
+            "blocks.3",
+        }
+        left = recomputed(mgr)
+        assert left and not left & {"blocks.1", "blocks.3"}
+        named = [str(w.message) for w in said]
+        assert len(named) == len(mgr._verifier.differing)
+        for name in mgr._verifier.differing:
+            assert sum(f"module {name!r}" in m for m in named) == 1
+    finally:
+        mgr.close()
+
+
+def test_same_bits_compares_bits() -> None:
+    nan = torch.tensor([float("nan"), 1.0])
+    assert same_bits(nan, nan.clone())
+    assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not same_bits(torch.ones(2), torch.ones(3))
+    assert same_bits(torch.ones(2, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64))
+    assert same_bits(torch.tensor([True]), torch.tensor([True]))
+    assert not same_bits(torch.ones(2, dtype=torch.float16), torch.ones(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.int8])
+def test_same_bits_reads_every_element_size(dtype: torch.dtype) -> None:
+    a = torch.arange(6).to(dtype).reshape(2, 3).t()  # not contiguous
+    b = a.clone()
+    assert same_bits(a, b)
+    b[1, 1] += 1
+    assert not same_bits(a, b)
