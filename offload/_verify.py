@@ -12,7 +12,8 @@ NOTE [ Verified recomputation ]
     checkpoint's own that hands every pack on to checkpoint and keeps the original tensor (a
     detached reference). At each unpack the tensor checkpoint recomputed is compared with the
     original bit for bit (bytes viewed as integers: NaNs and signed zeros count), and the
-    original is returned, so that step's gradients are exact whatever the comparison finds.
+    original is returned, so that step's gradients are exact whatever the comparison finds
+    (a recomputation checkpoint refuses, tensors of other shapes or number, differs too).
     The ``torch.Generator`` attributes of the module and its submodules (``self.gen``) are
     replayed as checkpoint replays the default ones (their states at the forward are set again
     for the recomputation, and put back after it), so such a module recomputes its own draws
@@ -134,6 +135,7 @@ class VerifyTap(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, verifier: RecomputeVerifier, signature: str, module: str) -> None:
         self.verifier, self.signature, self.module = verifier, signature, module
+        self.failed = False  # checkpoint refused the recomputation (see _unpack)
         self._outer: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
         super().__init__(self._pack, self._unpack)
 
@@ -150,7 +152,16 @@ class VerifyTap(torch.autograd.graph.saved_tensors_hooks):
         if not isinstance(saved, _Saved):
             return saved
         assert self._outer is not None
-        recomputed = self._outer[1](saved.held)
+        if self.failed:
+            return saved.original
+        try:
+            recomputed = self._outer[1](saved.held)
+        except torch.utils.checkpoint.CheckpointError:
+            # Recomputed tensors of other shapes, dtypes or number (data-dependent control flow
+            # on state that changed): a difference too, and the originals are all here.
+            self.failed = True
+            self.verifier.report(self, False)
+            return saved.original
         self.verifier.report(self, same_bits(recomputed, saved.original))
         return saved.original
 
