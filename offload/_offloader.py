@@ -1496,15 +1496,15 @@ class ActivationOffloader:
 
     def _plan_profiled(self) -> None:
         """Plan every profiled signature not planned yet (between steps)."""
-        if self._budget_bytes is None or not self._profiled:
+        if self._budget_bytes is None:
+            return
+        self._verifier_found()  # may drop plans: made again below
+        if not self._profiled:
             return
         if self._profiler is None or self._profiler.recording:
             return
-        found = self._verifier_found()
-        if (
-            not found
-            and not self._timed
-            and all(s in self._plans or s in self._infeasible for s in self._profiled)
+        if not self._timed and all(
+            s in self._plans or s in self._infeasible for s in self._profiled
         ):
             return  # nothing new: do not rebuild the trace (every step comes here)
         trace = self._profiler.trace()
@@ -1532,10 +1532,10 @@ class ActivationOffloader:
                 self._refine_next.add(sig)
             log.info("%s", describe(plan))
 
-    def _verifier_found(self) -> bool:
+    def _verifier_found(self) -> None:
         """Between steps: warn about modules found to recompute other values than their forward
-        saved, and drop the plans that recompute them (made again by the caller, less them);
-        whether there were any (NOTE [ Verified recomputation ] in _verify.py)."""
+        saved, and drop the profiled signatures' plans that recompute them (made again by the
+        caller, less them; NOTE [ Verified recomputation ] in _verify.py)."""
         found = self._verifier.settle()
         for name in found:
             self._warn_once(
@@ -1548,7 +1548,7 @@ class ActivationOffloader:
                 "without it; others run it as it is",
             )
         if not found:
-            return False
+            return
         for sig, plan in list(self._plans.items()):
             if sig not in self._profiled or sig in self._given:
                 continue
@@ -1557,7 +1557,6 @@ class ActivationOffloader:
                 self._active_plans.pop(sig, None)
                 self._timed.pop(sig, None)
                 self._refine_next.discard(sig)
-        return True
 
     def _refine(self, trace: Trace) -> None:
         """Re-plan, once, each signature whose first planned step was timed (NOTE

@@ -303,3 +303,47 @@ def test_verified_recomputation_on_cuda(noise: str) -> None:
             assert not recomputed(mgr) & set(mgr._verifier.differing)
     finally:
         mgr.close()
+
+
+def test_a_given_plan_runs_a_module_found_to_differ_as_it_is() -> None:
+    """A plan given with ``plan=`` is not made again: the modules it recomputes that differ
+    are named once each and run as they are from the next step on (their saves reach the
+    manager: more records), and every step stays exact. (Before, with nothing profiled,
+    the verification was never settled: no warning, and each step verified again.)"""
+
+    def make() -> Residual:
+        return Residual(lambda i: Block(noise="hidden" if i % 2 else ""))
+
+    probe, ref, model = make(), make(), make()
+    model.load_state_dict(ref.state_dict())
+    xs = [torch.randn(256, 64, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
+    trace = offload.profile(lambda: probe(xs[0]).pow(2).sum().backward(), probe)
+    budget = int(0.6 * trace.peak_saved_bytes)
+    given = lifecycle.plan(trace, budget, SLOW, min_offload_bytes=0)
+    hidden = {m for m, _ in given.recompute_calls} & {"blocks.1", "blocks.3"}
+    assert hidden  # the given plan recomputes blocks that differ
+    mgr = offload.ActivationOffloader(
+        model, gpu_budget=budget, hardware=SLOW, min_offload_bytes=0, plan=given
+    )
+    records = []
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for step, x in enumerate(xs):
+                for m, ctx in ((ref, contextlib.nullcontext()), (model, mgr)):
+                    for b in m.blocks:
+                        if b.noise == "hidden":
+                            b.gens[0].manual_seed(100 + step)
+                    m.zero_grad(set_to_none=True)
+                    with ctx:
+                        loss = m(x).pow(2).sum()
+                    loss.backward()
+                for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+                    assert torch.equal(a.grad, b.grad), (step, name)
+                records.append(mgr.stats.last.records)
+        assert set(mgr._verifier.differing) == hidden
+        named = [str(w.message) for w in said if "recomputed other values" in str(w.message)]
+        assert len(named) == len(set(named)) == len(hidden)  # once each
+        assert records[0] < records[1] == records[-1]
+    finally:
+        mgr.close()
