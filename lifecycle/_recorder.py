@@ -113,7 +113,7 @@ def foreign_call(thread: int | None) -> bool:
 # NOTE [ Model checkpoints ]
 #     A module called while non-reentrant ``torch.utils.checkpoint``'s pack hooks are the
 #     innermost pair (the model checkpoints it, or a module around it, itself) is never
-#     recomputed by a plan: checkpointing it again inside the model's checkpoint makes every
+#     recomputed by a plan: checkpointing it again inside the model's checkpoint can make every
 #     backward fail (``CheckpointError``: recomputed values with different metadata), and its
 #     saves never reach offload's hooks anyway. A manager's own checkpoints (a plan recomputing a
 #     module) enter :class:`PlannedCheckpoint` as their forward context, which marks their pack
@@ -137,16 +137,16 @@ class PlannedCheckpoint:
         return None
 
 
+def is_checkpoint_pack(fn: Any) -> bool:
+    """Whether ``fn`` is non-reentrant ``torch.utils.checkpoint``'s pack hook."""
+    return getattr(fn, "__qualname__", "").startswith(_CHECKPOINT_PACK)
+
+
 def under_model_checkpoint() -> bool:
     """Whether the innermost saved-tensor hooks are a checkpoint's the model entered itself
     (NOTE [ Model checkpoints ])."""
     top = _top_hooks(False) if _top_hooks is not None else None
-    if top is None:
-        return False
-    pack = top[0]
-    return getattr(pack, "__qualname__", "").startswith(_CHECKPOINT_PACK) and (
-        pack not in _planned_packs
-    )
+    return top is not None and is_checkpoint_pack(top[0]) and top[0] not in _planned_packs
 
 
 class UnendedCalls:

@@ -31,7 +31,7 @@ import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
 from lifecycle._inert import ModuleHook
 from lifecycle._module_hooks import outer_calls, register_forward_hooks
-from lifecycle._recorder import UnendedCalls, foreign_call
+from lifecycle._recorder import UnendedCalls, foreign_call, is_checkpoint_pack
 from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
@@ -916,7 +916,7 @@ class ActivationOffloader:
         top = _top_hooks(False)
         if top is None or top[0] is self._pack_fn:
             return
-        if getattr(top[0], "__qualname__", "").startswith(_CHECKPOINT_PACK) or is_tap_pack(top[0]):
+        if is_checkpoint_pack(top[0]) or is_tap_pack(top[0]):
             return
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
             return
@@ -2158,8 +2158,6 @@ class ActivationOffloader:
 
 
 _OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
-# torch.utils.checkpoint's non-reentrant pack hook (a pair it pushes inside our steps).
-_CHECKPOINT_PACK = "_checkpoint_hook."
 
 
 def _same_layout(parent: _Member, out: torch.Tensor) -> bool:
