@@ -41,15 +41,20 @@ class Blocks:
     def __len__(self) -> int:
         return len(self.module)
 
-    def without(self, modules: Iterable[str]) -> Blocks:
-        """These blocks less those that are, hold, or lie inside one of ``modules``."""
+    def without(self, modules: Iterable[str], *, exactly: bool = False) -> Blocks:
+        """These blocks less those that are, hold, or lie inside one of ``modules`` (with
+        ``exactly``: less those that are one)."""
         modules = list(modules)
         if not modules:
             return self
-        keep = [
-            not any(p == "" or within(m, (p,)) or within(p, (m,)) for m in modules)
-            for p in self.module
-        ]
+        if exactly:
+            named = set(modules)
+            keep = [p not in named for p in self.module]
+        else:
+            keep = [
+                not any(p == "" or within(m, (p,)) or within(p, (m,)) for m in modules)
+                for p in self.module
+            ]
         mask = np.asarray(keep, bool)
         return Blocks(
             list(itertools.compress(self.module, keep)),

@@ -512,6 +512,16 @@ class _Step:
         # Nor is one overlapping a module the manager keeps (keep=), whose saved tensors never
         # move: they are no candidates either.
         stateful = trace.metadata.get("stateful_modules") or ()
+        # Nor one the model runs under a checkpoint of its own, nor one whose recomputation a
+        # manager found to differ from its forward (NOTE [ Model checkpoints ] in
+        # _recorder.py, NOTE [ Verified recomputation ] in offload/_verify.py), nor one that
+        # writes its own input in place (checkpoint saves that input; the block inside is not
+        # named and stays a candidate: the input it writes is its own, made in the block).
+        unsafe = [
+            *(trace.metadata.get("checkpointed_modules") or ()),
+            *(trace.metadata.get("recompute_mismatch_modules") or ()),
+        ]
+        writes_input = trace.metadata.get("input_writing_modules") or ()
         kept = tuple(trace.metadata.get("kept_modules") or ())
         if kept:
             inside = np.fromiter((within(k[0], kept) for k in self.keys), bool, len(self.keys))
@@ -521,7 +531,9 @@ class _Step:
             self.candidate &= ~held
         blocks = find_blocks(events, codes, self.t)
         self.all_blocks = len(blocks)
-        self.blocks = blocks.without([*stateful, *kept])
+        self.blocks = blocks.without([*stateful, *kept, *unsafe]).without(
+            writes_input, exactly=True
+        )
         # See NOTE [ Planner ]: memory is tracked over frames of consecutive events.
         nf = min(n, _MAX_FRAMES)
         self.n_frames = nf

@@ -110,6 +110,45 @@ def foreign_call(thread: int | None) -> bool:
     return threading.get_ident() != thread and not in_backward()
 
 
+# NOTE [ Model checkpoints ]
+#     A module called while non-reentrant ``torch.utils.checkpoint``'s pack hooks are the
+#     innermost pair (the model checkpoints it, or a module around it, itself) is never
+#     recomputed by a plan: checkpointing it again inside the model's checkpoint can make every
+#     backward fail (``CheckpointError``: recomputed values with different metadata), and its
+#     saves never reach offload's hooks anyway. A manager's own checkpoints (a plan recomputing a
+#     module) enter :class:`PlannedCheckpoint` as their forward context, which marks their pack
+#     hooks, so that a recorded planned step does not name the modules inside them.
+_CHECKPOINT_PACK = "_checkpoint_hook."  # torch.utils.checkpoint's pack hook's __qualname__
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_planned_packs: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class PlannedCheckpoint:
+    """The forward context (``context_fn``) of a checkpoint a manager's plan runs: marks the
+    checkpoint's pack hook, the innermost when it is entered, as the plan's (NOTE [ Model
+    checkpoints ])."""
+
+    def __enter__(self) -> None:
+        top = _top_hooks(False) if _top_hooks is not None else None
+        if top is not None:
+            _planned_packs.add(top[0])
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def is_checkpoint_pack(fn: Any) -> bool:
+    """Whether ``fn`` is non-reentrant ``torch.utils.checkpoint``'s pack hook."""
+    return getattr(fn, "__qualname__", "").startswith(_CHECKPOINT_PACK)
+
+
+def under_model_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are a checkpoint's the model entered itself
+    (NOTE [ Model checkpoints ])."""
+    top = _top_hooks(False) if _top_hooks is not None else None
+    return top is not None and is_checkpoint_pack(top[0]) and top[0] not in _planned_packs
+
+
 class UnendedCalls:
     """Entries of a module-call ``stack`` pushed by calls a backward runs (checkpoint's
     recomputation). Non-reentrant checkpoint stops recomputing once backward has what it needs,
@@ -159,6 +198,7 @@ class _Call:
     inputs: dict[int, Any] | None = None
     end_hook: Any = None
     buffers: tuple[tuple[torch.Tensor, int], ...] = ()  # the module's own, at the call
+    versions: tuple[tuple[torch.Tensor, int], ...] = ()  # its tensor arguments, at the call
 
 
 _RECORD_FIELDS = (  # the columns of a record row (Recorder._records)
@@ -313,6 +353,12 @@ class Recorder:
         # training), or changed any buffer of their own in place (a spectral norm's power
         # iteration): the trace names them, so that no plan recomputes them.
         self._stateful: set[str] = set()
+        # Modules called under a checkpoint the model entered itself (NOTE [ Model
+        # checkpoints ]), and modules whose forward wrote one of its tensor arguments in place
+        # (a block opening with LeakyReLU(inplace=True)): recomputing it would read the written
+        # argument, which checkpoint's saved input check refuses. No plan recomputes either.
+        self._checkpointed: set[str] = set()
+        self._writes_input: set[str] = set()
         # nn.RReLU modules called in a recorded step: offload keeps their saved tensors on the
         # device (NOTE [ Fill after pack ] in offload/_offloader.py), so the trace names them as kept modules.
         self._fill_after_pack: set[str] = set()
@@ -568,6 +614,10 @@ class Recorder:
             }
             if self._stateful:
                 meta["stateful_modules"] = sorted(self._stateful)
+            if self._checkpointed:
+                meta["checkpointed_modules"] = sorted(self._checkpointed)
+            if self._writes_input:
+                meta["input_writing_modules"] = sorted(self._writes_input)
             if self._global_roots:
                 meta["root_modules"] = sorted(self._global_roots)
             kept = self._fill_after_pack.union((metadata or {}).get("kept_modules") or ())
@@ -665,9 +715,13 @@ class Recorder:
                 return
             if not torch.is_grad_enabled():
                 return
-        call.inputs = {id(t): t.grad_fn for t in tensors_in(args)}
+        args_in = list(tensors_in(args))
+        call.inputs = {id(t): t.grad_fn for t in args_in}
+        call.versions = tuple((t, t._version) for t in args_in)
+        if under_model_checkpoint():
+            self._checkpointed.add(name)
         # The gradient of the first differentiable input marks the end of the module's backward.
-        for t in tensors_in(args):
+        for t in args_in:
             if t.requires_grad and t.grad_fn is not None:
                 call.end_hook = t.register_hook(_BackwardEnd(self, name, idx))
                 break
@@ -684,6 +738,9 @@ class Recorder:
                 # Its forward changed its own buffers in place (running statistics, a spectral
                 # norm's power iteration): running it again would change them twice.
                 self._stateful.add(call.module)
+            if any(t._version != v for t, v in call.versions):
+                self._writes_input.add(call.module)
+            call.versions = ()
             if in_backward() or not torch.is_grad_enabled():
                 return
         self._norms.note(module, output)

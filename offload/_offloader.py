@@ -31,7 +31,7 @@ import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
 from lifecycle._inert import ModuleHook
 from lifecycle._module_hooks import outer_calls, register_forward_hooks
-from lifecycle._recorder import UnendedCalls, foreign_call
+from lifecycle._recorder import UnendedCalls, foreign_call, is_checkpoint_pack
 from lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
@@ -75,6 +75,7 @@ from offload._recipe import (
     weight_cast,
 )
 from offload._stats import OffloadStats, StepStats
+from offload._verify import RecomputeVerifier, is_tap_pack
 from storage._transfer import close_later, in_gc_pass, start_closer
 
 log = logging.getLogger("offload")
@@ -400,6 +401,7 @@ class ActivationOffloader:
         # step is recorded for its timings, and those recorded and not re-planned yet
         # (signature -> its step in the profiler's trace).
         self._refine_next: set[str] = set()
+        self._verifier = RecomputeVerifier()  # NOTE [ Verified recomputation ] in _verify.py
         self._timed: dict[str, int] = {}
         self._profiling: str | None = None  # signature being profiled in the current step
         # Profiles cut short by a step that began before their backward ended, per signature
@@ -976,7 +978,7 @@ class ActivationOffloader:
         top = _top_hooks(False)
         if top is None or top[0] is self._pack_fn:
             return
-        if getattr(top[0], "__qualname__", "").startswith(_CHECKPOINT_PACK):
+        if is_checkpoint_pack(top[0]) or is_tap_pack(top[0]):
             return
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
             return
@@ -1557,7 +1559,10 @@ class ActivationOffloader:
 
     def _plan_profiled(self) -> None:
         """Plan every profiled signature not planned yet (between steps)."""
-        if self._budget_bytes is None or not self._profiled:
+        if self._budget_bytes is None:
+            return
+        self._verifier_found()  # may drop plans: made again below
+        if not self._profiled:
             return
         if self._profiler is None or self._profiler.recording:
             return
@@ -1589,6 +1594,32 @@ class ActivationOffloader:
             if self._user_plan is None or sig != self._user_plan.signature:
                 self._refine_next.add(sig)
             log.info("%s", describe(plan))
+
+    def _verifier_found(self) -> None:
+        """Between steps: warn about modules found to recompute other values than their forward
+        saved, and drop the profiled signatures' plans that recompute them (made again by the
+        caller, less them; NOTE [ Verified recomputation ] in _verify.py)."""
+        found = self._verifier.settle()
+        for name in found:
+            self._warn_once(
+                f"recompute-differs:{name}",
+                f"module {name!r}, which the plan recomputed (non-reentrant checkpoint), "
+                "recomputed other values than its forward saved (a torch.Generator of its own, "
+                "or state that changed since its forward): that step used the values its "
+                "forward saved, so its gradients are exact, and no plan of this manager "
+                "recomputes it again. Signatures planned from their profile are planned again "
+                "without it; others run it as it is",
+            )
+        if not found:
+            return
+        for sig, plan in list(self._plans.items()):
+            if sig not in self._profiled or sig in self._given:
+                continue
+            if any(m in self._verifier.differing for m, _ in plan.recompute_calls):
+                del self._plans[sig]
+                self._active_plans.pop(sig, None)
+                self._timed.pop(sig, None)
+                self._refine_next.discard(sig)
 
     def _refine(self, trace: Trace) -> None:
         """Re-plan, once, each signature whose first planned step was timed (NOTE
@@ -1637,6 +1668,11 @@ class ActivationOffloader:
     def _make_plan(self, trace: Trace, step: int, signature: str) -> Plan:
         """:func:`lifecycle.plan` of one profiled step with this manager's settings."""
         assert self._budget_bytes is not None
+        if self._verifier.differing:  # NOTE [ Verified recomputation ] in _verify.py
+            differing = sorted(self._verifier.differing)
+            trace = dataclasses.replace(
+                trace, metadata={**trace.metadata, "recompute_mismatch_modules": differing}
+            )
         return make_plan(
             trace,
             step=step,
@@ -1679,6 +1715,11 @@ class ActivationOffloader:
             # Weakly (the finalizer holds this dict): the model's lifetime is its owner's.
             self._recompute[name] = (weakref.ref(mod), weakref.ref(wrapper), own)
 
+    def _checkpoint_context(self, name: str, module: Any) -> Callable[[], tuple[Any, Any]]:
+        """Called by a RecomputeForward about to checkpoint a call of ``name`` (``module``):
+        checkpoint's ``context_fn`` (NOTE [ Verified recomputation ] in _verify.py)."""
+        return self._verifier.context_fn(self._last_signature or "", name, module)
+
     def _uninstall_recompute(self) -> None:
         _uninstall_forwards(self._recompute)
 
@@ -1687,6 +1728,8 @@ class ActivationOffloader:
         active = self._active
         if active is None or not self._in_step or not self._stack or not torch.is_grad_enabled():
             return None
+        if name in self._verifier.differing:
+            return None  # see NOTE [ Verified recomputation ] in _verify.py
         if foreign_call(self._step_thread):
             return None  # another thread's call: as it is (no stack entry of its own is on top)
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
@@ -2183,8 +2226,6 @@ class ActivationOffloader:
 
 
 _OUTSIDE = "<outside>"  # lifecycle.Recorder's name for packs outside every module
-# torch.utils.checkpoint's non-reentrant pack hook (a pair it pushes inside our steps).
-_CHECKPOINT_PACK = "_checkpoint_hook."
 
 
 def _same_layout(parent: _Member, out: torch.Tensor) -> bool:

@@ -365,9 +365,23 @@ class RecomputeForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         mgr = self.mgr()
         call = None if mgr is None else mgr._recompute_this(self.name)
-        if call is None:
+        if mgr is None or call is None:
             return self.forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        if torch.compiler.is_compiling():
+            # Traced into (a model compiled after the manager was made): checkpoint under
+            # compile takes only TorchDispatchMode contexts; nothing to verify or mark there.
+            return torch.utils.checkpoint.checkpoint(
+                self.forward, *args, use_reentrant=False, **kwargs
+            )
+        # The forward context marks the checkpoint as the plan's (NOTE [ Model checkpoints ] in
+        # lifecycle/_recorder.py) or verifies it (NOTE [ Verified recomputation ] in _verify.py).
+        return torch.utils.checkpoint.checkpoint(
+            self.forward,
+            *args,
+            use_reentrant=False,
+            context_fn=mgr._checkpoint_context(self.name, getattr(self.forward, "__self__", None)),
+            **kwargs,
+        )
 
 
 def _same(x: Any) -> Any:

@@ -202,7 +202,8 @@ def test_a_plan_of_an_offload_profile_trace_matches_the_managers_keys(tmp_path) 
             assert stats.bytes_offloaded_cpu == plan.bytes_by_placement()["cpu"], budget
             assert stats.bytes_recomputed == plan.bytes_by_placement()["recompute"], budget
             assert 0 < meter.peak_planned <= budget, (budget, meter.peak_planned)
-    assert [m for m, _ in plan.recompute_calls] == [f"Checkpointed.blocks.{i}" for i in range(3)]
+    # Not blocks.1, which the model checkpoints itself (NOTE [ Model checkpoints ]).
+    assert [m for m, _ in plan.recompute_calls] == [f"Checkpointed.blocks.{i}" for i in (0, 2)]
 
 
 def test_a_plan_of_another_scripts_root_is_refused() -> None:
