@@ -1084,6 +1084,7 @@ class _Simulator:
             window.append(fam)
         self.window = sorted(window, key=lambda f: f.facts.first_pack, reverse=True)
         self.window_next = 0
+        self.wanted: list[_FamilyState] = []  # named by a trigger, waiting for the window
         self.window_restart_at = self._later_pass_starts()
 
     def _later_pass_starts(self) -> dict[int, int]:
@@ -1310,8 +1311,19 @@ class _Simulator:
         """See NOTE [ Reload policy ]."""
         for fam in self.explicit_at.get(index, ()):
             self._request(fam)
-        for fam in self.trigger_at.get(index, ()):
-            self._request(fam)
+        triggered = self.trigger_at.get(index, ())
+        if triggered and self.prefetch_bytes:
+            # Under the window, last packed first, the call's last packed one at once (NOTE
+            # [ Module triggers under the window ] in offload/_executor.py); a window of 0
+            # brings each call's families back at once.
+            self._request(max(triggered, key=lambda f: f.facts.first_pack))
+            self.wanted = sorted(
+                {id(f): f for f in (*self.wanted, *triggered)}.values(),
+                key=lambda f: f.facts.first_pack,
+            )
+        else:
+            for fam in triggered:
+                self._request(fam)
         for fam, k in self.again_at.get(index, ()):
             if fam.backward_pass == k:
                 self._request(fam)
@@ -1320,6 +1332,15 @@ class _Simulator:
         restart = self.window_restart_at.get(index)
         if restart is not None:
             self.window_next = restart
+        wanted = self.wanted
+        while wanted:
+            fam = wanted[-1]
+            if not (fam.requested or fam.unpacked or not fam.packed):
+                span = fam.facts.span_bytes
+                if self.ahead_bytes and self.ahead_bytes + span > self.prefetch_bytes:
+                    break
+                self._request(fam)
+            wanted.pop()
         while self.window_next < len(self.window):
             fam = self.window[self.window_next]
             if not fam.packed:

@@ -134,6 +134,9 @@ class _StepState:
         self.walk_task = -1  # the backward (graph task) the look-ahead last walked in
         self.stored_bytes = 0  # bytes of its families (the automatic look-ahead's measure)
         self.revisit: list[Family] = []  # passed while their copy out was still in flight
+        # Named by a backward trigger, by order: reloaded under the window (NOTE [ Module
+        # triggers under the window ]).
+        self.wanted: dict[int, Family] = {}
         # Under a plan: trigger key -> families whose reload it starts (filled at pack).
         self.triggers: dict[tuple[str, str, int, int], list[Family]] = {}
         # False under a plan: reloads start at their planned triggers only, never through the
@@ -726,10 +729,16 @@ class Executor:
             window = window and step.windowed
             self.poll()
             for fam in needed:
-                if not window and fam.life is Life.COPYING_OUT:
+                if window:
+                    step.wanted[fam.order] = fam  # see NOTE [ Module triggers under the window ]
+                elif fam.life is Life.COPYING_OUT:
                     step.revisit.append(fam)
                 else:
                     self._begin_reload(fam)
+            if window and needed:
+                latest = max(needed, key=lambda f: f.order)
+                if not (latest.unpacked and latest.unpacked_task == graph_task()):
+                    self._begin_reload(latest)  # needed first: starts beyond the window too
             if not window:
                 waiting, step.revisit = step.revisit, []
                 for fam in waiting:
@@ -755,6 +764,8 @@ class Executor:
                     ]
                     step.prefetch_next = max(named, default=len(step.families) - 1)
                 step.walk_task = task
+            if step.wanted:
+                self._reload_wanted(step, task)
             while step.prefetch_next >= 0:
                 fam = step.families[step.prefetch_next]
                 if fam.life is Life.COPYING_OUT:
@@ -772,6 +783,38 @@ class Executor:
                     if not self._begin_reload(fam):
                         break  # memory is short: the window waits for unpacks to make room
                 step.prefetch_next -= 1
+
+    # NOTE [ Module triggers under the window ]
+    #     A module's backward trigger names the families its own ops packed (a module without
+    #     children: all of them). In windowed mode they are reloaded under the look-ahead
+    #     window too, last packed first, never all at once: a module running 8 x (matmul, tanh)
+    #     would otherwise bring back every one of its saved tensors when its backward begins,
+    #     as much as keeping them all. Inside one module the unpacks are the only events, so
+    #     each prefetch (a trigger, and every unpack after it consumed a reload) starts the
+    #     next wanted families that fit. Two start beyond the window: the one a trigger names
+    #     that was packed last (the module's backward is about to unpack it), and the next one
+    #     whenever nothing is reloaded ahead (one larger than the window still comes). Under a
+    #     plan (``window=False``) the trigger starts what the plan said, at once. The simulator
+    #     models the same rule (lifecycle/_simulate.py, NOTE [ Reload policy ]).
+
+    def _reload_wanted(self, step: _StepState, task: int) -> None:
+        """Start the families backward triggers named, last packed first, while they fit the
+        window (see NOTE [ Module triggers under the window ])."""
+        window = self.prefetch_bytes(step)
+        for order in sorted(step.wanted, reverse=True):
+            fam = step.wanted[order]
+            if (
+                fam.life is Life.OFF_DEVICE
+                and fam.members > 0
+                and not (fam.unpacked and fam.unpacked_task == task)
+            ):
+                if self._ahead_bytes and self._ahead_bytes + fam.nbytes > window:
+                    return
+                if not self._begin_reload(fam):
+                    return  # memory is short: the unpacks make room
+            # Reloading, resident, used by this backward, freed, or still copying out (its
+            # unpack then uses the source): nothing more to start for it.
+            del step.wanted[order]
 
     # NOTE [ Later backward passes ]
     #     A step may run several backwards over one graph (``l1.backward(retain_graph=True);

@@ -2346,3 +2346,58 @@ def test_predict_1f1b_offload_peak_is_min_memory_modes_on_a_stage() -> None:
             assert saved.peak_planned == predicted.offload.peak_bytes - predicted.offload.base_bytes
     finally:
         mgr.close()
+
+
+class _TanhChain(nn.Module):
+    """One module without children: 8 x (matmul, tanh) on 2 MiB activations, so its own ops
+    save 9 families of 2 MiB (the input, then each tanh output, which the next matmul saves
+    too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(1024, 1024) / 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(8):
+            x = torch.tanh(x @ self.w)
+        return x
+
+
+def test_a_modules_own_saved_tensors_come_back_under_the_window() -> None:
+    """Min-memory mode with max_inflight_bytes="4MiB" (the look-ahead window), one module
+    whose own ops save 9 x 2 MiB: its backward trigger brought every one of them back when
+    its backward began, ignoring the window: 18 MiB of saved bytes held at once, as many as
+    keeping everything. Now they come back last packed first as unpacks make room: the
+    window plus the family in use (6 MiB), as lifecycle's offload_all anchor predicts for
+    that window; gradients bitwise, no stall."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    model, x = _TanhChain(), torch.randn(512, 1024)
+    family, window = 2 << 20, 4 << 20
+
+    def step() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        return model.w.grad.clone()
+
+    trace = offload.profile(step, model)
+    predicted = lifecycle.predict_anchors(
+        trace, FAST, max_inflight_bytes=window, prefetch_bytes=window
+    )["offload_all"]
+    want = step()
+    mgr = offload.ActivationOffloader(model, max_inflight_bytes="4MiB", hardware=FAST)
+    try:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with SavedBytes.on(mgr) as saved:
+                with mgr:
+                    loss = model(x).sum()
+                loss.backward()
+            assert torch.equal(model.w.grad, want)
+            assert mgr.stats.last.records_offloaded_cpu == 9
+            assert mgr.stats.last.stalls == 0
+            assert saved.peak_planned == window + family  # 9 * family before
+            assert predicted.peak_bytes == saved.peak_planned
+    finally:
+        mgr.close()
