@@ -38,6 +38,7 @@ NOTE [ Stream ordering ]
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -445,16 +446,16 @@ class Executor:
             while self._writing and self._writing_bytes + n > self.staging_bytes:
                 self._wait_oldest_write(step)
             # The D2H copy lands in a pinned region; for NVMe that region is staging. A full
-            # pool first gets back the staging of the file writes still running.
+            # pool first gets back what copies and file writes in flight hold (NOTE [ A full
+            # pool waits for what is in flight ]).
             while region is None:
                 try:
                     region = self.pool.allocate(n)
                 except storage.StorageFullError as e:
-                    if not self._writing:
+                    if not self._wait_for_room(step):
                         raise from_storage(
                             e, "no pinned host memory for a D2H copy (raise cpu_budget)"
                         ) from e
-                    self._wait_oldest_write(step)
             packed = torch.cuda.Event()
             packed.record(torch.cuda.current_stream(self.device))  # P: t is fully computed
             with torch.cuda.stream(self._d2h):
@@ -486,7 +487,7 @@ class Executor:
                         handle = tier.write(region, n, after=self._io_event())
                         fam.spill = region
                     else:
-                        handle = tier.write(source)
+                        handle = self._write_waiting(step, tier, source)
                 except storage.StorageError as e:  # full, or an I/O error: the next tier
                     last_error = e
                     continue
@@ -520,6 +521,66 @@ class Executor:
             step.stats.records_offloaded_nvme += 1
         self._inflight.append(fam)
         self._inflight_bytes += n
+
+    # NOTE [ A full pool waits for what is in flight ]
+    #     Host regions of the pool (shared by the host tier, NVMe staging and, on CUDA, every
+    #     D2H copy) go back when the copies and file writes that use them complete. A pool
+    #     allocation that fails while some are in flight waits for the oldest copy out (an
+    #     NVMe record's staging goes back once its file write ends; on CUDA its D moves it to
+    #     the file writes), then for the oldest file write, then for staging regions and
+    #     families waiting for their events (rule 4), retrying after each; only once nothing
+    #     in flight can give room back does the record go to the next tier (a spill) or the
+    #     error reach the user. An unpack's reload waits the same way for NVMe staging.
+
+    def _wait_for_room(self, step: _StepState | None) -> bool:
+        """Wait for the oldest transfer in flight that holds pool memory and give back what
+        finished; False when none is left (NOTE [ A full pool waits for what is in flight ])."""
+        used = self.pool.used_bytes
+        self.poll()
+        if self.pool.used_bytes < used:
+            return True  # transfers that finished meanwhile gave room back
+        wait = self._oldest_holding_room()
+        if wait is None:
+            return False
+        if step is not None:  # counted first: a test's copy engine may hold it back till then
+            step.stats.backpressure_waits += 1
+        with contextlib.suppress(storage.StorageError):
+            wait()  # a failure is handled by poll(): next tier, or the pinned copy is kept
+        self.poll()
+        return True
+
+    def _oldest_holding_room(self) -> Any:
+        """How to wait for the oldest transfer in flight whose end gives pool memory back (in
+        the order of NOTE [ A full pool waits for what is in flight ]); None when none is."""
+        if self._orphans:
+            return self._orphans[0][0].wait  # its family is gone
+        if self._inflight:
+            return functools.partial(self._wait_copy_out, self._inflight[0])
+        if self._writing:
+            return self._writing[0][1].wait
+        if self._pending_regions:
+            return self._pending_regions[0][1].synchronize  # rule 4: R, the copy reading it
+        if self._pending_free:
+            return functools.partial(self._wait_events, self._pending_free[0])
+        return None
+
+    def _wait_events(self, fam: Family) -> None:
+        """Rule 4: wait for every transfer and event that may still touch ``fam``'s regions."""
+        self._wait_transfers(fam)
+        for event in (fam.source_event, fam.reload_event):
+            if event is not None:
+                event.synchronize()
+
+    def _write_waiting(self, step: _StepState, tier: storage.Tier, source: torch.Tensor) -> Any:
+        """CPU device: ``tier.write(source)``, waiting for room when the pool is full (its
+        region, or NVMe staging; NOTE [ A full pool waits for what is in flight ])."""
+        while True:
+            try:
+                return tier.write(source)
+            except storage.StorageFullError as e:
+                # directory None: host memory (a tier's own cap or disk names its directory).
+                if e.directory is not None or not self._wait_for_room(step):
+                    raise
 
     def _io_event(self) -> Any:
         """An event for I/O threads to wait on: D again, blocking (NOTE [ Stream ordering ])."""
@@ -858,6 +919,17 @@ class Executor:
                 return False
         return True
 
+    def _reload_waiting(self, fam: Family) -> None:
+        """``_start_reload`` for an unpack, waiting for room when the pool has none for the
+        NVMe staging (NOTE [ A full pool waits for what is in flight ])."""
+        while True:
+            try:
+                self._start_reload(fam)
+                return
+            except storage.StorageFullError as e:
+                if e.directory is not None or not self._wait_for_room(self.step):
+                    raise
+
     def _mark_ahead(self, fam: Family, ahead: bool) -> None:
         # Bytes reloaded (or reused) and not yet unpacked: what the look-ahead window bounds.
         if fam.ahead != ahead:
@@ -963,7 +1035,7 @@ class Executor:
                 prefetched = False
                 if stats is not None:
                     stats.stalls += 1
-                self._start_reload(fam)
+                self._reload_waiting(fam)
             if fam.life is Life.COPYING_IN:
                 t0 = time.perf_counter()
                 self._finish_reload(fam)

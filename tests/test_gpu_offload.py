@@ -389,3 +389,50 @@ def test_norm_outputs_rebuilt_bitwise_on_cuda(kind: str, autocast: bool) -> None
     norms = 3 * 8 * 512 * 1024 * (2 if autocast else 4)
     weights = 5 * 1024 * 1024 * 2 if autocast else 0
     assert (last.records_rebuilt, last.bytes_rebuilt) == (8 if autocast else 3, norms + weights)
+
+
+# -- pinned staging: a full pool waits (gpu-staging) ------------------------------------------
+
+
+def test_a_full_pinned_pool_waits_for_copies_in_flight_bitwise(tmp_path, monkeypatch) -> None:
+    """NOTE [ A full pool waits for what is in flight ] on CUDA: another user of the pinned
+    pool holds all but 2 MiB of the staging room, cpu_budget is 2 MiB, and the records (1 MiB
+    each) spill to NVMe through that room: each D2H copy's region waits for older copies
+    and file writes to give theirs back instead of raising StorageFullError. Bitwise."""
+    import storage
+
+    monkeypatch.setattr(storage._pool, "_shared_pools", {})
+    monkeypatch.setattr(storage._pool, "_shared_claims", {})
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(1024, 1024), nn.Tanh())])
+    model = model.cuda()
+    x = torch.randn(256, 1024, device="cuda")
+
+    def grads(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).sum()
+        loss.backward()
+        torch.cuda.synchronize()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads(None)
+    assert all(torch.equal(g, w) for g, w in zip(grads(None), want, strict=True))
+    pool = storage.shared_host_pool(pin_memory=True)
+    other = pool.allocate(2 * (256 << 20) - (2 << 20))  # the manager's least staging claim
+    mgr = offload.ActivationOffloader(
+        model,
+        tiers=("cpu", "nvme"),
+        nvme_dir=tmp_path,
+        cpu_budget="2MiB",
+        max_inflight_bytes="64MiB",
+        min_offload_bytes=0,
+    )
+    try:
+        for _ in range(2):
+            assert all(torch.equal(g, w) for g, w in zip(grads(mgr), want, strict=True))
+            assert mgr.stats.last.records_offloaded_nvme > 0
+    finally:
+        mgr.close()
+        other.release()
+        pool.close()

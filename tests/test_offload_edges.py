@@ -2369,3 +2369,71 @@ def test_storage_bytes_is_every_byte_of_the_storage_for_any_layout() -> None:
     # every dtype was drawn, and conjugate and negative views of several
     assert {k[0] for k in kinds} == {str(d) for d in _LAYOUT_DTYPES}
     assert sum(k[1] for k in kinds) >= 2 and sum(k[2] for k in kinds) >= 4
+
+
+def test_a_full_pool_waits_for_the_copies_in_flight_before_it_refuses(
+    tmp_path, monkeypatch
+) -> None:
+    """tiers=("cpu", "nvme"), cpu_budget="2MiB", and another user of the process-wide pool
+    holding all but 2 MiB of the staging room the manager claimed: the host tier takes the
+    first two 1 MiB records, NVMe staging the next two, and with their copies still in flight
+    (the deferred engine held back) the fifth found the pool full and the step raised
+    StorageFullError, though the first file write to end gives its staging back. Now the pack
+    waits for the oldest copies out (counted in backpressure_waits) and goes on; gradients
+    bitwise, every record stored, nothing left held."""
+    monkeypatch.setattr(storage._pool, "_shared_pools", {})
+    monkeypatch.setattr(storage._pool, "_shared_claims", {})
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(1024, 1024), nn.Tanh())])
+    x = torch.randn(256, 1024)  # 1 MiB records: x and each Tanh output
+    model(x).sum().backward()
+    want = local_grads(model)
+    pool = storage.shared_host_pool(pin_memory=False)
+    staging_claim = 2 * (256 << 20)  # the least a manager with NVMe claims (_make_executor)
+    other = pool.allocate(staging_claim - (2 << 20))  # a slab of 512 MiB, 2 MiB of it free
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.001, seed=5)
+    mgr = offload.ActivationOffloader(
+        model,
+        tiers=("cpu", "nvme"),
+        nvme_dir=tmp_path,
+        cpu_budget="2MiB",
+        max_inflight_bytes="64MiB",  # back-pressure never waits here: only the full pool does
+        min_offload_bytes=0,
+        _copy_engine=engine,
+    )
+    waited, done = threading.Event(), threading.Event()
+
+    def hold_copies_back() -> None:
+        # Every copy and file write waits until the manager waits for one, or its step failed
+        # (which waits for them too, to release their regions).
+        with engine.paused():
+            waited.set()
+            while not done.is_set():
+                step = mgr._executor.step if mgr._executor is not None else None
+                if step is not None and (step.stats.backpressure_waits or step.failed):
+                    break
+                time.sleep(0.001)
+
+    holder = threading.Thread(target=hold_copies_back)
+    try:
+        holder.start()
+        waited.wait()
+        model.zero_grad(set_to_none=True)
+        try:
+            with mgr:
+                loss = model(x).sum()
+        finally:
+            done.set()
+            holder.join()
+        loss.backward()
+        assert_bitwise(local_grads(model), want)
+        last = mgr.stats.last
+        assert last.records_offloaded_cpu == 2 and last.records_offloaded_nvme == 4
+        assert last.backpressure_waits > 0
+        del loss
+        assert_nothing_live(mgr)
+    finally:
+        mgr.close()
+        engine.close()
+        other.release()
+        pool.close()
