@@ -214,6 +214,10 @@ class Executor:
         self._writing: deque[tuple[Family, Any]] = deque()
         self._writing_bytes = 0
         self.staging_bytes = staging_bytes
+        # NVMe reloads whose file read runs, each with the event recorded right after its
+        # destination's allocation (GPU; None on CPU): see NOTE [ NVMe reloads land early ].
+        self._reading: list[tuple[Family, Any]] = []
+        self.landed_early = 0  # NVMe reloads taken to the device before their unpack
         self._d2h: Any = None
         self._h2d: Any = None
         # Families whose bytes are not dropped yet (held here, so that one whose release was cut
@@ -527,10 +531,11 @@ class Executor:
     #     D2H copy) go back when the copies and file writes that use them complete. A pool
     #     allocation that fails while some are in flight waits for the oldest copy out (an
     #     NVMe record's staging goes back once its file write ends; on CUDA its D moves it to
-    #     the file writes), then for the oldest file write, then for staging regions and
-    #     families waiting for their events (rule 4), retrying after each; only once nothing
-    #     in flight can give room back does the record go to the next tier (a spill) or the
-    #     error reach the user. An unpack's reload waits the same way for NVMe staging.
+    #     the file writes), then for the oldest file write, then for an NVMe reload's read
+    #     (landed, its staging goes after R), then for staging regions and families waiting
+    #     for their events (rule 4), retrying after each; only once nothing in flight can
+    #     give room back does the record go to the next tier (a spill) or the error reach the
+    #     user. An unpack's reload waits the same way for NVMe staging.
 
     def _wait_for_room(self, step: _StepState | None) -> bool:
         """Wait for the oldest transfer in flight that holds pool memory and give back what
@@ -558,6 +563,11 @@ class Executor:
             return functools.partial(self._wait_copy_out, self._inflight[0])
         if self._writing:
             return self._writing[0][1].wait
+        for fam, _ in self._reading:
+            # A read that is done was landed by poll (its staging goes after R), or failed
+            # (its unpack raises): waiting for it again gives nothing back.
+            if fam.staging is not None and fam.reload is not None and not fam.reload.done():
+                return fam.reload.wait
         if self._pending_regions:
             return self._pending_regions[0][1].synchronize  # rule 4: R, the copy reading it
         if self._pending_free:
@@ -655,6 +665,8 @@ class Executor:
                 self._forget_failed_write(fam, written, tier)
             if self._writing:
                 self._poll_writes()
+            if self._reading:
+                self._land_reads()
             if self._pending_regions or self._pending_free:
                 self._collect_pending()
 
@@ -952,8 +964,13 @@ class Executor:
         # Memory first: an allocation that fails (a device OOM, a full pool) leaves the family
         # off the device as it was, for the unpack to try again.
         raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
+        allocated = None
         if self.cuda and fam.spill is None and fam.tier.name != "host":
             fam.staging = self.pool.allocate(fam.nbytes)  # NVMe -> pinned staging -> device
+            allocated = torch.cuda.Event()
+            # Rule 3: raw exists. Recorded now, not when the copy is issued (later, on
+            # whichever thread polls): the H2D copy waits for this point of the compute stream.
+            allocated.record(torch.cuda.current_stream(self.device))
         fam.to(Life.COPYING_IN)
         fam.unpacked = 0
         self._mark_ahead(fam, True)
@@ -965,14 +982,18 @@ class Executor:
         try:
             if not self.cuda:
                 fam.reload = fam.tier.read(fam.handle, dst)
+                if fam.tier.name == "nvme":
+                    self._reading.append((fam, None))
             elif fam.spill is not None:
                 # NVMe write still running (or failed): the pinned copy is right here.
                 self._h2d_copy(fam, dst, fam.spill.tensor)
             elif fam.tier.name == "host":
                 self._h2d_copy(fam, dst, fam.handle.region.tensor)
             else:
-                # NVMe -> pinned staging (I/O threads) now; staging -> device at unpack.
+                # NVMe -> pinned staging (I/O threads) now; staging -> device once the read
+                # is seen done (NOTE [ NVMe reloads land early ]), at the latest at unpack.
                 fam.reload = fam.tier.read(fam.handle, fam.staging)
+                self._reading.append((fam, allocated))
             if self.step is not None:
                 # Counted in the current step (``stats.last``), like everything backward does;
                 # the step that packed the family may already be folded into the totals.
@@ -994,15 +1015,64 @@ class Executor:
         if fam.staging is not None:
             staging, fam.staging = fam.staging, None
             staging.release()
+        self._take_reading(fam)
         fam.resident = fam.resident_ref = fam.reload = None
         self._mark_ahead(fam, False)
         fam.to(Life.OFF_DEVICE)
 
-    def _h2d_copy(self, fam: Family, dst: torch.Tensor, host: torch.Tensor) -> None:
-        allocated = torch.cuda.Event()
-        allocated.record(torch.cuda.current_stream(self.device))  # rule 3: dst exists
+    # NOTE [ NVMe reloads land early ]
+    #     An NVMe reload is two copies: file -> pinned staging on the I/O threads, then staging
+    #     -> device on the H2D stream. Issued only at unpack, the second queued behind all the
+    #     compute before it and every NVMe record cost a bubble. So each poll (every pack,
+    #     module boundary, backward trigger and unpack) issues it for the reads it finds done,
+    #     from the compute-side thread that polls, never from an I/O thread's callback (no CUDA
+    #     work there). The H2D stream waits on the event recorded right after the destination
+    #     was allocated (rule 3), not on one recorded when the copy is issued; the staging goes
+    #     back after R (rule 4). A read that failed is left to its unpack, which raises. On a
+    #     CPU device the read fills the destination itself and landing only takes it.
+
+    def _land_reads(self) -> None:
+        """Land every NVMe reload whose file read completed (NOTE [ NVMe reloads land
+        early ]). Caller holds the lock."""
+        reading, self._reading = self._reading, []
+        for fam, allocated in reading:
+            read = fam.reload
+            if read is not None and fam.life is Life.COPYING_IN and not read.done():
+                self._reading.append((fam, allocated))
+            elif read is not None and fam.life is Life.COPYING_IN:
+                if read.exception(timeout=0) is not None:
+                    self._reading.append((fam, allocated))  # its unpack raises the error
+                    continue
+                self._land(fam, allocated)
+                self.landed_early += 1
+
+    def _take_reading(self, fam: Family) -> Any:
+        """Forget ``fam``'s entry among the reads in flight; its allocation event."""
+        for i, (f, allocated) in enumerate(self._reading):
+            if f is fam:
+                del self._reading[i]
+                return allocated
+        return None
+
+    def _land(self, fam: Family, allocated: Any) -> None:
+        """``fam``'s NVMe read completed: on CUDA, issue staging -> device now."""
+        fam.reload = None
+        if self.cuda and fam.staging is not None:
+            raw = fam.resident
+            assert raw is not None
+            off = aligned_offset(raw, fam.storage_mod)
+            self._h2d_copy(fam, raw[off : off + fam.nbytes], fam.staging.tensor, allocated)
+            staging, fam.staging = fam.staging, None
+            self._release_after(staging, fam.reload_event)
+
+    def _h2d_copy(
+        self, fam: Family, dst: torch.Tensor, host: torch.Tensor, allocated: Any = None
+    ) -> None:
+        if allocated is None:
+            allocated = torch.cuda.Event()
+            allocated.record(torch.cuda.current_stream(self.device))  # rule 3: dst exists
         with torch.cuda.stream(self._h2d):
-            self._h2d.wait_event(allocated)
+            self._h2d.wait_event(allocated)  # rule 3: after dst's allocation
             dst.copy_(host[: fam.nbytes], non_blocking=True)
             fam.reload_event = torch.cuda.Event()
             fam.reload_event.record(self._h2d)  # R: the device buffer holds the bytes
@@ -1084,15 +1154,9 @@ class Executor:
             if isinstance(e, OffloadError) or not isinstance(e, storage.StorageError):
                 raise
             raise from_storage(e, f"reloading a saved tensor of {fam.module or '<root>'}") from e
-        fam.reload = None
-        if self.cuda and fam.staging is not None:
-            # NVMe: the bytes reached pinned staging; now staging -> device on the H2D stream.
-            raw = fam.resident
-            assert raw is not None
-            off = aligned_offset(raw, fam.storage_mod)
-            self._h2d_copy(fam, raw[off : off + fam.nbytes], fam.staging.tensor)
-            staging, fam.staging = fam.staging, None
-            self._release_after(staging, fam.reload_event)
+        # NVMe: the bytes reached pinned staging (unless a poll already landed them); now
+        # staging -> device on the H2D stream.
+        self._land(fam, self._take_reading(fam))
         fam.to(Life.RESIDENT)
 
     def _source_view(self, m: _Member) -> torch.Tensor:
@@ -1341,6 +1405,7 @@ class Executor:
                     fam.spill = None
             self._writing.clear()
             self._writing_bytes = 0
+            self._reading.clear()  # their families were released above
             # Copies out still in flight belong to families released above.
             self._inflight.clear()
             self._inflight_bytes = 0

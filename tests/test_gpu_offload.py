@@ -391,7 +391,69 @@ def test_norm_outputs_rebuilt_bitwise_on_cuda(kind: str, autocast: bool) -> None
     assert (last.records_rebuilt, last.bytes_rebuilt) == (8 if autocast else 3, norms + weights)
 
 
-# -- pinned staging: a full pool waits (gpu-staging) ------------------------------------------
+# -- pinned staging: a full pool waits, NVMe reloads land early (gpu-staging) ------------------
+
+
+def _halves_grads(
+    a: nn.Module,
+    b: nn.Module,
+    x: torch.Tensor,
+    mgr: offload.ActivationOffloader | None,
+    saturate: bool,
+) -> list[torch.Tensor]:
+    """One step of ``b(a(x))`` with the op between the halves waiting for the manager's NVMe
+    tier (see test_offload_edges._WaitForTier), the compute stream kept busy for seconds
+    before backward when ``saturate``; the gradients."""
+    from test_offload_edges import _WaitForTier
+
+    for p in [*a.parameters(), *b.parameters()]:
+        p.grad = None
+    with mgr if mgr is not None else contextlib.nullcontext():
+        h = a(x)
+        h = _WaitForTier.apply(h, mgr._tiers[0]) if mgr is not None else h.clone()
+        loss = b(h).sum()
+    if mgr is not None:
+        assert mgr.stats.last.records_offloaded_nvme > 0  # waits for every file write
+    if saturate:
+        c = torch.randn(4096, 4096, device="cuda")
+        for _ in range(30):  # seconds of queued work ahead of backward on the compute stream
+            c = torch.tanh(c @ c)
+    loss.backward()
+    torch.cuda.synchronize()
+    return [p.grad.clone() for p in [*a.parameters(), *b.parameters()]]
+
+
+def test_nvme_reloads_land_early_bitwise_under_a_saturated_compute_stream(tmp_path) -> None:
+    """NOTE [ NVMe reloads land early ] on CUDA: the staging -> device copy of each NVMe reload
+    is issued from the poll that sees its file read done, waiting on the event recorded right
+    after its destination's allocation, while the compute stream holds seconds of queued
+    work. Gradients bitwise; the first half's 4 families landed before their unpacks."""
+
+    def half() -> nn.Sequential:
+        return nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(2048, 2048), nn.Tanh())])
+
+    torch.manual_seed(0)
+    a, b = half().cuda(), half().cuda()
+    x = torch.randn(2048, 2048, device="cuda")
+    want = _halves_grads(a, b, x, None, saturate=False)
+    again = _halves_grads(a, b, x, None, saturate=False)
+    assert all(torch.equal(g, w) for g, w in zip(again, want, strict=True))
+    mgr = offload.ActivationOffloader(
+        nn.ModuleList([a, b]),
+        tiers=("nvme",),
+        nvme_dir=tmp_path,
+        min_offload_bytes=0,
+        max_inflight_bytes="256MiB",
+    )
+    try:
+        for _ in range(2):
+            landed = mgr._executor.landed_early if mgr._executor is not None else 0
+            got = _halves_grads(a, b, x, mgr, saturate=True)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            assert mgr._executor.landed_early - landed >= 4
+            assert mgr.stats.last.stalls == 0
+    finally:
+        mgr.close()
 
 
 def test_a_full_pinned_pool_waits_for_copies_in_flight_bitwise(tmp_path, monkeypatch) -> None:
