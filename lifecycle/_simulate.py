@@ -63,6 +63,11 @@ NOTE [ Reload policy ]
     nothing requested starts the reload itself (a stall). A family requested while its copy out
     still runs starts its reload when that copy completes; a family unpacked before its copy out
     completes uses its source, and nothing is copied back.
+    A call's BACKWARD_START requests the family it packed last at once; with a window above 0
+    its other families wait for the window too, last packed first, taken before the walk's at
+    every later event (one whenever nothing requested is ahead), as the executor does (NOTE
+    [ Module triggers under the window ] in offload/_executor.py); with a window of 0 all of
+    them are requested at once.
     Like the executor's ``revisit`` list, the window walks past a family still copying out, so its
     reload joins the H2D queue behind families needed after it. A larger window can then predict
     a slower step: when the first families backward needs are still going out, the window has
@@ -1060,7 +1065,8 @@ class _Simulator:
         """Where each moved family's reload may start. See NOTE [ Reload policy ]."""
         self.explicit_at: dict[int, list[_FamilyState]] = {}
         self.trigger_at: dict[int, list[_FamilyState]] = {}
-        self.again_at: dict[int, list[tuple[_FamilyState, int]]] = {}
+        # Event -> (family, pass, whether a module trigger fires it: see _start_reloads).
+        self.again_at: dict[int, list[tuple[_FamilyState, int, bool]]] = {}
         window = []
         for fid, d in decisions.items():
             if not d.placement.moves:
@@ -1080,10 +1086,11 @@ class _Simulator:
             ]
             if triggers:
                 self.trigger_at.setdefault(min(triggers), []).append(fam)
-                self._plan_later_passes(fam, min(triggers))
+                self._plan_later_passes(fam, min(triggers), by_trigger=True)
             window.append(fam)
         self.window = sorted(window, key=lambda f: f.facts.first_pack, reverse=True)
         self.window_next = 0
+        self.wanted: list[_FamilyState] = []  # named by a trigger, waiting for the window
         self.window_restart_at = self._later_pass_starts()
 
     def _later_pass_starts(self) -> dict[int, int]:
@@ -1094,7 +1101,7 @@ class _Simulator:
         named = [
             (at, k, fam)
             for at, firing in self.again_at.items()
-            for fam, k in firing
+            for fam, k, _ in firing
             if id(fam) in position
         ]
         named += [(first, k, f) for f in self.window for k, (first, _) in enumerate(f.facts.passes)]
@@ -1105,7 +1112,9 @@ class _Simulator:
                 start[k] = here
         return dict(start.values())
 
-    def _plan_later_passes(self, fam: _FamilyState, trigger: int) -> None:
+    def _plan_later_passes(
+        self, fam: _FamilyState, trigger: int, *, by_trigger: bool = False
+    ) -> None:
         """Where the reload trigger at event ``trigger`` fires again in each later backward pass
         of ``fam`` (NOTE [ Backward passes ]); one that does not fire leaves the unpack to
         reload (a stall)."""
@@ -1114,7 +1123,7 @@ class _Simulator:
             at = self.view.passes.again(trigger, k)
             if at >= 0:
                 at = min(max(at, passes[k - 1][1] + 1), passes[k][0])
-                self.again_at.setdefault(at, []).append((fam, k))
+                self.again_at.setdefault(at, []).append((fam, k, by_trigger))
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -1310,16 +1319,39 @@ class _Simulator:
         """See NOTE [ Reload policy ]."""
         for fam in self.explicit_at.get(index, ()):
             self._request(fam)
-        for fam in self.trigger_at.get(index, ()):
-            self._request(fam)
-        for fam, k in self.again_at.get(index, ()):
+        triggered = list(self.trigger_at.get(index, ()))
+        for fam, k, by_trigger in self.again_at.get(index, ()):
             if fam.backward_pass == k:
+                if by_trigger:
+                    triggered.append(fam)  # the module trigger fires again in a later pass
+                else:
+                    self._request(fam)
+        if triggered and self.prefetch_bytes:
+            # Under the window, last packed first, the call's last packed one at once (NOTE
+            # [ Module triggers under the window ] in offload/_executor.py); a window of 0
+            # brings each call's families back at once.
+            self._request(max(triggered, key=lambda f: f.facts.first_pack))
+            self.wanted = sorted(
+                {id(f): f for f in (*self.wanted, *triggered)}.values(),
+                key=lambda f: f.facts.first_pack,
+            )
+        else:
+            for fam in triggered:
                 self._request(fam)
         if index < self.view.backward_begins:
             return
         restart = self.window_restart_at.get(index)
         if restart is not None:
             self.window_next = restart
+        wanted = self.wanted
+        while wanted:
+            fam = wanted[-1]
+            if not (fam.requested or fam.unpacked or not fam.packed):
+                span = fam.facts.span_bytes
+                if self.ahead_bytes and self.ahead_bytes + span > self.prefetch_bytes:
+                    break
+                self._request(fam)
+            wanted.pop()
         while self.window_next < len(self.window):
             fam = self.window[self.window_next]
             if not fam.packed:

@@ -40,6 +40,7 @@ NOTE [ Stream ordering ]
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -154,6 +155,9 @@ class _StepState:
         self.walk_task = -1  # the backward (graph task) the look-ahead last walked in
         self.stored_bytes = 0  # bytes of its families (the automatic look-ahead's measure)
         self.revisit: list[Family] = []  # passed while their copy out was still in flight
+        # Named by a backward trigger, by order: reloaded under the window (NOTE [ Module
+        # triggers under the window ]).
+        self.wanted: dict[int, Family] = {}
         # Under a plan: trigger key -> families whose reload it starts (filled at pack).
         self.triggers: dict[tuple[str, str, int, int], list[Family]] = {}
         # False under a plan: reloads start at their planned triggers only, never through the
@@ -249,6 +253,10 @@ class Executor:
         self._writing: deque[tuple[Family, Any]] = deque()
         self._writing_bytes = 0
         self.staging_bytes = staging_bytes
+        # NVMe reloads whose file read runs, each with the event recorded right after its
+        # destination's allocation (GPU; None on CPU): see NOTE [ NVMe reloads land early ].
+        self._reading: list[tuple[Family, Any]] = []
+        self.landed_early = 0  # NVMe reloads taken to the device before their unpack
         self._d2h: Any = None
         self._h2d: Any = None
         # Families whose bytes are not dropped yet (held here, so that one whose release was cut
@@ -522,16 +530,16 @@ class Executor:
             while self._writing and self._writing_bytes + n > self.staging_bytes:
                 self._wait_oldest_write(step)
             # The D2H copy lands in a pinned region; for NVMe that region is staging. A full
-            # pool first gets back the staging of the file writes still running.
+            # pool first gets back what copies and file writes in flight hold (NOTE [ A full
+            # pool waits for what is in flight ]).
             while region is None:
                 try:
                     region = self.pool.allocate(n)
                 except storage.StorageFullError as e:
-                    if not self._writing:
+                    if not self._wait_for_room(step):
                         raise from_storage(
                             e, "no pinned host memory for a D2H copy (raise cpu_budget)"
                         ) from e
-                    self._wait_oldest_write(step)
             with torch.cuda.stream(self._d2h):
                 self._d2h.wait_event(packed)  # rule 1: the copy reads t only after P
                 region.tensor[:n].copy_(source, non_blocking=True)
@@ -562,7 +570,7 @@ class Executor:
                         handle = tier.write(region, n, after=self._io_event())
                         fam.spill = region
                     else:
-                        handle = tier.write(source)
+                        handle = self._write_waiting(step, tier, source)
                 except storage.StorageError as e:  # full, or an I/O error: the next tier
                     last_error = e
                     if e.errno is not None and failed is None:  # the OS said so: say it once
@@ -603,6 +611,72 @@ class Executor:
             step.stats.records_offloaded_nvme += 1
         self._inflight.append(fam)
         self._inflight_bytes += n
+
+    # NOTE [ A full pool waits for what is in flight ]
+    #     Host regions of the pool (shared by the host tier, NVMe staging and, on CUDA, every
+    #     D2H copy) go back when the copies and file writes that use them complete. A pool
+    #     allocation that fails while some are in flight waits for the oldest copy out (an
+    #     NVMe record's staging goes back once its file write ends; on CUDA its D moves it to
+    #     the file writes), then for the oldest file write, then for an NVMe reload's read
+    #     (landed, its staging goes after R), then for staging regions and families waiting
+    #     for their events (rule 4), retrying after each; only once nothing in flight can
+    #     give room back does the record go to the next tier (a spill) or the error reach the
+    #     user. An unpack's reload waits the same way for NVMe staging.
+
+    def _wait_for_room(self, step: _StepState | None) -> bool:
+        """Wait for the oldest transfer in flight that holds pool memory and give back what
+        finished; False when none is left (NOTE [ A full pool waits for what is in flight ])."""
+        used = self.pool.used_bytes
+        self.poll()
+        if self.pool.used_bytes < used:
+            return True  # transfers that finished meanwhile gave room back
+        wait = self._oldest_holding_room()
+        if wait is None:
+            return False
+        if step is not None:  # counted first: a test's copy engine may hold it back till then
+            step.stats.backpressure_waits += 1
+        with contextlib.suppress(storage.StorageError):
+            wait()  # a failure is handled by poll(): next tier, or the pinned copy is kept
+        self.poll()
+        return True
+
+    def _oldest_holding_room(self) -> Any:
+        """How to wait for the oldest transfer in flight whose end gives pool memory back (in
+        the order of NOTE [ A full pool waits for what is in flight ]); None when none is."""
+        if self._orphans:
+            return self._orphans[0][0].wait  # its family is gone
+        if self._inflight:
+            return functools.partial(self._wait_copy_out, self._inflight[0])
+        if self._writing:
+            return self._writing[0][1].wait
+        for fam, _ in self._reading:
+            # A read that is done was landed by poll (its staging goes after R), or failed
+            # (its unpack raises): waiting for it again gives nothing back.
+            if fam.staging is not None and fam.reload is not None and not fam.reload.done():
+                return fam.reload.wait
+        if self._pending_regions:
+            return self._pending_regions[0][1].synchronize  # rule 4: R, the copy reading it
+        if self._pending_free:
+            return functools.partial(self._wait_events, self._pending_free[0])
+        return None
+
+    def _wait_events(self, fam: Family) -> None:
+        """Rule 4: wait for every transfer and event that may still touch ``fam``'s regions."""
+        self._wait_transfers(fam)
+        for event in (fam.source_event, fam.reload_event):
+            if event is not None:
+                event.synchronize()
+
+    def _write_waiting(self, step: _StepState, tier: storage.Tier, source: torch.Tensor) -> Any:
+        """CPU device: ``tier.write(source)``, waiting for room when the pool is full (its
+        region, or NVMe staging; NOTE [ A full pool waits for what is in flight ])."""
+        while True:
+            try:
+                return tier.write(source)
+            except storage.StorageFullError as e:
+                # directory None: host memory (a tier's own cap or disk names its directory).
+                if e.directory is not None or not self._wait_for_room(step):
+                    raise
 
     def _io_event(self) -> Any:
         """An event for I/O threads to wait on: D again, blocking (NOTE [ Stream ordering ])."""
@@ -687,6 +761,8 @@ class Executor:
                 self._forget_failed_write(fam, written, tier)
             if self._writing:
                 self._poll_writes()
+            if self._reading:
+                self._land_reads()
             if self._pending_regions or self._pending_free:
                 self._collect_pending()
             if self._stall_marks:
@@ -878,10 +954,16 @@ class Executor:
             window = window and step.windowed
             self.poll()
             for fam in needed:
-                if not window and fam.life is Life.COPYING_OUT:
+                if window:
+                    step.wanted[fam.order] = fam  # see NOTE [ Module triggers under the window ]
+                elif fam.life is Life.COPYING_OUT:
                     step.revisit.append(fam)
                 else:
                     self._begin_reload(fam)
+            if window and needed:
+                latest = max(needed, key=lambda f: f.order)
+                if not (latest.unpacked and latest.unpacked_task == graph_task()):
+                    self._begin_reload(latest)  # needed first: starts beyond the window too
             if not window:
                 waiting, step.revisit = step.revisit, []
                 for fam in waiting:
@@ -907,6 +989,8 @@ class Executor:
                     ]
                     step.prefetch_next = max(named, default=len(step.families) - 1)
                 step.walk_task = task
+            if step.wanted:
+                self._reload_wanted(step, task)
             while step.prefetch_next >= 0:
                 fam = step.families[step.prefetch_next]
                 if fam.life is Life.COPYING_OUT:
@@ -924,6 +1008,38 @@ class Executor:
                     if not self._begin_reload(fam):
                         break  # memory is short: the window waits for unpacks to make room
                 step.prefetch_next -= 1
+
+    # NOTE [ Module triggers under the window ]
+    #     A module's backward trigger names the families its own ops packed (a module without
+    #     children: all of them). In windowed mode they are reloaded under the look-ahead
+    #     window too, last packed first, never all at once: a module running 8 x (matmul, tanh)
+    #     would otherwise bring back every one of its saved tensors when its backward begins,
+    #     as much as keeping them all. Inside one module the unpacks are the only events, so
+    #     each prefetch (a trigger, and every unpack after it consumed a reload) starts the
+    #     next wanted families that fit. Two start beyond the window: the one a trigger names
+    #     that was packed last (the module's backward is about to unpack it), and the next one
+    #     whenever nothing is reloaded ahead (one larger than the window still comes). Under a
+    #     plan (``window=False``) the trigger starts what the plan said, at once. The simulator
+    #     models the same rule (lifecycle/_simulate.py, NOTE [ Reload policy ]).
+
+    def _reload_wanted(self, step: _StepState, task: int) -> None:
+        """Start the families backward triggers named, last packed first, while they fit the
+        window (see NOTE [ Module triggers under the window ])."""
+        window = self.prefetch_bytes(step)
+        for order in sorted(step.wanted, reverse=True):
+            fam = step.wanted[order]
+            if (
+                fam.life is Life.OFF_DEVICE
+                and fam.members > 0
+                and not (fam.unpacked and fam.unpacked_task == task)
+            ):
+                if self._ahead_bytes and self._ahead_bytes + fam.nbytes > window:
+                    return
+                if not self._begin_reload(fam):
+                    return  # memory is short: the unpacks make room
+            # Reloading, resident, used by this backward, freed, or still copying out (its
+            # unpack then uses the source): nothing more to start for it.
+            del step.wanted[order]
 
     # NOTE [ Later backward passes ]
     #     A step may run several backwards over one graph (``l1.backward(retain_graph=True);
@@ -972,6 +1088,17 @@ class Executor:
                 return False
         return True
 
+    def _reload_waiting(self, fam: Family) -> None:
+        """``_start_reload`` for an unpack, waiting for room when the pool has none for the
+        NVMe staging (NOTE [ A full pool waits for what is in flight ])."""
+        while True:
+            try:
+                self._start_reload(fam)
+                return
+            except storage.StorageFullError as e:
+                if e.directory is not None or not self._wait_for_room(self.step):
+                    raise
+
     def _mark_ahead(self, fam: Family, ahead: bool) -> None:
         # Bytes reloaded (or reused) and not yet unpacked: what the look-ahead window bounds.
         if fam.ahead != ahead:
@@ -995,12 +1122,17 @@ class Executor:
         # off the device as it was, for the unpack to try again.
         raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, self.device)
         fam.reload_stream = self.streams.current()  # the pool raw came from (rule 3)
+        allocated = None
         if self.cuda and fam.spill is None and fam.tier.name != "host":
             staging = self.pool.allocate(fam.nbytes)  # NVMe -> pinned staging -> device
             if fam.life is not Life.OFF_DEVICE:
                 staging.release()  # the family was released meanwhile, as below
                 return
             fam.staging = staging
+            # Rule 3: raw exists. Recorded now, not when the copy is issued (later, on
+            # whichever thread polls): the H2D copy waits for this point of the stream raw
+            # came from.
+            allocated = self.streams.record(fam.reload_stream)
         if fam.life is not Life.OFF_DEVICE:
             return  # released while memory was allocated: see NOTE [ Re-entrant release ]
         fam.to(Life.COPYING_IN)
@@ -1014,14 +1146,18 @@ class Executor:
         try:
             if not self.cuda:
                 fam.reload = fam.tier.read(fam.handle, dst)
+                if fam.tier.name == "nvme":
+                    self._reading.append((fam, None))
             elif fam.spill is not None:
                 # NVMe write still running (or failed): the pinned copy is right here.
                 self._h2d_copy(fam, dst, fam.spill.tensor)
             elif fam.tier.name == "host":
                 self._h2d_copy(fam, dst, fam.handle.region.tensor)
             else:
-                # NVMe -> pinned staging (I/O threads) now; staging -> device at unpack.
+                # NVMe -> pinned staging (I/O threads) now; staging -> device once the read
+                # is seen done (NOTE [ NVMe reloads land early ]), at the latest at unpack.
                 fam.reload = fam.tier.read(fam.handle, fam.staging)
+                self._reading.append((fam, allocated))
             if self.step is not None:
                 # Counted in the current step (``stats.last``), like everything backward does;
                 # the step that packed the family may already be folded into the totals.
@@ -1043,17 +1179,67 @@ class Executor:
         if fam.staging is not None:
             staging, fam.staging = fam.staging, None
             staging.release()
+        self._take_reading(fam)
         fam.resident = fam.resident_ref = fam.reload = None
         self._mark_ahead(fam, False)
         fam.to(Life.OFF_DEVICE)
 
-    def _h2d_copy(self, fam: Family, dst: torch.Tensor, host: torch.Tensor) -> None:
-        # Rule 3: dst exists. On the stream whose pool dst came from, which is not the current
-        # one when an NVMe reload's unpack (on the consumer's stream) runs this: the block's
-        # earlier user on that stream must be done with it before the copy overwrites it.
-        allocated = self.streams.record(fam.reload_stream)
+    # NOTE [ NVMe reloads land early ]
+    #     An NVMe reload is two copies: file -> pinned staging on the I/O threads, then staging
+    #     -> device on the H2D stream. Issued only at unpack, the second queued behind all the
+    #     compute before it and every NVMe record cost a bubble. So each poll (every pack,
+    #     module boundary, backward trigger and unpack) issues it for the reads it finds done,
+    #     from the compute-side thread that polls, never from an I/O thread's callback (no CUDA
+    #     work there). The H2D stream waits on the event recorded right after the destination
+    #     was allocated (rule 3), not on one recorded when the copy is issued; the staging goes
+    #     back after R (rule 4). A read that failed is left to its unpack, which raises. On a
+    #     CPU device the read fills the destination itself and landing only takes it.
+
+    def _land_reads(self) -> None:
+        """Land every NVMe reload whose file read completed (NOTE [ NVMe reloads land
+        early ]). Caller holds the lock."""
+        reading, self._reading = self._reading, []
+        for fam, allocated in reading:
+            read = fam.reload
+            if read is not None and fam.life is Life.COPYING_IN and not self.capture.done(read):
+                self._reading.append((fam, allocated))
+            elif read is not None and fam.life is Life.COPYING_IN:
+                if read.exception(timeout=0) is not None:
+                    self._reading.append((fam, allocated))  # its unpack raises the error
+                    continue
+                self._land(fam, allocated)
+                self.landed_early += 1
+
+    def _take_reading(self, fam: Family) -> Any:
+        """Forget ``fam``'s entry among the reads in flight; its allocation event."""
+        for i, (f, allocated) in enumerate(self._reading):
+            if f is fam:
+                del self._reading[i]
+                return allocated
+        return None
+
+    def _land(self, fam: Family, allocated: Any) -> None:
+        """``fam``'s NVMe read completed: on CUDA, issue staging -> device now."""
+        fam.reload = None
+        if self.cuda and fam.staging is not None:
+            raw = fam.resident
+            assert raw is not None
+            off = aligned_offset(raw, fam.storage_mod)
+            self._h2d_copy(fam, raw[off : off + fam.nbytes], fam.staging.tensor, allocated)
+            staging, fam.staging = fam.staging, None
+            self._release_after(staging, fam.reload_event)
+
+    def _h2d_copy(
+        self, fam: Family, dst: torch.Tensor, host: torch.Tensor, allocated: Any = None
+    ) -> None:
+        if allocated is None:
+            # Rule 3: dst exists. On the stream whose pool dst came from, which is not the
+            # current one when an NVMe reload's unpack (on the consumer's stream) runs this: the
+            # block's earlier user on that stream must be done with it before the copy
+            # overwrites it.
+            allocated = self.streams.record(fam.reload_stream)
         with torch.cuda.stream(self._h2d):
-            self._h2d.wait_event(allocated)
+            self._h2d.wait_event(allocated)  # rule 3: after dst's allocation
             dst.copy_(host[: fam.nbytes], non_blocking=True)
             fam.reload_event = torch.cuda.Event()
             fam.reload_event.record(self._h2d)  # R: the device buffer holds the bytes
@@ -1087,7 +1273,7 @@ class Executor:
                 prefetched = False
                 if stats is not None:
                     stats.stalls += 1
-                self._start_reload(fam)
+                self._reload_waiting(fam)
             if fam.life is Life.COPYING_IN:
                 t0 = time.perf_counter()
                 self._finish_reload(fam)
@@ -1190,15 +1376,9 @@ class Executor:
             if isinstance(e, OffloadError) or not isinstance(e, storage.StorageError):
                 raise
             raise from_storage(e, f"reloading a saved tensor of {fam.module or '<root>'}") from e
-        fam.reload = None
-        if self.cuda and fam.staging is not None:
-            # NVMe: the bytes reached pinned staging; now staging -> device on the H2D stream.
-            raw = fam.resident
-            assert raw is not None
-            off = aligned_offset(raw, fam.storage_mod)
-            self._h2d_copy(fam, raw[off : off + fam.nbytes], fam.staging.tensor)
-            staging, fam.staging = fam.staging, None
-            self._release_after(staging, fam.reload_event)
+        # NVMe: the bytes reached pinned staging (unless a poll already landed them); now
+        # staging -> device on the H2D stream.
+        self._land(fam, self._take_reading(fam))
         fam.to(Life.RESIDENT)
 
     def _source_view(self, m: _Member) -> torch.Tensor:
@@ -1509,6 +1689,7 @@ class Executor:
                     fam.spill = None
             self._writing.clear()
             self._writing_bytes = 0
+            self._reading.clear()  # their families were released above
             # Copies out still in flight belong to families released above.
             self._inflight.clear()
             self._inflight_bytes = 0

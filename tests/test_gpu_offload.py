@@ -606,7 +606,7 @@ def test_a_reload_buffer_unpacked_on_another_stream_is_not_reused_before_it_is_r
         return {k: p.grad.clone() for k, p in model.named_parameters()}, reused
 
     want, _ = run(None)
-    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    mgr = offload.ActivationOffloader(model, min_offload_bytes=0, max_inflight_bytes="1GiB")
     try:
         got, reused = run(mgr)
         assert not reused
@@ -705,3 +705,112 @@ def test_nvme_io_threads_create_no_context_on_device_0_for_a_manager_on_cuda_1(t
     )
     assert r.returncode == 0, r.stderr[-4000:]
     assert "context on 0: False" in r.stdout, r.stdout
+
+
+# -- pinned staging: a full pool waits, NVMe reloads land early (gpu-staging) ------------------
+
+
+def _halves_grads(
+    a: nn.Module,
+    b: nn.Module,
+    x: torch.Tensor,
+    mgr: offload.ActivationOffloader | None,
+    saturate: bool,
+) -> list[torch.Tensor]:
+    """One step of ``b(a(x))`` with the op between the halves waiting for the manager's NVMe
+    tier (see test_offload_edges._WaitForTier), the compute stream kept busy for seconds
+    before backward when ``saturate``; the gradients."""
+    from test_offload_edges import _WaitForTier
+
+    for p in [*a.parameters(), *b.parameters()]:
+        p.grad = None
+    with mgr if mgr is not None else contextlib.nullcontext():
+        h = a(x)
+        h = _WaitForTier.apply(h, mgr._tiers[0]) if mgr is not None else h.clone()
+        loss = b(h).sum()
+    if mgr is not None:
+        assert mgr.stats.last.records_offloaded_nvme > 0  # waits for every file write
+    if saturate:
+        c = torch.randn(4096, 4096, device="cuda")
+        for _ in range(30):  # seconds of queued work ahead of backward on the compute stream
+            c = torch.tanh(c @ c)
+    loss.backward()
+    torch.cuda.synchronize()
+    return [p.grad.clone() for p in [*a.parameters(), *b.parameters()]]
+
+
+def test_nvme_reloads_land_early_bitwise_under_a_saturated_compute_stream(tmp_path) -> None:
+    """NOTE [ NVMe reloads land early ] on CUDA: the staging -> device copy of each NVMe reload
+    is issued from the poll that sees its file read done, waiting on the event recorded right
+    after its destination's allocation, while the compute stream holds seconds of queued
+    work. Gradients bitwise; the first half's 4 families landed before their unpacks."""
+
+    def half() -> nn.Sequential:
+        return nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(2048, 2048), nn.Tanh())])
+
+    torch.manual_seed(0)
+    a, b = half().cuda(), half().cuda()
+    x = torch.randn(2048, 2048, device="cuda")
+    want = _halves_grads(a, b, x, None, saturate=False)
+    again = _halves_grads(a, b, x, None, saturate=False)
+    assert all(torch.equal(g, w) for g, w in zip(again, want, strict=True))
+    mgr = offload.ActivationOffloader(
+        nn.ModuleList([a, b]),
+        tiers=("nvme",),
+        nvme_dir=tmp_path,
+        min_offload_bytes=0,
+        max_inflight_bytes="256MiB",
+    )
+    try:
+        for _ in range(2):
+            landed = mgr._executor.landed_early if mgr._executor is not None else 0
+            got = _halves_grads(a, b, x, mgr, saturate=True)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            assert mgr._executor.landed_early - landed >= 4
+            assert mgr.stats.last.stalls == 0
+    finally:
+        mgr.close()
+
+
+def test_a_full_pinned_pool_waits_for_copies_in_flight_bitwise(tmp_path, monkeypatch) -> None:
+    """NOTE [ A full pool waits for what is in flight ] on CUDA: another user of the pinned
+    pool holds all but 2 MiB of the staging room, cpu_budget is 2 MiB, and the records (1 MiB
+    each) spill to NVMe through that room: each D2H copy's region waits for older copies
+    and file writes to give theirs back instead of raising StorageFullError. Bitwise."""
+    import storage
+
+    monkeypatch.setattr(storage._pool, "_shared_pools", {})
+    monkeypatch.setattr(storage._pool, "_shared_claims", {})
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(1024, 1024), nn.Tanh())])
+    model = model.cuda()
+    x = torch.randn(256, 1024, device="cuda")
+
+    def grads(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).sum()
+        loss.backward()
+        torch.cuda.synchronize()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads(None)
+    assert all(torch.equal(g, w) for g, w in zip(grads(None), want, strict=True))
+    pool = storage.shared_host_pool(pin_memory=True)
+    other = pool.allocate(2 * (256 << 20) - (2 << 20))  # the manager's least staging claim
+    mgr = offload.ActivationOffloader(
+        model,
+        tiers=("cpu", "nvme"),
+        nvme_dir=tmp_path,
+        cpu_budget="2MiB",
+        max_inflight_bytes="64MiB",
+        min_offload_bytes=0,
+    )
+    try:
+        for _ in range(2):
+            assert all(torch.equal(g, w) for g, w in zip(grads(mgr), want, strict=True))
+            assert mgr.stats.last.records_offloaded_nvme > 0
+    finally:
+        mgr.close()
+        other.release()
+        pool.close()

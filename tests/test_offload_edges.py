@@ -2677,3 +2677,126 @@ def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
         nvme.close()
         engine.close()
         pool.close()
+
+
+def test_a_full_pool_waits_for_the_copies_in_flight_before_it_refuses(
+    tmp_path, monkeypatch
+) -> None:
+    """tiers=("cpu", "nvme"), cpu_budget="2MiB", and another user of the process-wide pool
+    holding all but 2 MiB of the staging room the manager claimed: the host tier takes the
+    first two 1 MiB records, NVMe staging the next two, and with their copies still in flight
+    (the deferred engine held back) the fifth found the pool full and the step raised
+    StorageFullError, though the first file write to end gives its staging back. Now the pack
+    waits for the oldest copies out (counted in backpressure_waits) and goes on; gradients
+    bitwise, every record stored, nothing left held."""
+    monkeypatch.setattr(storage._pool, "_shared_pools", {})
+    monkeypatch.setattr(storage._pool, "_shared_claims", {})
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(1024, 1024), nn.Tanh())])
+    x = torch.randn(256, 1024)  # 1 MiB records: x and each Tanh output
+    model(x).sum().backward()
+    want = local_grads(model)
+    pool = storage.shared_host_pool(pin_memory=False)
+    staging_claim = 2 * (256 << 20)  # the least a manager with NVMe claims (_make_executor)
+    other = pool.allocate(staging_claim - (2 << 20))  # a slab of 512 MiB, 2 MiB of it free
+    engine = storage.CopyEngine(deferred=True, max_delay_s=0.001, seed=5)
+    mgr = offload.ActivationOffloader(
+        model,
+        tiers=("cpu", "nvme"),
+        nvme_dir=tmp_path,
+        cpu_budget="2MiB",
+        max_inflight_bytes="64MiB",  # back-pressure never waits here: only the full pool does
+        min_offload_bytes=0,
+        _copy_engine=engine,
+    )
+    waited, done = threading.Event(), threading.Event()
+
+    def hold_copies_back() -> None:
+        # Every copy and file write waits until the manager waits for one, or its step failed
+        # (which waits for them too, to release their regions).
+        with engine.paused():
+            waited.set()
+            while not done.is_set():
+                step = mgr._executor.step if mgr._executor is not None else None
+                if step is not None and (step.stats.backpressure_waits or step.failed):
+                    break
+                time.sleep(0.001)
+
+    holder = threading.Thread(target=hold_copies_back)
+    try:
+        holder.start()
+        waited.wait()
+        model.zero_grad(set_to_none=True)
+        try:
+            with mgr:
+                loss = model(x).sum()
+        finally:
+            done.set()
+            holder.join()
+        loss.backward()
+        assert_bitwise(local_grads(model), want)
+        last = mgr.stats.last
+        assert last.records_offloaded_cpu == 2 and last.records_offloaded_nvme == 4
+        assert last.backpressure_waits > 0
+        del loss
+        assert_nothing_live(mgr)
+    finally:
+        mgr.close()
+        engine.close()
+        other.release()
+        pool.close()
+
+
+class _WaitForTier(torch.autograd.Function):
+    """Identity whose backward waits until ``tier`` has no transfer running: the reloads the
+    look-ahead started before it are read by then."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tier: Any) -> torch.Tensor:
+        ctx.tier = tier
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        while ctx.tier.transfers_running:
+            time.sleep(0.001)
+        return grad, None
+
+
+def test_a_prefetched_nvme_reload_lands_before_its_unpack(tmp_path) -> None:
+    """NVMe tier, min-memory mode, a window holding every family, every file write done before
+    backward: the look-ahead starts every reload when backward begins, and the first half's
+    file reads are done before that half's backward begins (the op between the halves waits
+    for them). The copy to the device was issued only at each unpack (on CUDA: behind all the
+    compute queued before it, a bubble per record); now the first poll that sees a read done
+    issues it (NOTE [ NVMe reloads land early ]), so each of the first half's families (the
+    input, 3 Tanh outputs) had landed before its unpack ran. Gradients bitwise."""
+
+    def half() -> nn.Sequential:
+        return nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(256, 256), nn.Tanh())])
+
+    torch.manual_seed(0)
+    a, b = half(), half()
+    x = torch.randn(256, 256)
+    model = nn.ModuleList([a, b])
+
+    def forward(tier: Any) -> torch.Tensor:
+        h = a(x)
+        return b(_WaitForTier.apply(h, tier) if tier is not None else h.clone()).sum()
+
+    forward(None).backward()
+    want = local_grads(model)
+    with manager(model, tiers=("nvme",), nvme_dir=tmp_path, max_inflight_bytes="64MiB") as mgr:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with mgr:
+                tier = mgr._tiers[0]
+                loss = forward(tier)
+            assert mgr.stats.last.records_offloaded_nvme == 8  # waits for every file write
+            ex = mgr._executor
+            landed = getattr(ex, "landed_early", 0)
+            loss.backward()
+            assert_bitwise(local_grads(model), want)
+            last = mgr.stats.last
+            assert last.reloads == 8 and last.stalls == 0
+            assert getattr(ex, "landed_early", 0) - landed >= 4  # before: 0

@@ -115,7 +115,9 @@ def _reload_on(prefetch_stream: Any, unpack_stream: Any) -> tuple[RecordingStrea
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
     x = torch.randn(32, 64, requires_grad=True)
     want = _run_plain(model, x)
-    mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+    mgr = offload.ActivationOffloader(
+        model, min_offload_bytes=0, max_inflight_bytes="1MiB"
+    )  # a window for all 3
     try:
         with mgr:
             pass  # makes the executor
