@@ -2437,3 +2437,47 @@ def test_a_budgeted_step_that_calls_no_module_of_the_model_warns_once() -> None:
                 pass  # a step without forward (nothing saved) says nothing
     finally:
         mgr.close()
+
+
+class _Stack(nn.Module):
+    """A stem, 4 blocks in a ModuleList (which makes no call of its own) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(32, 32)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)
+        )
+        self.head = nn.Linear(32, 1)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+
+def test_blocks_called_at_the_top_level_are_recomputed_as_under_a_root_call() -> None:
+    """NOTE [ Blocks ]: a block is a call at the first nesting level. A step that calls the
+    blocks from outside the root (``model.run(x)`` on a model whose forward the manager never
+    sees) has them at depth 0, where only the root call used to be: no blocks were found, so a
+    slow link's plan could only offload (0 recompute calls where the root call's plan
+    recomputes blocks). Top-level calls of modules other than the root are a level of their
+    own now: the same plan either way."""
+    torch.manual_seed(0)
+    model = _Stack()
+    x = torch.randn(64, 32)
+    plans = []
+    for call in (model, model.run):
+        trace = offload.profile(lambda: call(x).pow(2).mean().backward(), model, warmup_steps=0)
+        plans.append(
+            offload.plan(trace, trace.peak_saved_bytes // 2, SLOW, min_offload_bytes=0, margin=0)
+        )
+    model.zero_grad(set_to_none=True)
+    root, top = plans
+    assert root.recompute_calls, root.summary()
+    assert top.recompute_calls == root.recompute_calls
+    assert {m for m, _ in root.recompute_calls} <= {f"blocks.{i}" for i in range(4)}
