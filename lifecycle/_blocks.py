@@ -5,7 +5,8 @@ NOTE [ Blocks ]
     A block is a forward module call at the first nesting level that holds two or more calls
     which call modules themselves: a transformer's layers. A lone wrapper (a ``Sequential``
     holding the layers, the only child of the root) is looked through; a ``ModuleList`` makes no
-    call of its own. A model none of whose calls call modules has no blocks. The planner
+    call of its own. A step that never calls the root's forward (it calls the layers itself)
+    has them at the top level, which then counts as the root's children would. A model none of whose calls call modules has no blocks. The planner
     recomputes blocks (less those holding a stateful or kept module), and the
     ``checkpoint_blocks`` anchor predicts checkpointing every one of them, so both must read
     the same blocks: checkpointing the wrapper around a stack of 4 blocks left 2,113,536 of
@@ -115,7 +116,13 @@ def find_blocks(
     nxt = np.minimum(start_at + 1, len(idx) - 1)
     children = is_start[nxt] & (nxt != start_at)
     d = depth[start_at]
-    keep = children & (d >= 1)
+    # Depth 0 is the root's call, or, in a step that never calls the root's forward, the
+    # modules it calls at the top level: those are a level like the root's children.
+    top = d == 0
+    if top.any():
+        names = [events[i].module for i in idx[start_at[top]].tolist()]
+        top[top] = np.fromiter((n != "" for n in names), bool, len(names))
+    keep = children & ((d >= 1) | top)
     if not keep.any():
         return Blocks.of([])
     depths, counts = np.unique(d[keep], return_counts=True)
@@ -151,7 +158,7 @@ def _blocks_slow(events: Sequence[Event]) -> list[tuple[str, int, int, int, floa
             spans.append((depth, (module, call, start, i, dur), children))
     by_depth: dict[int, list[tuple[str, int, int, int, float]]] = {}
     for depth, b, children in spans:
-        if children and depth >= 1:
+        if children and (depth >= 1 or b[0] != ""):  # see find_blocks
             by_depth.setdefault(depth, []).append(b)
     for depth in sorted(by_depth):
         if len(by_depth[depth]) >= 2:

@@ -119,11 +119,13 @@ class _Member:
         "seq",
         "size",
         "stride",
+        "unpacked_in",
     )
 
     def __init__(self, executor: Executor, family: Family, t: torch.Tensor, dtensor: Any) -> None:
         self.key: Any = None  # (module, call index, ordinal) under a plan: unpack triggers
         self.seq = -1  # the recorder's record number during a profiling step
+        self.unpacked_in = -1  # the family's unpack round it was last unpacked in
         self.executor = executor
         self.family = family
         self.dtype = t.dtype
@@ -138,7 +140,7 @@ class _Member:
     def __del__(self) -> None:
         # Once per saved tensor: try/except, not contextlib.suppress (an object per call).
         try:  # noqa: SIM105
-            self.executor.release(self.family)
+            self.executor.release(self.family, self.unpacked_in)
         except Exception:  # in a finalizer: nothing to raise to
             pass
 
@@ -228,7 +230,7 @@ class Executor:
         # backwards), and they must still be retired (their sources dropped) and counted by
         # back-pressure.
         self._inflight: deque[Family] = deque()
-        self._deferred_releases: deque[Family] = deque()  # see release()
+        self._deferred_releases: deque[tuple[Family, int]] = deque()  # see release()
         self._inflight_bytes = 0
         # CPU device: writes whose family was freed first (backward ran ahead of a slow tier),
         # each with its bytes. They still read their sources and count toward the in-flight
@@ -1071,6 +1073,7 @@ class Executor:
                 for fam in step.families:
                     if fam.life is Life.OFF_DEVICE:
                         fam.unpacked = 0  # unpacked by the I chunk: the walk brings it back
+                        fam.unpack_round += 1
         self.prefetch((), step)
 
     def _begin_reload(self, fam: Family) -> bool:
@@ -1112,6 +1115,7 @@ class Executor:
             return False
         fam.resident = raw
         fam.unpacked = 0
+        fam.unpack_round += 1
         fam.to(Life.COPYING_IN)
         fam.to(Life.RESIDENT)
         self._mark_ahead(fam, True)
@@ -1137,6 +1141,7 @@ class Executor:
             return  # released while memory was allocated: see NOTE [ Re-entrant release ]
         fam.to(Life.COPYING_IN)
         fam.unpacked = 0
+        fam.unpack_round += 1
         self._mark_ahead(fam, True)
         fam.reload_started_s = time.perf_counter()
         fam.resident, fam.resident_ref = raw, weakref.ref(raw)
@@ -1303,6 +1308,7 @@ class Executor:
                 offset_bytes=m.offset_bytes,
             )
             fam.unpacked += 1
+            m.unpacked_in = fam.unpack_round
             fam.unpacked_task = graph_task()
             self._mark_ahead(fam, False)
             if fam.unpacked >= fam.members:
@@ -1413,7 +1419,7 @@ class Executor:
 
     # -- release -----------------------------------------------------------------------------
 
-    def release(self, fam: Family) -> None:
+    def release(self, fam: Family, unpacked_in: int = -1) -> None:
         """One member handle died; free the family's bytes when it was the last.
 
         Runs from ``_Member.__del__``, so on any thread and at any allocation (a GC pass), also
@@ -1426,10 +1432,10 @@ class Executor:
             or self.capture.capturing()
             or not self.lock.acquire(blocking=False)
         ):
-            self._deferred_releases.append(fam)  # deque.append is atomic
+            self._deferred_releases.append((fam, unpacked_in))  # deque.append is atomic
             return
         try:
-            self._release(fam)
+            self._release(fam, unpacked_in)
             self._drain_releases()
         finally:
             self.lock.release()
@@ -1450,9 +1456,17 @@ class Executor:
     def _drain_releases(self) -> None:
         # Caller holds the lock.
         while self._deferred_releases:
-            self._release(self._deferred_releases.popleft())
+            self._release(*self._deferred_releases.popleft())
 
-    def _release(self, fam: Family) -> None:
+    def _release(self, fam: Family, unpacked_in: int = -1) -> None:
+        # ``unpacked_in``: the unpack round the dying member was last unpacked in. Unpacked
+        # since the last reload, it takes that unpack with it: ``unpacked`` counts the live
+        # members' unpacks, so that the last live member's unpack is the one that drops the
+        # buffer. (Counted, the unpack of v by ``att @ v``, freed with its node, made the unpack
+        # of k the last of q, k, v: the buffer was dropped under k's view and q's unpack
+        # reloaded the family again, two buffers held at once.)
+        if unpacked_in == fam.unpack_round and fam.unpacked > 0:
+            fam.unpacked -= 1
         fam.members -= 1
         if fam.members > 0 or fam.life is Life.FREED:
             return

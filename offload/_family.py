@@ -96,6 +96,7 @@ class Family:
         "storage_mod",
         "storage_ref",
         "tier",
+        "unpack_round",
         "unpacked",
         "unpacked_task",
         "version",
@@ -136,7 +137,10 @@ class Family:
         # Weak references to them: the truth when a release was cut short (see
         # Executor._release_lost).
         self.member_refs: list[weakref.ref[Any]] = []
-        self.unpacked = 0  # unpacks since the last reload
+        self.unpacked = 0  # unpacks since the last reload, of members still alive
+        # Counts the times ``unpacked`` started over: a member unpacked in the current round
+        # takes its unpack with it when it dies (see Executor._release).
+        self.unpack_round = 0
         self.unpacked_task = -1  # the graph task (backward) of the last of them
         self.source: torch.Tensor | None = None  # uint8 view of the span, held until copied
         # ``t.detach()`` of the first member, held as long as ``source``: it shares the saved

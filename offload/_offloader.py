@@ -719,6 +719,7 @@ class ActivationOffloader:
                 self._check_given_plan()
                 self._check_compiled_share()
                 self._end_structure()
+                self._warn_no_module()
             self._stack.clear()
             self._backward_entries.clear()
             self._warn_traced()
@@ -868,7 +869,9 @@ class ActivationOffloader:
         for name, mod in named_modules_stop_at_compiled(model):
             pre = _ForwardPre(self, name, self._keeps(name, mod), is_compiled(mod))
             # Around a ``mod.compile()``d call, not in it (NOTE [ Hooks of a compiled call ]).
-            handles += register_forward_hooks(mod, pre, _ForwardPost(self), with_kwargs=name == "")
+            # With kwargs: the first module entered at the top level names the step's signature,
+            # the root or another (NOTE [ Top-level calls ]).
+            handles += register_forward_hooks(mod, pre, _ForwardPost(self), with_kwargs=True)
         return handles
 
     def _reinstate_outer_calls(self) -> None:
@@ -1088,9 +1091,24 @@ class ActivationOffloader:
             return " (eval)"
         return " (train: " + "".join("1" if t else "0" for t in modes) + ")"
 
-    def _begin_signature(self, args: Any, kwargs: Any = None) -> None:
-        """At the root's first forward of a step: choose how this step runs."""
+    # NOTE [ Top-level calls ]
+    #     A budgeted step's signature is that of the first call with grad of a module of the
+    #     model entered while no other module of it runs: the root's forward, or, when the step
+    #     never calls it (``model.head(model.backbone(x))``, a LightningModule whose
+    #     ``training_step`` calls ``self.net(x)``), the first child entered at the top level,
+    #     named with its path (``"backbone(float32[8,32])"``, so it never takes a root call's
+    #     plan). Its profiler begins there too, so the record keys count the same calls in the
+    #     profiled and the planned steps. The decision is made at that call, before the first
+    #     pack: top-level calls after it (the head's) are part of its structure, not of its
+    #     signature (NOTE [ Structure ] checks them). A step that enters no module of the model
+    #     and saves tensors has nothing to plan: warned once (_warn_no_module).
+
+    def _begin_signature(self, args: Any, kwargs: Any = None, module: str = "") -> None:
+        """At the step's first top-level forward (NOTE [ Top-level calls ]): choose how this
+        step runs."""
         sig = signature_of(args, kwargs) + self._modes()
+        if module:
+            sig = f"{module}({sig})"
         if self._round is not None:
             sig += self._round.label
         elif self._begin_structure(sig):
@@ -1215,6 +1233,24 @@ class ActivationOffloader:
             f"The plan places records of modules {mine[:6]}; this model's modules are "
             f"{sorted(seen)[:6]}. A plan is made for the model it was profiled on: profile this model "
             "(leave plan= out) or plan it offline",
+        )
+
+    def _warn_no_module(self) -> None:
+        """At a budgeted step's end: warn once when it saved tensors but entered no module of
+        the model (NOTE [ Top-level calls ]): it had no signature, so nothing was profiled or
+        planned, and its saved tensors were offloaded without a plan."""
+        if self._budget_bytes is None or self._signature_begun or self._round is not None:
+            return
+        if not self._outside_packs:
+            return  # nothing saved (no forward, or one without grad)
+        model = self._model_ref()
+        self._warn_once(
+            "no-module",
+            f"gpu_budget is not applied: this step saved {self._outside_packs} tensors but "
+            f"called no module of the model ({type(model).__name__}) this manager was made on, "
+            "so it has no signature to profile and plan (a step's signature comes from the "
+            "first module of the model it enters); its saved tensors were offloaded without a "
+            "plan. Make the manager on the module the step runs, or run the forward through it",
         )
 
     # NOTE [ Structure ]
@@ -2411,7 +2447,7 @@ class _ForwardPre(ModuleHook):
         self.compiled = compiled
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
-        # ``kwargs``: the root's hook is registered with them (they are part of the signature).
+        # ``kwargs``: part of the signature when this call begins it (NOTE [ Top-level calls ]).
         mgr = self.mgr()
         if mgr is None:
             return
@@ -2439,9 +2475,9 @@ class _ForwardPre(ModuleHook):
         if not compiling:
             mgr._check_foreign_hooks(self.name)
         outer_kept = bool(mgr._stack) and mgr._stack[-1][1]
-        if budget and grad and not mgr._stack and self.name == "" and not mgr._signature_begun:
-            mgr._signature_begun = True
-            mgr._begin_signature(args, kwargs)
+        if budget and grad and not mgr._stack and not mgr._signature_begun:
+            mgr._signature_begun = True  # See NOTE [ Top-level calls ]
+            mgr._begin_signature(args, kwargs, self.name)
         if mgr._deferred and not compiling:  # (traced, it would break the graph; a pack will)
             mgr._flush_deferred()  # packed in the caller: stored before this call's packs
         # [module path, kept, families this call packed itself, call index, packs so far]

@@ -2457,3 +2457,140 @@ def test_a_modules_own_saved_tensors_come_back_under_the_window(backwards: int) 
             assert predicted.peak_bytes == saved.peak_planned
     finally:
         mgr.close()
+
+
+class _Wrapper(nn.Module):
+    """A backbone and a head whose own forward the steps never call (a LightningModule's
+    ``training_step`` calling ``self.net(x)`` reads the same to the manager)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = [
+            nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)
+        ]
+        self.backbone = nn.Sequential(*blocks)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never called
+        raise AssertionError("the steps call the children, not the root")
+
+
+def test_a_budget_applies_when_the_root_forward_is_never_called() -> None:
+    """The steps call ``model.head(model.backbone(x))``: the step's signature comes from the
+    first module entered at the top level (the backbone), so the first step is profiled, the
+    second planned, and the later ones run the plan with every key matched, the saved bytes held
+    under the budget and gradients bitwise equal to a run without offloading. The signature
+    used to come only from the root's pre-hook: every such step ran without a plan (all
+    offloaded), with ``min_memory_steps`` 0 and no warning."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    model = _Wrapper()
+    x = torch.randn(64, 32)
+
+    def loss() -> torch.Tensor:
+        return model.head(model.backbone(x)).pow(2).mean()
+
+    peak = offload.profile(lambda: loss().backward(), model, warmup_steps=0).peak_saved_bytes
+    model.zero_grad(set_to_none=True)
+    loss().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    budget = peak // 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mgr = offload.ActivationOffloader(
+            model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0
+        )
+        try:
+            for step in range(4):
+                model.zero_grad(set_to_none=True)
+                with SavedBytes.on(mgr) as saved:
+                    with mgr:
+                        out = loss()
+                    out.backward()
+                del out
+                assert all(torch.equal(p.grad, want[n]) for n, p in model.named_parameters())
+                plan = mgr.plan
+                if step == 0:
+                    continue
+                assert plan is not None and plan.predicted_peak_bytes <= budget, step
+                assert mgr.stats.last.unplanned_records == 0
+                assert mgr.stats.last.predicted_peak_bytes == plan.predicted_peak_bytes
+                assert saved.peak <= budget, (saved.peak, budget)
+            assert list(mgr.plans) == [plan.signature]
+            assert plan.signature.startswith("backbone(")
+            assert {"backbone", "head"} <= {e.module.split(".")[0] for e in plan.entries}
+            gc.collect()
+            assert mgr._executor.live_families() == 0 and mgr._executor.host_bytes == 0
+        finally:
+            mgr.close()
+
+
+def test_a_budgeted_step_that_calls_no_module_of_the_model_warns_once() -> None:
+    """A step whose forward runs no module of the model (the loss computed from another
+    module, or with functional calls on the parameters) gives the manager nothing to profile
+    or plan: it says so, once, instead of running every step without a plan silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+    x = torch.randn(8, 16)
+    mgr = offload.ActivationOffloader(model, gpu_budget="1MiB", hardware=FAST, min_offload_bytes=0)
+    try:
+        with pytest.warns(RuntimeWarning, match="no module of the model") as got:
+            for _ in range(3):
+                with mgr:
+                    loss = torch.nn.functional.linear(x, model[0].weight).sum()
+                loss.backward()
+        assert len([w for w in got if "no module of the model" in str(w.message)]) == 1
+        assert mgr.plan is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with mgr:
+                pass  # a step without forward (nothing saved) says nothing
+    finally:
+        mgr.close()
+
+
+class _Stack(nn.Module):
+    """A stem, 4 blocks in a ModuleList (which makes no call of its own) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(32, 32)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)
+        )
+        self.head = nn.Linear(32, 1)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+
+def test_blocks_called_at_the_top_level_are_recomputed_as_under_a_root_call() -> None:
+    """NOTE [ Blocks ]: a block is a call at the first nesting level. A step that calls the
+    blocks from outside the root (``model.run(x)`` on a model whose forward the manager never
+    sees) has them at depth 0, where only the root call used to be: no blocks were found, so a
+    slow link's plan could only offload (0 recompute calls where the root call's plan
+    recomputes blocks). Top-level calls of modules other than the root are a level of their
+    own now: the same plan either way."""
+    torch.manual_seed(0)
+    model = _Stack()
+    x = torch.randn(64, 32)
+    plans = []
+    for call in (model, model.run):
+        trace = offload.profile(
+            lambda call=call: call(x).pow(2).mean().backward(), model, warmup_steps=0
+        )
+        plans.append(
+            offload.plan(trace, trace.peak_saved_bytes // 2, SLOW, min_offload_bytes=0, margin=0)
+        )
+    model.zero_grad(set_to_none=True)
+    root, top = plans
+    assert root.recompute_calls, root.summary()
+    assert top.recompute_calls == root.recompute_calls
+    assert {m for m, _ in root.recompute_calls} <= {f"blocks.{i}" for i in range(4)}

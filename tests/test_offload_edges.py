@@ -2800,3 +2800,39 @@ def test_a_prefetched_nvme_reload_lands_before_its_unpack(tmp_path) -> None:
             last = mgr.stats.last
             assert last.reloads == 8 and last.stalls == 0
             assert getattr(ex, "landed_early", 0) - landed >= 4  # before: 0
+
+
+def test_a_member_released_after_its_unpack_leaves_its_family_reloaded_once() -> None:
+    """Attention on views of one qkv output saves three members of one family: v (by att @ v)
+    and q, k (by q @ k^T). Backward unpacks v, frees it with its node, then unpacks k and q.
+    The family counted v's unpack after v was gone, so the unpack of k looked like its last
+    one: its buffer was dropped and q's unpack reloaded the family a second time while k's
+    view still held the first buffer (2 reloads, 2 x 6,144 bytes held, where 1 and 6,144
+    are due)."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    qkv = nn.Linear(32, 96)
+    x = torch.randn(2, 8, 32)
+
+    def attend() -> torch.Tensor:
+        q, k, v = qkv(x).view(2, 8, 3, 32).unbind(2)
+        att = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        return (att @ v).sum()
+
+    attend().backward()
+    want = qkv.weight.grad.clone()
+    qkv.zero_grad(set_to_none=True)
+    with manager(qkv, keep=()) as mgr:
+        with SavedBytes.on(mgr) as saved:
+            with mgr:
+                loss = attend()
+            settle(mgr)
+            families = [f for f in mgr._executor.step.families if f.nbytes == 2 * 8 * 96 * 4]
+            assert len(families) == 1 and families[0].members == 3
+            del families
+            loss.backward()
+        assert mgr.stats.last.reloads == mgr.stats.last.records_offloaded_cpu
+        assert torch.equal(qkv.weight.grad, want)
+        # The qkv output's buffer once (with the softmax output's beside it), not twice.
+        assert saved.peak_planned < 2 * (2 * 8 * 96 * 4), saved.peak_planned
