@@ -29,6 +29,7 @@ from torch import nn
 import lifecycle
 import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
+from lifecycle._blocks import within
 from lifecycle._inert import ModuleHook
 from lifecycle._module_hooks import outer_calls, register_forward_hooks
 from lifecycle._recorder import UnendedCalls, foreign_call
@@ -175,6 +176,36 @@ def _keep_arg(keep: Any) -> tuple[frozenset[str], tuple[type, ...]]:
     return frozenset(names), tuple(types)
 
 
+def _warn_keep_covers_nothing(
+    model: nn.Module, names: frozenset[str], types: tuple[type, ...]
+) -> None:
+    """Warn (once, from the constructor) about ``keep=`` entries that can keep nothing: a type
+    no module of the model has, or a module inside a compiled one (whose call is a leaf to the
+    manager: see NOTE [ Keep covers the module tree ])."""
+    reachable = dict(named_modules_stop_at_compiled(model))
+    hidden = sorted(names - reachable.keys())
+    if hidden:
+        compiled = sorted(
+            n for n, m in reachable.items() if is_compiled(m) and within(hidden[0], [n])
+        )
+        warnings.warn(
+            f"offload: keep={hidden!r} keeps nothing: those modules lie inside the compiled "
+            f"module {compiled[0] if compiled else '?'!r}, whose call the manager sees as one "
+            "(what they save is saved in that call, and moves). Keep the compiled module, or "
+            "compile a smaller part",
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
+    absent = [t.__name__ for t in types if not any(isinstance(m, t) for m in reachable.values())]
+    if absent:
+        warnings.warn(
+            f"offload: keep names types {absent} that no module of the model (outside compiled "
+            "ones) has: they keep nothing. Name modules of this model, or their types",
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
+
 class ActivationOffloader:
     """Moves the tensors autograd saves for backward off the device and back, one step at a time.
 
@@ -214,7 +245,9 @@ class ActivationOffloader:
             ``None``: measure this machine once with :func:`offload.probe_hardware` (cached on
             disk).
         keep: module names (as in ``named_modules()``) or ``nn.Module`` types whose saved
-            tensors never move.
+            tensors never move: each covers what is saved inside that module and its
+            descendants (an ``nn.ModuleList`` too, which has no forward). An unknown name
+            raises ``ValueError``; a type no module has warns that it keeps nothing.
         max_inflight_bytes: bound on copies out in flight (on a CPU device also those whose
             tensor backward has released already) and on the reload look-ahead; ``None``: copies
             out by 2 x the largest record seen, at least 256 MiB, and the look-ahead by a
@@ -303,7 +336,12 @@ class ActivationOffloader:
         )
         unknown = keep_names - {n for n, _ in model.named_modules()}
         if unknown:
-            raise ValueError(f"keep: no module named {sorted(unknown)!r} in the model")
+            raise ValueError(
+                f"keep: no module named {sorted(unknown)!r} in the model; keep takes names as "
+                "model.named_modules() gives them ('blocks', 'blocks.0.mlp', '' for the root) "
+                "or nn.Module types"
+            )
+        _warn_keep_covers_nothing(model, keep_names, keep_types)
         self._model_ref = weakref.ref(model)
         self._cpu_budget_default = cpu_budget is None
         self.device = compute_device(model)
@@ -834,6 +872,12 @@ class ActivationOffloader:
             mod, (*self.config.keep_types, nn.RReLU)
         )
 
+    # NOTE [ Keep covers the module tree ]: a module named in keep= (or of a type in it) keeps
+    # everything saved inside it and inside its descendants, decided by name prefix over the
+    # module tree (lifecycle's ``within``, as the planner reads a trace's kept modules), not by
+    # the module being called: an ``nn.ModuleList`` or ``nn.ModuleDict`` has no forward, so its
+    # own hooks never run, and only its children's calls can carry the keep.
+
     def _kept_modules(self, model: nn.Module) -> list[str]:
         return [
             name for name, mod in named_modules_stop_at_compiled(model) if self._keeps(name, mod)
@@ -841,8 +885,10 @@ class ActivationOffloader:
 
     def _install_module_hooks(self, model: nn.Module) -> list[Any]:
         handles = []
+        # See NOTE [ Keep covers the module tree ].
+        kept = self._kept_modules(model)
         for name, mod in named_modules_stop_at_compiled(model):
-            pre = _ForwardPre(self, name, self._keeps(name, mod), is_compiled(mod))
+            pre = _ForwardPre(self, name, within(name, kept), is_compiled(mod))
             # Around a ``mod.compile()``d call, not in it (NOTE [ Hooks of a compiled call ]).
             handles += register_forward_hooks(mod, pre, _ForwardPost(self), with_kwargs=name == "")
         return handles
