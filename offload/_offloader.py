@@ -44,7 +44,7 @@ from lifecycle._tensors import (
     tensors_in,
     wraps_parameter,
 )
-from lifecycle._units import parse_bytes
+from lifecycle._units import parse_bytes, size_note
 from offload._device import compute_device
 from offload._errors import OffloadError, from_infeasible, modified_after_save
 from offload._executor import Executor, _Member
@@ -141,6 +141,31 @@ def _check_tiers(tiers: tuple[str, ...]) -> None:
             raise ValueError(f"tiers: {t!r} is not a tier; use 'cpu' and/or 'nvme'")
     if len(set(tiers)) != len(tiers):
         raise ValueError(f"tiers: {tiers!r} names a tier twice")
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+
+
+def _tiers_arg(tiers: Any) -> tuple[str, ...]:
+    if isinstance(tiers, str):
+        tiers = (tiers,)
+    if not isinstance(tiers, Iterable) or isinstance(tiers, (bytes, bytearray)):
+        raise TypeError(
+            f"tiers must be 'cpu', 'nvme' or a sequence of them; got {type(tiers).__name__}"
+        )
+    tiers = tuple(tiers)
+    _check_tiers(tiers)
+    return tiers
+
+
+def _check_nvme_dir_type(nvme_dir: Any) -> None:
+    if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"nvme_dir must be a directory path (str or os.PathLike) or None; got "
+            f"{type(nvme_dir).__name__}"
+        )
 
 
 def _inflight_arg(value: Any) -> int:
@@ -291,26 +316,14 @@ class ActivationOffloader:
         on_infeasible: str = "raise",
         _copy_engine: storage.CopyEngine | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        _check_model(model)
         if hardware is not None and not isinstance(hardware, (HardwareModel, str, os.PathLike)):
             raise TypeError(
                 "hardware must be a lifecycle.HardwareModel, a path to one saved as JSON, or None "
                 f"(probe this machine at the first plan); got {type(hardware).__name__}"
             )
-        if isinstance(tiers, str):
-            tiers = (tiers,)
-        if not isinstance(tiers, Iterable):
-            raise TypeError(
-                f"tiers must be 'cpu', 'nvme' or a sequence of them; got {type(tiers).__name__}"
-            )
-        if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
-            raise TypeError(
-                f"nvme_dir must be a directory path (str or os.PathLike) or None; got "
-                f"{type(nvme_dir).__name__}"
-            )
-        tiers = tuple(tiers)
-        _check_tiers(tiers)  # before the warning below, which reads them
+        tiers = _tiers_arg(tiers)  # checked before the warning below, which reads them
+        _check_nvme_dir_type(nvme_dir)
         if nvme_dir is not None and "nvme" not in tiers:
             # Not an error (a script's settings may name a spill directory it does not always
             # use), but said: nothing goes there, and the directory is not checked.
@@ -365,9 +378,14 @@ class ActivationOffloader:
             if budget_given and user_plan.predicted_peak_bytes > self._budget_bytes:
                 # The plan is run as it is (no profiling for its signature): it cannot hold a
                 # smaller budget than it was made for.
+                given = (
+                    size_note(gpu_budget, self._budget_bytes)
+                    if isinstance(gpu_budget, str)
+                    else f"{gpu_budget!r} ({self._budget_bytes} bytes)"
+                )
                 raise ValueError(
                     f"plan: the given plan predicts a peak of {user_plan.predicted_peak_bytes} "
-                    f"bytes, above gpu_budget={gpu_budget!r} ({self._budget_bytes} bytes); "
+                    f"bytes, above gpu_budget={given}; "
                     "plan offline for this budget, or leave gpu_budget out to use the plan's"
                 )
             missing = [
@@ -2563,7 +2581,10 @@ def activations(
         >>> offload.activations(model, min_offload_bytes=0) is offload.activations(model, min_offload_bytes=0)
         True
     """
-    tiers = (tiers,) if isinstance(tiers, str) else tuple(tiers)
+    # Checked before the cache is keyed on them (a model that is no module cannot be a key).
+    _check_model(model)
+    tiers = _tiers_arg(tiers)
+    _check_nvme_dir_type(nvme_dir)
     # By meaning, not spelling: 0 and "0", or two spellings of one directory, are one manager.
     key = (
         tiers,
