@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 
@@ -21,7 +22,13 @@ _UNITS = {
     "g": 1 << 30,
     "t": 1 << 40,
 }
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+# A sign is matched so that "-5GiB" is told it is out of range, not that it is no size.
+_PATTERN = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_DECIMAL_UNITS = frozenset({"kb", "mb", "gb", "tb"})
+_UNIT_HELP = (
+    "use bytes or a number with a unit: KiB, MiB, GiB, TiB (binary: 1 GiB = 2**30 bytes; K, "
+    "M, G, T are binary too) or KB, MB, GB, TB (decimal: 1 GB = 10**9 bytes), e.g. '12GiB'"
+)
 MAX_BYTES = 2**63 - 1  # sizes are int64 to torch and numpy
 
 
@@ -35,7 +42,8 @@ def parse_bytes(
 ) -> int:
     """Parse ``12GiB``, ``512MB``, ``1e9``-free integers, or ``"85%"`` (of ``total``) into bytes.
 
-    A number with a unit of a kilobyte or more is computed exactly and rounded down to whole
+    KiB, MiB, GiB, TiB and K, M, G, T are binary (``"12G"`` = ``"12GiB"`` = 12 x 2**30 bytes);
+    KB, MB, GB, TB are decimal (``"12GB"`` = 12 x 10**9 bytes, 7% less). A number with a unit of a kilobyte or more is computed exactly and rounded down to whole
     bytes (``"1.44MiB"`` is 1509949 bytes, as ``offload plan`` prints budgets); a number of
     bytes must be whole (``"0.5"`` is refused: it is no size of memory); a percentage is
     rounded down.
@@ -85,15 +93,14 @@ def parse_bytes(
         return _in_range(int(total * pct / 100), name, value, positive, or_none)
     m = _PATTERN.match(text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"{name}={value!r} is not a size; use bytes or a number with one of B, KB, MB, GB, TB, "
-            "KiB, MiB, GiB, TiB (e.g. '12GiB')"
-        )
+        raise ValueError(f"{name}={value!r} is not a size; {_UNIT_HELP}")
     try:
         n = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
     except ValueError:  # more digits than Python converts to an int (4300)
         return _at_most_max(MAX_BYTES + 1, name, value)
     _at_most_max(n, name, value)
+    if n < 0:  # below every range taken (floor: "-0.1KiB" is no 0 bytes)
+        _in_range(math.floor(n), name, value, positive, or_none)
     if n.denominator != 1 and _UNITS[m.group(2).lower()] == 1:
         raise ValueError(
             f"{name}={value!r} is {float(n):.15g} bytes, not a whole number of bytes; give "
@@ -110,8 +117,17 @@ def _in_range(n: int, name: str, value: int | str, positive: bool, or_none: str)
     taken = "more than 0 bytes" if positive else ">= 0 bytes"
     if or_none:
         taken += f", or None ({or_none})"
-    got = repr(value) if isinstance(value, int) else f"{value!r} ({n} bytes)"
+    got = repr(value) if isinstance(value, int) else size_note(value, n)
     raise ValueError(f"{name} must be {taken}; got {got}")
+
+
+def size_note(value: str, n: int) -> str:
+    """A size string beside the bytes it was read as, for error messages: ``"'12GB'
+    (12,000,000,000 bytes: decimal; use GiB for binary)"``, ``"'12GiB' (12,884,901,888 bytes)"``.
+    """
+    m = _PATTERN.match(value.strip())
+    decimal = m is not None and m.group(2).lower() in _DECIMAL_UNITS
+    return f"{value!r} ({n:,} bytes{': decimal; use GiB for binary' if decimal else ''})"
 
 
 def _at_most_max(n: int | Fraction, name: str, value: int | str) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -61,6 +62,15 @@ def add_parser(sub: Any) -> None:
         help=f"size of each bandwidth probe, PCIe copies and disk file, e.g. 64MiB "
         f"(default {DEFAULT_PROBE})",
     )
+    p.add_argument(
+        "--save-hardware",
+        metavar="FILE",
+        default=None,
+        help="also write, as JSON, the HardwareModel that offload plan and the manager plan "
+        "with on this machine (offload.probe_hardware(): copy links, elementwise rate and, "
+        "with --nvme-dir, that disk; read from its cache when it has one), for "
+        "offload plan --hardware FILE or HardwareModel.load",
+    )
     p.set_defaults(run=run)
 
 
@@ -68,6 +78,12 @@ def run(args: argparse.Namespace) -> int:
     """Collect and print; the exit status."""
     from offload._info import NvmeDirError, collect_info, format_info
 
+    if args.save_hardware is not None and (problem := _unwritable(args.save_hardware)):
+        print(
+            f"offload info: error: --save-hardware {args.save_hardware!r}: {problem}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         info = collect_info(nvme_dir=args.nvme_dir, probe_bytes=args.probe_bytes)
     except NvmeDirError as e:
@@ -85,4 +101,37 @@ def run(args: argparse.Namespace) -> int:
                 f"\n(--nvme-dir DIR measures a disk with a {format_bytes(args.probe_bytes)} file)"
             )
     nvme = info.get("nvme")
-    return 1 if nvme is not None and "error" in nvme else 0
+    failed = nvme is not None and "error" in nvme
+    if args.save_hardware is not None and not failed:
+        return _save_hardware(args.save_hardware, args.nvme_dir, json_out=args.json)
+    return 1 if failed else 0
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot take the hardware file, checked before anything is measured."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a directory; give a file name"
+    if not os.path.isdir(parent):
+        return f"directory {parent!r} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"directory {parent!r} is not writable"
+    return None
+
+
+def _save_hardware(path: str, nvme_dir: str | None, *, json_out: bool) -> int:
+    from offload._probe import probe_hardware
+
+    try:
+        hw = probe_hardware(nvme_dir=nvme_dir)
+    except Exception as e:  # a driver or OS failure, reported, not a traceback
+        print(f"offload info: error: measuring for --save-hardware failed ({e})", file=sys.stderr)
+        return 1
+    try:
+        hw.save(path)
+    except OSError as e:
+        print(f"offload info: error: --save-hardware {path!r}: {e}", file=sys.stderr)
+        return 1
+    # With --json, standard output holds the JSON object alone.
+    print(f"wrote {path} ({hw.source})", file=sys.stderr if json_out else sys.stdout)
+    return 0

@@ -27,8 +27,14 @@ from lifecycle import HardwareModel, Plan, Trace
 from lifecycle._export import write_plan_png
 from lifecycle._units import format_bytes, parse_bytes
 from offload._errors import BudgetInfeasibleError
+from offload._info import NvmeDirError, check_nvme_dir
 from offload._planning import plan, resolve_budget, trace_device
-from offload._probe import probe_hardware
+from offload._probe import (
+    QUICK_DISK_PROBE_BYTES,
+    cached_hardware,
+    probe_hardware,
+    with_measured_disk,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -44,6 +50,7 @@ _PLANNING_OPTIONS = (
     ("--tiers", "tiers"),
     ("--cpu-budget", "cpu_budget"),
     ("--nvme-bytes", "nvme_bytes"),
+    ("--nvme-dir", "nvme_dir"),
     ("--min-offload-bytes", "min_offload_bytes"),
     ("--margin", "margin"),
 )
@@ -169,6 +176,15 @@ def add_plan_options(p: argparse.ArgumentParser, *, budget_required: bool) -> No
         help="NVMe bytes the plan may hold at once, with nvme in --tiers (default: no limit)",
     )
     g.add_argument(
+        "--nvme-dir",
+        metavar="DIR",
+        default=None,
+        help="with nvme in --tiers: measure the disk in DIR (a "
+        f"{format_bytes(QUICK_DISK_PROBE_BYTES)} probe file, removed afterwards) and plan with "
+        "its rates instead of the datasheet figures (those of one NVMe Gen4 drive) or those of "
+        "--hardware",
+    )
+    g.add_argument(
         "--min-offload-bytes",
         metavar="SIZE",
         type=_size(),
@@ -240,6 +256,7 @@ class PlanOptions:
     nvme_bytes: int | None
     min_offload_bytes: int
     margin: int | None
+    nvme_dir: str | None = None  # measure the disk there
 
 
 def check_plan_options(args: argparse.Namespace, *, cuda_expected: bool | None) -> PlanOptions:
@@ -262,6 +279,16 @@ def check_plan_options(args: argparse.Namespace, *, cuda_expected: bool | None) 
             f"--nvme-bytes applies only with nvme in --tiers (the tiers are {','.join(tiers)}: "
             "nothing goes to NVMe)"
         )
+    if args.nvme_dir is not None:
+        if "nvme" not in tiers:
+            raise UsageError(
+                f"--nvme-dir applies only with nvme in --tiers (the tiers are {','.join(tiers)}: "
+                "no disk rate is used)"
+            )
+        try:
+            check_nvme_dir(args.nvme_dir)
+        except NvmeDirError as e:
+            raise UsageError(f"--nvme-dir {e.path!r}: {e.problem}") from None
     hardware = None
     if args.hardware is not None:
         try:
@@ -282,6 +309,7 @@ def check_plan_options(args: argparse.Namespace, *, cuda_expected: bool | None) 
             else args.min_offload_bytes
         ),
         margin=args.margin,
+        nvme_dir=args.nvme_dir,
     )
 
 
@@ -337,6 +365,21 @@ def plan_and_write(
             "--hardware FILE",
             EXIT_FAILED,
         )
+    if options.nvme_dir is not None:
+        print(
+            f"offload: measuring the disk in {options.nvme_dir} "
+            f"({format_bytes(QUICK_DISK_PROBE_BYTES)} written and read back)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            hardware = with_measured_disk(hardware, options.nvme_dir)
+        except (OSError, ValueError) as e:  # a full disk, EIO; the directory removed since
+            return _fail(
+                prog,
+                f"measuring the disk in {options.nvme_dir!r} failed ({type(e).__name__}: {e})",
+                EXIT_FAILED,
+            )
     print(f"hardware: {describe_hardware(hardware)}")
     try:
         p = _plan(trace, budget, hardware, options)
@@ -433,6 +476,9 @@ def _hardware(
             "measure: pass --hardware FILE (a HardwareModel saved on the training machine, e.g. "
             "offload.probe_hardware().save('hardware.json'))"
         )
+    cached = cached_hardware(device)
+    if cached is not None:
+        return cached
     print(
         f"offload: no --hardware given: measuring this machine's copy links on {device} "
         "(offload.probe_hardware(); cached after the first run)",

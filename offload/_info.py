@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import platform
@@ -78,6 +79,9 @@ def check_nvme_dir(path: str | os.PathLike[str]) -> Path:
         NvmeDirError: it does not exist, is not a directory, or a file cannot be created in it.
     """
     given = os.fspath(path)
+    if not given.strip():
+        # Path("") is the working directory: an empty setting would spill there.
+        raise NvmeDirError(given, "is empty (an empty path is not taken for the working directory)")
     p = Path(given).expanduser()
     if not p.exists():
         raise NvmeDirError(given, "does not exist")
@@ -87,7 +91,13 @@ def check_nvme_dir(path: str | os.PathLike[str]) -> Path:
     try:
         fd, probe = tempfile.mkstemp(prefix=".offload-info-check-", dir=p)
     except OSError as e:
-        raise NvmeDirError(given, f"is not writable ({e.strerror or e})") from e
+        # ENOENT for an existing directory: a virtual file system (/proc, /sys) refuses files.
+        virtual = "; a virtual file system such as /proc holds no files" * (e.errno == errno.ENOENT)
+        code = errno.errorcode.get(e.errno or 0, "?")
+        raise NvmeDirError(
+            given,
+            f"is not writable: creating a file in it failed ({code}: {e.strerror or e}{virtual})",
+        ) from e
     os.close(fd)
     os.unlink(probe)
     return p.resolve()

@@ -29,6 +29,7 @@ from torch import nn
 import lifecycle
 import storage
 from lifecycle import HardwareModel, Placement, Plan, Trace
+from lifecycle._blocks import within
 from lifecycle._inert import ModuleHook
 from lifecycle._module_hooks import outer_calls, register_forward_hooks
 from lifecycle._recorder import UnendedCalls, foreign_call, is_checkpoint_pack
@@ -43,7 +44,7 @@ from lifecycle._tensors import (
     tensors_in,
     wraps_parameter,
 )
-from lifecycle._units import parse_bytes
+from lifecycle._units import parse_bytes, size_note
 from offload._device import RoomProbe, compute_device, room_probe
 from offload._errors import OffloadError, from_infeasible, modified_after_save
 from offload._executor import Executor, _Member
@@ -143,6 +144,31 @@ def _check_tiers(tiers: tuple[str, ...]) -> None:
         raise ValueError(f"tiers: {tiers!r} names a tier twice")
 
 
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+
+
+def _tiers_arg(tiers: Any) -> tuple[str, ...]:
+    if isinstance(tiers, str):
+        tiers = (tiers,)
+    if not isinstance(tiers, Iterable) or isinstance(tiers, (bytes, bytearray)):
+        raise TypeError(
+            f"tiers must be 'cpu', 'nvme' or a sequence of them; got {type(tiers).__name__}"
+        )
+    tiers = tuple(tiers)
+    _check_tiers(tiers)
+    return tiers
+
+
+def _check_nvme_dir_type(nvme_dir: Any) -> None:
+    if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"nvme_dir must be a directory path (str or os.PathLike) or None; got "
+            f"{type(nvme_dir).__name__}"
+        )
+
+
 def _inflight_arg(value: Any) -> int:
     """``max_inflight_bytes`` as the config holds it: 0 for automatic (``None``)."""
     if value is None:
@@ -174,6 +200,36 @@ def _keep_arg(keep: Any) -> tuple[frozenset[str], tuple[type, ...]]:
         else:
             raise TypeError(f"keep: {k!r} is neither a module name (str) nor an nn.Module subclass")
     return frozenset(names), tuple(types)
+
+
+def _warn_keep_covers_nothing(
+    model: nn.Module, names: frozenset[str], types: tuple[type, ...]
+) -> None:
+    """Warn (once, from the constructor) about ``keep=`` entries that can keep nothing: a type
+    no module of the model has, or a module inside a compiled one (whose call is a leaf to the
+    manager: see NOTE [ Keep covers the module tree ])."""
+    reachable = dict(named_modules_stop_at_compiled(model))
+    hidden = sorted(names - reachable.keys())
+    if hidden:
+        compiled = sorted(
+            n for n, m in reachable.items() if is_compiled(m) and within(hidden[0], [n])
+        )
+        warnings.warn(
+            f"offload: keep={hidden!r} keeps nothing: those modules lie inside the compiled "
+            f"module {compiled[0] if compiled else '?'!r}, whose call the manager sees as one "
+            "(what they save is saved in that call, and moves). Keep the compiled module, or "
+            "compile a smaller part",
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
+    absent = [t.__name__ for t in types if not any(isinstance(m, t) for m in reachable.values())]
+    if absent:
+        warnings.warn(
+            f"offload: keep names types {absent} that no module of the model (outside compiled "
+            "ones) has: they keep nothing. Name modules of this model, or their types",
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
 
 
 class ActivationOffloader:
@@ -216,7 +272,9 @@ class ActivationOffloader:
             disk), here, when a budget is given (on CUDA the probe allocates 2 x 256 MiB on the
             device and pinned, then empties torch's device and pinned caches).
         keep: module names (as in ``named_modules()``) or ``nn.Module`` types whose saved
-            tensors never move.
+            tensors never move: each covers what is saved inside that module and its
+            descendants (an ``nn.ModuleList`` too, which has no forward). An unknown name
+            raises ``ValueError``; a type no module has warns that it keeps nothing.
         max_inflight_bytes: bound on copies out in flight (on a CPU device also those whose
             tensor backward has released already) and on the reload look-ahead; ``None``: copies
             out by 2 x the largest record seen, at least 256 MiB, and the look-ahead by a
@@ -261,26 +319,14 @@ class ActivationOffloader:
         _copy_engine: storage.CopyEngine | None = None,
         _room: RoomProbe | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        _check_model(model)
         if hardware is not None and not isinstance(hardware, (HardwareModel, str, os.PathLike)):
             raise TypeError(
                 "hardware must be a lifecycle.HardwareModel, a path to one saved as JSON, or None "
                 f"(probe this machine at the first plan); got {type(hardware).__name__}"
             )
-        if isinstance(tiers, str):
-            tiers = (tiers,)
-        if not isinstance(tiers, Iterable):
-            raise TypeError(
-                f"tiers must be 'cpu', 'nvme' or a sequence of them; got {type(tiers).__name__}"
-            )
-        if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
-            raise TypeError(
-                f"nvme_dir must be a directory path (str or os.PathLike) or None; got "
-                f"{type(nvme_dir).__name__}"
-            )
-        tiers = tuple(tiers)
-        _check_tiers(tiers)  # before the warning below, which reads them
+        tiers = _tiers_arg(tiers)  # checked before the warning below, which reads them
+        _check_nvme_dir_type(nvme_dir)
         if nvme_dir is not None and "nvme" not in tiers:
             # Not an error (a script's settings may name a spill directory it does not always
             # use), but said: nothing goes there, and the directory is not checked.
@@ -306,7 +352,12 @@ class ActivationOffloader:
         )
         unknown = keep_names - {n for n, _ in model.named_modules()}
         if unknown:
-            raise ValueError(f"keep: no module named {sorted(unknown)!r} in the model")
+            raise ValueError(
+                f"keep: no module named {sorted(unknown)!r} in the model; keep takes names as "
+                "model.named_modules() gives them ('blocks', 'blocks.0.mlp', '' for the root) "
+                "or nn.Module types"
+            )
+        _warn_keep_covers_nothing(model, keep_names, keep_types)
         self._model_ref = weakref.ref(model)
         self._cpu_budget_default = cpu_budget is None
         self.device = compute_device(model)
@@ -330,9 +381,14 @@ class ActivationOffloader:
             if budget_given and user_plan.predicted_peak_bytes > self._budget_bytes:
                 # The plan is run as it is (no profiling for its signature): it cannot hold a
                 # smaller budget than it was made for.
+                given = (
+                    size_note(gpu_budget, self._budget_bytes)
+                    if isinstance(gpu_budget, str)
+                    else f"{gpu_budget!r} ({self._budget_bytes} bytes)"
+                )
                 raise ValueError(
                     f"plan: the given plan predicts a peak of {user_plan.predicted_peak_bytes} "
-                    f"bytes, above gpu_budget={gpu_budget!r} ({self._budget_bytes} bytes); "
+                    f"bytes, above gpu_budget={given}; "
                     "plan offline for this budget, or leave gpu_budget out to use the plan's"
                 )
             missing = [
@@ -859,6 +915,12 @@ class ActivationOffloader:
             mod, (*self.config.keep_types, nn.RReLU)
         )
 
+    # NOTE [ Keep covers the module tree ]: a module named in keep= (or of a type in it) keeps
+    # everything saved inside it and inside its descendants, decided by name prefix over the
+    # module tree (lifecycle's ``within``, as the planner reads a trace's kept modules), not by
+    # the module being called: an ``nn.ModuleList`` or ``nn.ModuleDict`` has no forward, so its
+    # own hooks never run, and only its children's calls can carry the keep.
+
     def _kept_modules(self, model: nn.Module) -> list[str]:
         return [
             name for name, mod in named_modules_stop_at_compiled(model) if self._keeps(name, mod)
@@ -866,8 +928,10 @@ class ActivationOffloader:
 
     def _install_module_hooks(self, model: nn.Module) -> list[Any]:
         handles = []
+        # See NOTE [ Keep covers the module tree ].
+        kept = self._kept_modules(model)
         for name, mod in named_modules_stop_at_compiled(model):
-            pre = _ForwardPre(self, name, self._keeps(name, mod), is_compiled(mod))
+            pre = _ForwardPre(self, name, within(name, kept), is_compiled(mod))
             # Around a ``mod.compile()``d call, not in it (NOTE [ Hooks of a compiled call ]).
             # With kwargs: the first module entered at the top level names the step's signature,
             # the root or another (NOTE [ Top-level calls ]).
@@ -2687,7 +2751,10 @@ def activations(
         >>> offload.activations(model, min_offload_bytes=0) is offload.activations(model, min_offload_bytes=0)
         True
     """
-    tiers = (tiers,) if isinstance(tiers, str) else tuple(tiers)
+    # Checked before the cache is keyed on them (a model that is no module cannot be a key).
+    _check_model(model)
+    tiers = _tiers_arg(tiers)
+    _check_nvme_dir_type(nvme_dir)
     # By meaning, not spelling: 0 and "0", or two spellings of one directory, are one manager.
     key = (
         tiers,

@@ -456,6 +456,77 @@ def test_probes_this_machine_without_hardware(work: Path, peak: int, tmp_path: P
     assert "measuring this machine" in r.stderr
     assert Plan.load(tmp_path / "plan.json").hardware.device_name == "cpu"
     assert list(cache.glob("hardware-*.json"))  # cached for the next run
+    # The next run reads the cache: it measures nothing, and says nothing of measuring (it
+    # said "measuring this machine's copy links" whether it measured or not).
+    again = run_cli(
+        "plan",
+        str(work / "trace.json"),
+        "--gpu-budget",
+        str(peak),
+        "--out",
+        str(tmp_path / "again.json"),
+        "--no-png",
+        cache_dir=cache,
+    )
+    assert again.returncode == 0, again.stderr
+    assert "measuring" not in again.stderr, again.stderr
+    hw = Plan.load(tmp_path / "again.json").hardware
+    assert hw == Plan.load(tmp_path / "plan.json").hardware
+
+
+def test_nvme_dir_measures_the_disk(
+    work: Path, peak: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--nvme-dir measures the disk there and plans with its rates, in place of the datasheet
+    figures (the H200 model's, of one NVMe Gen4 drive, about 3x the project VM's disk) that a
+    probe without a directory or a --hardware file carries."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = tmp_path / "plan.json"
+    args = ("--gpu-budget", str(peak // 2), *SMALL, "--tiers", "cpu,nvme", "--no-png")
+    r = plan_main(work, *args, "--nvme-dir", str(disk), "--out", str(out), capsys=capsys)
+    assert r.returncode == 0, r.stderr
+    assert f"measuring the disk in {disk} (64.00 MiB written and read back)" in r.stderr
+    hw, h200 = Plan.load(out).hardware, HardwareModel.h200()
+    assert hw.disk_write_bytes_per_s != h200.disk_write_bytes_per_s
+    assert hw.disk_read_bytes_per_s != h200.disk_read_bytes_per_s
+    assert hw.h2d_bytes_per_s == h200.h2d_bytes_per_s  # the links as --hardware gave them
+    assert f"disk rates replaced, measured again: disk {disk.resolve()}: " in hw.source
+    assert not any(disk.iterdir())  # the probe file is gone
+    # A measured model without a disk: its datasheet note is replaced, not contradicted.
+    from offload._probe import with_measured_disk
+
+    probed = HardwareModel.cpu_only(
+        copy_bytes_per_s=1e9,
+        disk_write_bytes_per_s=h200.disk_write_bytes_per_s,
+        disk_read_bytes_per_s=h200.disk_read_bytes_per_s,
+        source="measured: host memcpy; disk not measured (no nvme_dir): assumed NVMe Gen4 "
+        "datasheet figures (4.3 GB/s write, 6.8 GB/s read)",
+    )
+    measured = with_measured_disk(probed, disk, nbytes=1 << 20)
+    assert measured.source.startswith(f"measured: host memcpy; disk {disk.resolve()}: 1.00 MiB")
+    assert "datasheet" not in measured.source
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nvme-dir", "{disk}"], "--nvme-dir applies only with nvme in --tiers"),
+        (["--tiers", "nvme", "--nvme-dir", "{disk}/missing"], "does not exist"),
+        (["--tiers", "nvme", "--nvme-dir", ""], "is empty"),
+    ],
+)
+def test_bad_nvme_dir(
+    work: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+) -> None:
+    argv = [a.format(disk=tmp_path) for a in args]
+    r = plan_main(work, "--gpu-budget", "1GiB", *argv, "--no-png", capsys=capsys)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "--nvme-dir" in r.stderr and message in r.stderr, r.stderr
 
 
 def test_png_skipped_without_matplotlib(work: Path, peak: int, tmp_path: Path) -> None:

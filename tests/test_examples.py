@@ -44,6 +44,19 @@ def test_demo_profiles_plans_and_trains_exactly(tmp_path: Path, tiers: str) -> N
     # The report accounts for the rebuilt activations too (GELU and LayerNorm outputs where the
     # plan, which depends on this machine's timings, rebuilds them), not only what moved.
     assert re.search(r", [0-9.]+ MiB rebuilt from their inputs \(\d+ records\)", out), out
+    # What was measured stands beside what was predicted, and the budget holds (it printed the
+    # predicted peak alone); the ratio column is explained; a CPU run says it saves nothing.
+    held = re.search(
+        r"measured peak: ([0-9.]+) MiB of (saved activations held on the device|device memory "
+        r"allocated \(CUDA peak\)), against a predicted peak of ([0-9.]+) MiB and a budget of "
+        r"([0-9.]+) MiB",
+        out,
+    )
+    assert held, out
+    assert 0 < float(held[1]) <= float(held[4]), held[0]
+    assert "x keep all: that time over keeping everything on the device" in out
+    if "CUDA" not in held[2]:
+        assert out.count("so this run exercises the whole path but saves no memory") == 2, out
     written = {p.name for p in (tmp_path / "demo").iterdir()}
     assert {"trace.json", "trace.perfetto.json", "memory.png"} <= written
     if "nvme" in tiers:

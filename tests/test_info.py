@@ -176,6 +176,43 @@ def test_unwritable_dir_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert f"--nvme-dir {d}: is not writable" in capsys.readouterr().err
 
 
+def test_save_hardware_writes_what_plan_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``offload info --save-hardware FILE`` writes the HardwareModel this machine plans with
+    (probe_hardware's), which HardwareModel.load and ``offload plan --hardware`` read; with
+    --json, standard output stays one JSON object."""
+    from lifecycle import HardwareModel, transformer_trace
+    from offload import probe_hardware
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    saved = tmp_path / "hw.json"
+    argv = ["info", "--json", "--probe-bytes", "4MiB", "--nvme-dir", str(disk)]
+    assert _cli([*argv, "--save-hardware", str(saved)]) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)
+    assert f"wrote {saved}" in err
+    hw = HardwareModel.load(saved)
+    assert hw == probe_hardware(nvme_dir=disk)  # the cached model, as the planner gets it
+    assert f"disk {disk.resolve()}" in hw.source and "datasheet" not in hw.source
+    from offload._cli import main
+
+    trace = tmp_path / "trace.json"
+    transformer_trace(layers=1, hidden=64, tokens=64).save(trace)
+    code = main(["plan", str(trace), "--gpu-budget", "1GiB", "--hardware", str(saved), "--no-png"])
+    assert code == 0
+    assert hw.source in capsys.readouterr().out
+
+
+def test_save_hardware_to_a_directory_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _cli(["info", "--save-hardware", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--save-hardware {str(tmp_path)!r}: is a directory" in err, err
+
+
 def test_pcie_theoretical_bandwidth() -> None:
     assert round(pcie_gb_per_s(5, 16), 1) == 63.0
     assert round(pcie_gb_per_s(4, 16), 2) == 31.51

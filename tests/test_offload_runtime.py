@@ -605,11 +605,46 @@ def test_steps_do_not_nest() -> None:
         ({"tiers": ("nvme",), "nvme_dir": __file__}, ValueError, r"nvme_dir.*not a directory"),
         ({"cpu_budget": 0}, ValueError, "cpu_budget 0"),
         ({"max_inflight_bytes": 0}, ValueError, "max_inflight_bytes must be more than 0 bytes"),
+        # Each said "is not a size" for a size out of range.
+        ({"cpu_budget": "-5GiB"}, ValueError, r"cpu_budget must be >= 0 bytes; got '-5GiB' \("),
+        ({"gpu_budget": "-5GiB"}, ValueError, r"gpu_budget must be more than 0 bytes.*'-5GiB'"),
+        ({"min_offload_bytes": "-1MB"}, ValueError, r"min_offload_bytes must be >= 0 bytes"),
+        # '' was the working directory, until the first step failed.
+        ({"tiers": ("nvme",), "nvme_dir": ""}, ValueError, r"nvme_dir '': is empty.*directory"),
+        # "is not writable (No such file or directory)", of a directory that exists.
+        pytest.param(
+            {"tiers": ("nvme",), "nvme_dir": "/proc"},
+            ValueError,
+            r"nvme_dir '/proc': is not writable: .*\(ENOENT: .*virtual file system",
+            marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc"),
+        ),
+        # Bytes are iterable: "tiers: 99 is not a tier".
+        ({"tiers": b"cpu"}, TypeError, r"tiers must be 'cpu', 'nvme' or a sequence.*got bytes"),
     ],
 )
 def test_bad_arguments(kwargs, exc, match) -> None:
     with pytest.raises(exc, match=match):
         offload.ActivationOffloader(nn.Linear(2, 2), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        # Each raised "TypeError: cannot create weak reference to 'NoneType' object" (or 'str',
+        # 'list'): the model is a key of the managers' cache.
+        ({"model": None}, TypeError, r"^model must be a torch.nn.Module; got NoneType$"),
+        ({"model": "model"}, TypeError, r"^model must be a torch.nn.Module; got str$"),
+        ({"model": [nn.Linear(2, 2)]}, TypeError, r"^model must be a torch.nn.Module; got list$"),
+        # "'NoneType' object is not iterable", and realpath's "expected str, bytes or ...".
+        ({"tiers": None}, TypeError, r"^tiers must be 'cpu', 'nvme' or a sequence of them"),
+        ({"tiers": "nvme", "nvme_dir": 5}, TypeError, r"^nvme_dir must be a directory path"),
+        ({"tiers": "nvme", "nvme_dir": ""}, ValueError, r"^nvme_dir '': is empty"),
+    ],
+)
+def test_bad_arguments_to_activations(kwargs, exc, match) -> None:
+    kwargs.setdefault("model", nn.Linear(2, 2))
+    with pytest.raises(exc, match=match):
+        offload.activations(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -918,9 +953,11 @@ def test_soak_budget_mode_grows_nothing(tmp_path) -> None:
     torch.manual_seed(0)
     model = _SoakModel()
     ref = copy.deepcopy(model)
-    # A link slow enough that the plans recompute some blocks, fast enough that they move some.
+    # A link so slow that recomputing a block beats copying it whatever this machine's compute
+    # times (the plans were the same with the profiled times scaled 0.01x to 100x; at 5e8 B/s
+    # they recomputed nothing once a block's forward took longer than on a fast machine).
     hw = HardwareModel.cpu_only(
-        copy_bytes_per_s=5e8, disk_write_bytes_per_s=2e8, disk_read_bytes_per_s=2e8
+        copy_bytes_per_s=1e4, disk_write_bytes_per_s=4e3, disk_read_bytes_per_s=4e3
     )
     engine = storage.CopyEngine(deferred=True, max_delay_s=0.0005, seed=3)
     mgr = offload.ActivationOffloader(

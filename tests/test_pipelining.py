@@ -180,10 +180,13 @@ def _hardware(kind: str):
     from lifecycle import HardwareModel
 
     # "fast": copies cost about what this CPU's memcpy does, so the planner offloads; "slow": a
-    # link and elementwise kernels so slow that it recomputes instead; "rebuild": the slow link
-    # with elementwise kernels as fast as assumed, so it rebuilds GELU outputs.
-    rate = 5e9 if kind == "fast" else 1e6
-    slow_kernels = {"pointwise_bytes_per_s": 1e6} if kind == "slow" else {}
+    # link and elementwise kernels so slow that it recomputes instead, whatever this machine's
+    # compute times (at 1e6 B/s it did not once they were scaled 100x, as on a machine that much
+    # slower); "rebuild": a slow link with elementwise kernels as fast as assumed, so it
+    # rebuilds GELU outputs, and no slower, so that recomputing stays dearer than copying (at
+    # 1e4 B/s it recomputed a block too with compute times scaled 0.01x).
+    rate = {"fast": 5e9, "slow": 1e4, "rebuild": 1e6}[kind]
+    slow_kernels = {"pointwise_bytes_per_s": 1e4} if kind == "slow" else {}
     return HardwareModel.cpu_only(
         copy_bytes_per_s=rate,
         disk_write_bytes_per_s=rate,

@@ -730,6 +730,27 @@ def test_sizes_are_whole_bytes_computed_exactly() -> None:
             parse_bytes(value, name="cpu_budget")
 
 
+def test_negative_sizes_are_out_of_range_and_decimal_units_say_so() -> None:
+    """'-5GiB' said "is not a size"; it is one, below the range taken. KB, MB, GB, TB are
+    decimal and K, M, G, T binary: the errors say which a value was read as."""
+    from lifecycle._units import parse_bytes
+
+    assert (
+        parse_bytes("12GB") == 12 * 10**9 and parse_bytes("12G") == parse_bytes("12GiB") == 12 << 30
+    )
+    with pytest.raises(ValueError, match=r"^cpu_budget must be >= 0 bytes; got '-5GiB' \(-5,368,"):
+        parse_bytes("-5GiB", name="cpu_budget")
+    with pytest.raises(ValueError, match=r"^x must be >= 0 bytes; got '-0.1KiB' \(-103 bytes\)"):
+        parse_bytes("-0.1KiB", name="x")  # not rounded to 0 bytes
+    with pytest.raises(ValueError, match=r"more than 0 bytes; got '-1' \(-1 bytes\)$"):
+        parse_bytes("-1", name="x", positive=True)
+    decimal = r"got '0GB' \(0 bytes: decimal; use GiB for binary\)$"
+    with pytest.raises(ValueError, match=decimal):
+        parse_bytes("0GB", name="x", positive=True)
+    with pytest.raises(ValueError, match=r"'1e9' is not a size;.*binary.*decimal: 1 GB = 10\*\*9"):
+        parse_bytes("1e9", name="x")
+
+
 def _small_plan() -> Plan:
     trace = transformer_trace(layers=4, hidden=64, tokens=64)
     return plan(trace, trace.peak_memory_bytes // 2, H200, min_offload_bytes=0, margin=0)
