@@ -502,8 +502,8 @@ class _Step:
         self.records = trace.records[rlo:rhi]
         self.first_seq = self.records[0].seq if self.records else 0
         self.device = self.records[0].device if self.records else "cpu"
-        self._families(floor_bytes)
-        self._passes()
+        self._families(floor_bytes, trace.held_through)
+        self._passes(trace.held_through)
         act = ~self.param
         live = _diff(n, self.fp[act], self.keep_end[act] + 1, self.nbytes[act])
         rest = np.maximum(0.0, mem - self.base - live)
@@ -564,7 +564,7 @@ class _Step:
         hi = np.maximum(self.inner_hi[stops], lo)
         return _diff(self.n_frames, lo, hi, nbytes)
 
-    def _families(self, floor_bytes: int) -> None:
+    def _families(self, floor_bytes: int, held: Callable[[int], int]) -> None:
         recs = self.records
         r = len(recs)
         first = self.first_event
@@ -598,6 +598,8 @@ class _Step:
         u_last = np.full(r, -1, np.int64)
         u_first[has] = flat[(stops - counts)[has]]
         u_last[has] = flat[stops[has] - 1]
+        # Held until the node that unpacked it returns (NOTE [ Unpacks of one node ]).
+        u_last[has] = [held(int(u) + first) - first for u in u_last[has]]
         self.unpacked_record = np.full(self.n_events, -1, np.int64)  # per event, for unpacks
         self.unpacked_record[flat] = np.repeat(np.arange(r), counts)
         # The storage span each record covers: the whole storage (the usual activation), nothing
@@ -670,7 +672,7 @@ class _Step:
             one = (lo_p == hi_p) & (lo_p >= 0) & (lo_p != np.arange(n_fam))
             self.rebuild_parent[one] = lo_p[one]
 
-    def _passes(self) -> None:
+    def _passes(self, held: Callable[[int], int]) -> None:
         """Per family, its first and last unpack in each backward pass (local events, -1: not
         counted per pass), and where each backward event's reload trigger fires again in each
         later pass (NOTE [ Backward passes ] in _trace.py). Nothing to do in a step of one
@@ -689,7 +691,7 @@ class _Step:
             members[p].append(r.seq)
         for p, seqs in enumerate(members):
             for k, (lo, hi) in enumerate(passes.of_family(seqs)):
-                self.pass_first[k, p], self.pass_last[k, p] = lo - first, hi - first
+                self.pass_first[k, p], self.pass_last[k, p] = lo - first, held(hi) - first
         self.again = np.full((n, len(self.trig)), -1, np.int64)
         for k in range(1, n):
             at = [passes.again(e + first, k) for e in self.trig.tolist()]
