@@ -92,8 +92,9 @@ NOTE [ Rebuilt outputs ]
     stored: one elementwise kernel on the compute stream, (input + output bytes) /
     ``pointwise_bytes_per_s`` (against two link crossings of the output's bytes, or keeping
     them). Rebuild variants of the order variants (of the first slack's) rebuild all such
-    families of a column (those whose input or own block is not recomputed; an input is never
-    rebuilt itself), which then are no offload candidates. All or none: where the GELU outputs
+    families of a column (those whose input or own block is not recomputed, and neither of them
+    a recomputed block's input, which the executor holds for the recomputation; an input is
+    never rebuilt itself), which then are no offload candidates. All or none: where the GELU outputs
     alone would do, the LayerNorm outputs are rebuilt too (on the synthetic GPTs at most 0.003x
     of the step slower than with GELU links only; a variant per output size would cost columns).
     Model: a rebuilt family is absent from the event after its pack until its first unpack,
@@ -972,14 +973,15 @@ class _Model:
 
     def rebuilt(self, m: int) -> tuple[np.ndarray, float]:
         """The families rebuilt with the last ``m`` blocks recomputed (neither they nor their
-        inputs recomputed, nor they a recomputed block's input), and the seconds their rebuilds
-        take."""
+        inputs recomputed, nor either a recomputed block's input: the executor holds that one
+        for the recomputation, and its pack returns no kept tensor to rebuild from), and the
+        seconds their rebuilds take."""
         gone = np.zeros(len(self.v.fid), bool)
         gone[self.recomputed(m)[0]] = True
         ok = ~gone[self.outputs] & ~gone[self.inputs]
         gone[:] = False
         gone[self.recomputed_inputs(m)] = True
-        ok &= ~gone[self.outputs]
+        ok &= ~gone[self.outputs] & ~gone[self.inputs]
         return self.outputs[ok], float(self.rebuild_s[ok].sum())
 
     # -- columns ---------------------------------------------------------------------------

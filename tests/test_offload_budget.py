@@ -2653,3 +2653,60 @@ def test_a_node_holds_all_it_unpacked_within_the_predicted_peak() -> None:
             assert saved.peak_planned <= last.predicted_peak_bytes <= budget
         else:
             assert saved.peak_planned == anchor
+
+
+class _AttnThenNorm(nn.Module):
+    """A token-mixing block, then a block that is only a LayerNorm: its input is the block's
+    input, its output is saved by the head (an output the planner may rebuild)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Linear(16, 32), nn.Linear(32, 1)
+        self.qkv, self.proj = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.norm = nn.Sequential(nn.LayerNorm(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        q, k, v = self.qkv(h).view(*h.shape[:2], 3, 32).unbind(2)
+        h = h + self.proj(torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(32), dim=-1) @ v)
+        return self.head(self.norm(h))
+
+
+def test_no_rebuild_from_the_input_of_a_recomputed_block() -> None:
+    """The executor holds a recomputed block's input for the recomputation (the block's first
+    family, kept), so that input's pack returns no kept tensor and a rebuild from it is refused
+    at pack. The planner still chose one: at the smallest feasible budget it recomputed the
+    LayerNorm block and rebuilt the LayerNorm's output (saved by the head) from the block's
+    input, and each planned step sent that record unplanned to the first tier with room (1 per
+    step). Now no plan rebuilds from a recomputed block's input."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    model = _AttnThenNorm()
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(1))
+
+    def step(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = step(None)
+    trace = offload.profile(lambda: step(None), model, warmup_steps=0)
+    with pytest.raises(lifecycle.BudgetInfeasibleError) as info:
+        lifecycle.plan(trace, gpu_budget=1, hardware=SLOW, min_offload_bytes=0)
+    plan = lifecycle.plan(
+        trace, gpu_budget=info.value.min_feasible_bytes, hardware=SLOW, min_offload_bytes=0
+    )
+    mgr = offload.ActivationOffloader(model, plan=plan, min_offload_bytes=0, hardware=SLOW)
+    try:
+        for _ in range(2):
+            with SavedBytes.on(mgr) as saved:
+                got = step(mgr)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            last = mgr.stats.last
+            assert last.unplanned_records == 0
+            assert saved.peak_planned <= last.predicted_peak_bytes
+    finally:
+        mgr.close()
