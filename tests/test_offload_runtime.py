@@ -920,7 +920,7 @@ def test_soak_budget_mode_grows_nothing(tmp_path) -> None:
     ref = copy.deepcopy(model)
     # A link slow enough that the plans recompute some blocks, fast enough that they move some.
     hw = HardwareModel.cpu_only(
-        copy_bytes_per_s=5e8, disk_write_bytes_per_s=2e8, disk_read_bytes_per_s=2e8
+        copy_bytes_per_s=1e8, disk_write_bytes_per_s=5e7, disk_read_bytes_per_s=5e7
     )
     engine = storage.CopyEngine(deferred=True, max_delay_s=0.0005, seed=3)
     mgr = offload.ActivationOffloader(
