@@ -92,8 +92,9 @@ NOTE [ Rebuilt outputs ]
     stored: one elementwise kernel on the compute stream, (input + output bytes) /
     ``pointwise_bytes_per_s`` (against two link crossings of the output's bytes, or keeping
     them). Rebuild variants of the order variants (of the first slack's) rebuild all such
-    families of a column (those whose input or own block is not recomputed; an input is never
-    rebuilt itself), which then are no offload candidates. All or none: where the GELU outputs
+    families of a column (those whose input or own block is not recomputed, and neither of them
+    a recomputed block's input, which the executor holds for the recomputation; an input is
+    never rebuilt itself), which then are no offload candidates. All or none: where the GELU outputs
     alone would do, the LayerNorm outputs are rebuilt too (on the synthetic GPTs at most 0.003x
     of the step slower than with GELU links only; a variant per output size would cost columns).
     Model: a rebuilt family is absent from the event after its pack until its first unpack,
@@ -502,8 +503,8 @@ class _Step:
         self.records = trace.records[rlo:rhi]
         self.first_seq = self.records[0].seq if self.records else 0
         self.device = self.records[0].device if self.records else "cpu"
-        self._families(floor_bytes)
-        self._passes()
+        self._families(floor_bytes, trace.held_through)
+        self._passes(trace.held_through)
         act = ~self.param
         live = _diff(n, self.fp[act], self.keep_end[act] + 1, self.nbytes[act])
         rest = np.maximum(0.0, mem - self.base - live)
@@ -564,7 +565,7 @@ class _Step:
         hi = np.maximum(self.inner_hi[stops], lo)
         return _diff(self.n_frames, lo, hi, nbytes)
 
-    def _families(self, floor_bytes: int) -> None:
+    def _families(self, floor_bytes: int, held: Callable[[int], int]) -> None:
         recs = self.records
         r = len(recs)
         first = self.first_event
@@ -598,6 +599,8 @@ class _Step:
         u_last = np.full(r, -1, np.int64)
         u_first[has] = flat[(stops - counts)[has]]
         u_last[has] = flat[stops[has] - 1]
+        # Held until the node that unpacked it returns (NOTE [ Unpacks of one node ]).
+        u_last[has] = [held(int(u) + first) - first for u in u_last[has]]
         self.unpacked_record = np.full(self.n_events, -1, np.int64)  # per event, for unpacks
         self.unpacked_record[flat] = np.repeat(np.arange(r), counts)
         # The storage span each record covers: the whole storage (the usual activation), nothing
@@ -670,7 +673,7 @@ class _Step:
             one = (lo_p == hi_p) & (lo_p >= 0) & (lo_p != np.arange(n_fam))
             self.rebuild_parent[one] = lo_p[one]
 
-    def _passes(self) -> None:
+    def _passes(self, held: Callable[[int], int]) -> None:
         """Per family, its first and last unpack in each backward pass (local events, -1: not
         counted per pass), and where each backward event's reload trigger fires again in each
         later pass (NOTE [ Backward passes ] in _trace.py). Nothing to do in a step of one
@@ -689,7 +692,7 @@ class _Step:
             members[p].append(r.seq)
         for p, seqs in enumerate(members):
             for k, (lo, hi) in enumerate(passes.of_family(seqs)):
-                self.pass_first[k, p], self.pass_last[k, p] = lo - first, hi - first
+                self.pass_first[k, p], self.pass_last[k, p] = lo - first, held(hi) - first
         self.again = np.full((n, len(self.trig)), -1, np.int64)
         for k in range(1, n):
             at = [passes.again(e + first, k) for e in self.trig.tolist()]
@@ -970,14 +973,15 @@ class _Model:
 
     def rebuilt(self, m: int) -> tuple[np.ndarray, float]:
         """The families rebuilt with the last ``m`` blocks recomputed (neither they nor their
-        inputs recomputed, nor they a recomputed block's input), and the seconds their rebuilds
-        take."""
+        inputs recomputed, nor either a recomputed block's input: the executor holds that one
+        for the recomputation, and its pack returns no kept tensor to rebuild from), and the
+        seconds their rebuilds take."""
         gone = np.zeros(len(self.v.fid), bool)
         gone[self.recomputed(m)[0]] = True
         ok = ~gone[self.outputs] & ~gone[self.inputs]
         gone[:] = False
         gone[self.recomputed_inputs(m)] = True
-        ok &= ~gone[self.outputs]
+        ok &= ~gone[self.outputs] & ~gone[self.inputs]
         return self.outputs[ok], float(self.rebuild_s[ok].sum())
 
     # -- columns ---------------------------------------------------------------------------

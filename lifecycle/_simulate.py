@@ -631,6 +631,8 @@ def _family_facts(trace: Trace, step: int, passes: BackwardPasses | None) -> Ite
             continue
         members = [trace.records[s] for s in fam.records]
         unpacks = [u for r in members for u in r.unpack_events]
+        held = trace.held_through  # NOTE [ Unpacks of one node ] in _trace.py
+        per_pass = passes.of_family(fam.records) if passes is not None else ()
         yield _FamilyFacts(
             family=fam.family,
             span_bytes=fam.span_bytes,
@@ -639,11 +641,11 @@ def _family_facts(trace: Trace, step: int, passes: BackwardPasses | None) -> Ite
             first_pack=fam.first_pack_event,
             last_pack=max(r.pack_event for r in members),
             first_unpack=min(unpacks) if unpacks else -1,
-            last_use=fam.last_use_event if unpacks else -1,
+            last_use=held(fam.last_use_event) if unpacks else -1,
             movable=not any(r.in_backward for r in members),
             records=fam.records,
             rebuild_from=tuple(r.rebuild_from for r in members),
-            passes=passes.of_family(fam.records) if passes is not None else (),
+            passes=tuple((first, held(last)) for first, last in per_pass),
             whole_passes=min(len(r.unpack_events) for r in members),
         )
 

@@ -11,6 +11,7 @@ import bisect
 import dataclasses
 import enum
 import functools
+import itertools
 import math
 import os
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -303,7 +304,8 @@ class Trace:
         """Live activation bytes after each event: ``[(event index, bytes), ...]``.
 
         A family is live from its first pack through its last use (the last unpack of any
-        member; a family never unpacked, or one of a step in ``retained_steps`` or
+        member, or of the node that unpacked it, NOTE [ Unpacks of one node ]; a family never
+        unpacked, or one of a step in ``retained_steps`` or
         ``create_graph_steps``, stays live until the end of its step).
         """
         return list(self._derived("live_saved_bytes", self._live_saved_bytes))
@@ -321,7 +323,7 @@ class Trace:
                 continue
             unpacked = any(self.records[s].unpack_events for s in f.records)
             if unpacked and f.step not in retained:
-                end = f.last_use_event
+                end = self.held_through(f.last_use_event)
             else:
                 end = step_end.get(f.step, last_index)
             delta[f.first_pack_event] = delta.get(f.first_pack_event, 0) + f.span_bytes
@@ -332,6 +334,35 @@ class Trace:
             live += delta.get(e.index, 0)
             out.append((e.index, live))
         return tuple(out)
+
+    def held_through(self, event: int) -> int:
+        """The last event at which what was unpacked at ``event`` is still held: the last unpack
+        of the same autograd node (NOTE [ Unpacks of one node ]); ``event`` itself otherwise."""
+        return self._derived("node unpack ends", self._node_unpack_ends).get(event, event)
+
+    def _node_unpack_ends(self) -> dict[int, int]:
+        # NOTE [ Unpacks of one node ]
+        #     An autograd node unpacks all its saved tensors before it computes, and holds them
+        #     until it returns: a MulBackward0 holds both factors together, however each was
+        #     brought back (a reload, a recomputation, a rebuild). The trace does not name the
+        #     node, so two records count as one node's when the op packed them at adjacent
+        #     events and backward unpacked them at adjacent events in the same order, pass by
+        #     pass (the generated nodes unpack in pack order). Two nodes in a row, each with
+        #     one saved tensor, unpack in the reverse of their pack order, so they are not
+        #     joined; a node that unpacks out of pack order is missed (counted as before). What
+        #     a node unpacked is freed after the node's last unpack, not its own.
+        ends: dict[int, int] = {}
+        for r, s in itertools.pairwise(self.records):
+            if (
+                s.pack_event == r.pack_event + 1
+                and r.unpack_events
+                and len(s.unpack_events) == len(r.unpack_events)
+                and all(b == a + 1 for a, b in zip(r.unpack_events, s.unpack_events, strict=True))
+            ):
+                ends.update(zip(r.unpack_events, s.unpack_events, strict=True))
+        for a in sorted(ends, reverse=True):  # a chain of three or more: to its last unpack
+            ends[a] = ends.get(ends[a], ends[a])
+        return ends
 
     @property
     def peak_saved_bytes(self) -> int:

@@ -547,16 +547,25 @@ class IoThreads:
                 )
         while (task := self._tasks.get()) is not None:
             future, fn, args = task
-            if not future.done():  # else abandoned at exit before it started
+            del task
+            if future.done():  # abandoned at exit before it started
+                del fn, args
+            else:
+                result: object = None
+                error: BaseException | None = None
                 try:
                     result = fn(*args)
                 except BaseException as e:
-                    _settle(future, None, e)
-                else:
-                    _settle(future, result, None)
+                    error = e
+                # The task's sources and destinations go before its future finishes, not after
+                # the thread that waited on it went on: a reload buffer the task wrote outlived
+                # its use in backward by however long this thread took to be scheduled again.
+                del fn, args
+                _settle(future, result, error)
+                del result, error
             with self._lock:
                 self._pending.pop(future, None)
-            del task, future, fn, args  # the task's sources go with it, not with the next wait
+            del future
 
 
 def _settle(future: Future[Any], result: object, error: BaseException | None) -> None:

@@ -2603,3 +2603,119 @@ def test_blocks_called_at_the_top_level_are_recomputed_as_under_a_root_call() ->
     assert root.recompute_calls, root.summary()
     assert top.recompute_calls == root.recompute_calls
     assert {m for m, _ in root.recompute_calls} <= {f"blocks.{i}" for i in range(4)}
+
+
+class _Product(nn.Module):
+    """``x + mix(x^T)^T * x``: the multiply saves two activations of one size, and its backward
+    holds both at once, however each came back (the fuzzer's 'transpose' block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.mix, self.head = nn.Linear(8, 32), nn.Linear(16, 16), nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.head(h + self.mix(h.transpose(-2, -1)).transpose(-2, -1) * h)
+
+
+def test_a_node_holds_all_it_unpacked_within_the_predicted_peak() -> None:
+    """What one backward node unpacks stays together until the node returns (NOTE [ Unpacks of
+    one node ]): the simulator and the planner freed the multiply's first factor at the second
+    factor's unpack. At the smallest feasible budget (4,311 B) the plan predicted 4,096 B and
+    the step held 8,192 B, the two 4,096 B factors; in min-memory mode the offload_all anchor
+    predicted 12,288 B against 13,312 held. Now the smallest feasible budget is 8,623 B, the
+    plan predicts the 8,192 B held, and the anchor the 13,312."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    model = _Product()
+    x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(1))
+
+    def step(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = step(None)
+    trace = offload.profile(lambda: step(None), model, warmup_steps=0)
+    factor = 2 * 16 * 32 * 4
+    anchor = lifecycle.predict_anchors(trace, FAST)["offload_all"].peak_bytes
+    with pytest.raises(lifecycle.BudgetInfeasibleError) as info:
+        lifecycle.plan(trace, gpu_budget=1, hardware=FAST, min_offload_bytes=0)
+    budget = info.value.min_feasible_bytes
+    assert min(budget, anchor) >= 2 * factor
+    for kw in ({}, {"gpu_budget": budget}):
+        mgr = offload.ActivationOffloader(model, min_offload_bytes=0, hardware=FAST, **kw)
+        try:
+            for _ in range(3):  # profiles, then plans (budget mode) / runs in min-memory mode
+                with SavedBytes.on(mgr) as saved:
+                    got = step(mgr)
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            last = mgr.stats.last
+        finally:
+            mgr.close()
+        assert saved.peak_planned >= 2 * factor  # both factors, together
+        if kw:
+            assert last.unplanned_records == 0 and last.predicted_peak_bytes > 0
+            assert saved.peak_planned <= last.predicted_peak_bytes <= budget
+        else:
+            assert saved.peak_planned == anchor
+
+
+class _AttnThenNorm(nn.Module):
+    """A token-mixing block, then a block that is only a LayerNorm: its input is the block's
+    input, its output is saved by the head (an output the planner may rebuild)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Linear(16, 32), nn.Linear(32, 1)
+        self.qkv, self.proj = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.norm = nn.Sequential(nn.LayerNorm(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        q, k, v = self.qkv(h).view(*h.shape[:2], 3, 32).unbind(2)
+        h = h + self.proj(torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(32), dim=-1) @ v)
+        return self.head(self.norm(h))
+
+
+def test_no_rebuild_from_the_input_of_a_recomputed_block() -> None:
+    """The executor holds a recomputed block's input for the recomputation (the block's first
+    family, kept), so that input's pack returns no kept tensor and a rebuild from it is refused
+    at pack. The planner still chose one: at the smallest feasible budget it recomputed the
+    LayerNorm block and rebuilt the LayerNorm's output (saved by the head) from the block's
+    input, and each planned step sent that record unplanned to the first tier with room (1 per
+    step). Now no plan rebuilds from a recomputed block's input."""
+    from offload._live import SavedBytes
+
+    torch.manual_seed(0)
+    model = _AttnThenNorm()
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(1))
+
+    def step(mgr: offload.ActivationOffloader | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = step(None)
+    trace = offload.profile(lambda: step(None), model, warmup_steps=0)
+    with pytest.raises(lifecycle.BudgetInfeasibleError) as info:
+        lifecycle.plan(trace, gpu_budget=1, hardware=SLOW, min_offload_bytes=0)
+    plan = lifecycle.plan(
+        trace, gpu_budget=info.value.min_feasible_bytes, hardware=SLOW, min_offload_bytes=0
+    )
+    mgr = offload.ActivationOffloader(model, plan=plan, min_offload_bytes=0, hardware=SLOW)
+    try:
+        for _ in range(2):
+            with SavedBytes.on(mgr) as saved:
+                got = step(mgr)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            last = mgr.stats.last
+            assert last.unplanned_records == 0
+            assert saved.peak_planned <= last.predicted_peak_bytes
+    finally:
+        mgr.close()
