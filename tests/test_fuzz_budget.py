@@ -24,7 +24,6 @@ seed's error ends with its reproducer: the seed, the command and the model's des
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import os
@@ -34,6 +33,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_offload_random import open_fds_under
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -235,17 +235,6 @@ def reference_step(model: FuzzNet, spec: dict[str, Any], seed: int, step: int) -
     loss_of(model, spec, seed, step, x).backward()
     sgd(model)
     return state(model, x)
-
-
-def open_fds_under(path: Path) -> list[str]:
-    root = str(path)
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith(root):
-                found.append(target)
-    return found
 
 
 def budget_range(spec: dict[str, Any], seed: int, settings: dict[str, Any]) -> tuple[int, int]:

@@ -814,3 +814,55 @@ def test_a_full_pinned_pool_waits_for_copies_in_flight_bitwise(tmp_path, monkeyp
         mgr.close()
         other.release()
         pool.close()
+
+
+# -- a module's own saved tensors under the look-ahead window (NOTE [ Module triggers under the
+# -- window ]; the CPU half: test_offload_budget.py::test_a_modules_own_saved_tensors_come_back_
+# -- under_the_window) ---------------------------------------------------------------------------
+
+
+def test_a_modules_own_saved_tensors_come_back_under_the_window_on_cuda() -> None:
+    """One module whose own ops save 9 x 2 MiB (8 x (matmul, tanh)), min-memory mode with a
+    4 MiB window: its backward used to bring all 9 back when it began, so the step's allocator
+    peak was no offload's (18 MiB of saved bytes at once). Under the window at most 6 MiB of
+    them are back at once: the step's peak above its start is at least 10 MiB below no
+    offload's (12 MiB less saved, 2 MiB for reload buffers' alignment and allocator rounding).
+    Gradients bitwise."""
+
+    class TanhChain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(1024, 1024, device="cuda") / 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(8):
+                x = torch.tanh(x @ self.w)
+            return x
+
+    torch.manual_seed(0)
+    model = TanhChain()
+    x = torch.randn(512, 1024, device="cuda")
+    family = 2 << 20
+
+    def step(mgr: offload.ActivationOffloader | None) -> tuple[torch.Tensor, int]:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        with mgr if mgr is not None else contextlib.nullcontext():
+            loss = model(x).sum()
+        loss.backward()
+        torch.cuda.synchronize()
+        return model.w.grad.clone(), torch.cuda.max_memory_allocated() - start
+
+    step(None)  # cuBLAS workspaces and the gradient's first allocation
+    want, none_peak = step(None)
+    mgr = offload.ActivationOffloader(model, max_inflight_bytes="4MiB", min_offload_bytes=0)
+    try:
+        for _ in range(3):
+            got, peak = step(mgr)
+            assert torch.equal(got, want)
+            assert mgr.stats.last.records_offloaded_cpu == 9
+        assert peak <= none_peak - 5 * family, (peak, none_peak)
+    finally:
+        mgr.close()
