@@ -73,8 +73,8 @@ import torch
 from torch import nn
 
 import offload
-from lifecycle._units import parse_bytes
 from offload._live import SavedBytes
+from offload.lifecycle._units import parse_bytes
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_ROOT, "examples"))

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import offload
-from lifecycle import HardwareModel, Recorder
+from offload.lifecycle import HardwareModel, Recorder
 
 
 class MulChain(nn.Module):

@@ -74,7 +74,8 @@ import torch
 from torch import nn
 
 import offload
-from lifecycle import (
+from offload._live import SavedBytes
+from offload.lifecycle import (
     EventKind,
     Simulation,
     offload_all,
@@ -83,10 +84,12 @@ from lifecycle import (
     schedule_1f1b,
     simulate,
 )
-from lifecycle._pipeline import Action, _start_times  # the dependency timing predict_1f1b uses
-from lifecycle._simulate import _automatic_window_bytes  # the window predict_1f1b takes
-from lifecycle._units import parse_bytes
-from offload._live import SavedBytes
+from offload.lifecycle._pipeline import (  # the dependency timing predict_1f1b uses
+    Action,
+    _start_times,
+)
+from offload.lifecycle._simulate import _automatic_window_bytes  # the window predict_1f1b takes
+from offload.lifecycle._units import parse_bytes
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

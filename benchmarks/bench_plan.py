@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-import lifecycle
-from lifecycle import HardwareModel, Trace, simulate, transformer_trace
+from offload import lifecycle
+from offload.lifecycle import HardwareModel, Trace, simulate, transformer_trace
 
 _BASE_BYTES = 10 << 30
 _SIMULATE_MAX_RECORDS = 20_000  # plan()'s default simulate_records: the simulator's range
@@ -113,7 +113,7 @@ def _baseline(rev: str, module: str = "_planner") -> ModuleType:
     source = subprocess.run(
         ["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True, text=True
     ).stdout
-    name = f"lifecycle.{module}_baseline"
+    name = f"offload.lifecycle.{module}_baseline"
     spec = importlib.util.spec_from_loader(name, loader=None)
     assert spec is not None
     loaded = importlib.util.module_from_spec(spec)

@@ -66,12 +66,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-import storage
-from lifecycle._units import parse_bytes
+from offload import storage
 from offload._info import _filesystem_of, _measure_pcie_unchecked, _nvml_info, _torch_gpus
 from offload._live import LiveBytes
-from storage._nvme import _pieces  # the tier's request split, to size the raw comparison
-from storage._units import round_up
+from offload.lifecycle._units import parse_bytes
+from offload.storage._nvme import _pieces  # the tier's request split, to size the raw comparison
+from offload.storage._units import round_up
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_ROOT, "examples"))

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lifecycle import HardwareModel, plan, predict_anchors, transformer_trace
+from offload.lifecycle import HardwareModel, plan, predict_anchors, transformer_trace
 
 _BASE_BYTES = 10 << 30
 # (mlp, layers, hidden, tokens)

@@ -44,8 +44,8 @@ from gpt import GPT, GPTConfig  # noqa: E402
 from train_gpt import MarkovChain  # noqa: E402
 
 import offload  # noqa: E402
-from lifecycle import write_memory_png, write_perfetto  # noqa: E402
 from offload._live import SavedBytes  # noqa: E402  (CPU: no allocator reports a peak)
+from offload.lifecycle import write_memory_png, write_perfetto  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import offload
-from lifecycle._units import parse_bytes
+from offload.lifecycle._units import parse_bytes
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
 

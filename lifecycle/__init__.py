@@ -5,11 +5,11 @@ Pure data and pure functions: the :class:`Recorder` (clock and memory probe inje
 planner (:func:`plan` -> :class:`Plan`). No CUDA calls; never imports ``offload`` or ``storage``.
 """
 
-from lifecycle._clock import Clock, MonotonicClock
-from lifecycle._export import write_memory_png, write_perfetto, write_plan_png
-from lifecycle._hardware import HARDWARE_SCHEMA_VERSION, HardwareModel
-from lifecycle._pipeline import StagePrediction, pipeline_trace, predict_1f1b, schedule_1f1b
-from lifecycle._plan import (
+from offload.lifecycle._clock import Clock, MonotonicClock
+from offload.lifecycle._export import write_memory_png, write_perfetto, write_plan_png
+from offload.lifecycle._hardware import HARDWARE_SCHEMA_VERSION, HardwareModel
+from offload.lifecycle._pipeline import StagePrediction, pipeline_trace, predict_1f1b, schedule_1f1b
+from offload.lifecycle._plan import (
     PLAN_SCHEMA_VERSION,
     BudgetInfeasibleError,
     Plan,
@@ -17,10 +17,10 @@ from lifecycle._plan import (
     Prediction,
     Trigger,
 )
-from lifecycle._planner import plan
-from lifecycle._profile import profile
-from lifecycle._recorder import MemoryProbe, Recorder, StepBoundary
-from lifecycle._simulate import (
+from offload.lifecycle._planner import plan
+from offload.lifecycle._profile import profile
+from offload.lifecycle._recorder import MemoryProbe, Recorder, StepBoundary
+from offload.lifecycle._simulate import (
     Decision,
     Placement,
     Simulation,
@@ -29,8 +29,8 @@ from lifecycle._simulate import (
     predict_anchors,
     simulate,
 )
-from lifecycle._synthetic import transformer_trace
-from lifecycle._trace import (
+from offload.lifecycle._synthetic import transformer_trace
+from offload.lifecycle._trace import (
     SCHEMA_VERSION,
     Event,
     EventKind,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lifecycle._trace import Event, EventKind
+from offload.lifecycle._trace import Event, EventKind
 
 _get = operator.attrgetter
 _CODE = {k: i for i, k in enumerate(EventKind)}  # the planner's event codes

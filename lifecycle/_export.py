@@ -7,14 +7,14 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from lifecycle._jsonfile import replacing
-from lifecycle._units import format_bytes
+from offload.lifecycle._jsonfile import replacing
+from offload.lifecycle._units import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from lifecycle._plan import Plan
-    from lifecycle._trace import Trace
+    from offload.lifecycle._plan import Plan
+    from offload.lifecycle._trace import Trace
 
 _PID = 1
 _TIDS = {"forward": 1, "backward": 2}
@@ -200,7 +200,7 @@ def write_plan_png(
 
     Example:
         >>> import os, tempfile, torch, offload
-        >>> from lifecycle import HardwareModel, plan
+        >>> from offload.lifecycle import HardwareModel, plan
         >>> nn = torch.nn
         >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
         >>> trace = offload.profile(lambda: model(torch.randn(128, 64)).sum().backward(), model)
@@ -212,7 +212,7 @@ def write_plan_png(
         True
     """
     figure_cls = _figure_class("the planned-memory PNG")
-    from lifecycle._simulate import simulate
+    from offload.lifecycle._simulate import simulate
 
     planned = simulate(trace, plan.hardware, plan.decisions(), step=step)
     keep = simulate(trace, plan.hardware, None, step=step)

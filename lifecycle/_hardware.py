@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from lifecycle._jsonfile import check_header, read_json, write_json
+from offload.lifecycle._jsonfile import check_header, read_json, write_json
 
 HARDWARE_SCHEMA_VERSION = 1
 _FORMAT = "offload.hardware"

@@ -21,10 +21,10 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lifecycle._hardware import HardwareModel
-from lifecycle._plan import BudgetInfeasibleError, Plan
-from lifecycle._planner import plan
-from lifecycle._simulate import (
+from offload.lifecycle._hardware import HardwareModel
+from offload.lifecycle._plan import BudgetInfeasibleError, Plan
+from offload.lifecycle._planner import plan
+from offload.lifecycle._simulate import (
     Placement,
     Simulation,
     _automatic_window_bytes,
@@ -32,8 +32,8 @@ from lifecycle._simulate import (
     offload_all,
     simulate,
 )
-from lifecycle._trace import Event, EventKind, Trace
-from lifecycle._units import check_count, parse_bytes
+from offload.lifecycle._trace import Event, EventKind, Trace
+from offload.lifecycle._units import check_count, parse_bytes
 
 Action = tuple[str, int]  # ("F" | "B", microbatch)
 
@@ -341,7 +341,7 @@ def predict_1f1b(
 
     Example:
         >>> import torch, offload
-        >>> from lifecycle import HardwareModel
+        >>> from offload.lifecycle import HardwareModel
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
         >>> one = offload.profile(lambda: model(torch.randn(128, 64)).sum().backward(), model)
         >>> stages = predict_1f1b(one, HardwareModel.h200(), stages=4, microbatches=8)

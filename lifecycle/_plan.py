@@ -1,6 +1,6 @@
 """A plan: where each alias family of a step waits, and when it comes back, as plain data.
 
-:func:`lifecycle.plan` makes one from a :class:`~lifecycle.Trace`; the ``offload`` executor
+:func:`lifecycle.plan` makes one from a :class:`~offload.lifecycle.Trace`; the ``offload`` executor
 carries it out. A plan names tensors by their record keys (module path, call index within the
 step, ordinal of the pack within that call), which are stable across steps of one signature, and
 it names the events that start reloads the same way, so the executor needs no event counter.
@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, fields
 from itertools import repeat
 from typing import Any
 
-from lifecycle._hardware import HardwareModel
-from lifecycle._jsonfile import check_header, read_json, write_json
-from lifecycle._report import check_top
-from lifecycle._simulate import Decision, Placement
-from lifecycle._units import format_bytes
+from offload.lifecycle._hardware import HardwareModel
+from offload.lifecycle._jsonfile import check_header, read_json, write_json
+from offload.lifecycle._report import check_top
+from offload.lifecycle._simulate import Decision, Placement
+from offload.lifecycle._units import format_bytes
 
 PLAN_SCHEMA_VERSION = 1
 _FORMAT = "offload.plan"
@@ -124,7 +124,7 @@ class PlanEntry:
     recompute_module: str = ""
 
     def decision(self) -> Decision:
-        """This entry as the simulator's :class:`~lifecycle.Decision`."""
+        """This entry as the simulator's :class:`~offload.lifecycle.Decision`."""
         return Decision(
             placement=self.placement,
             reload_event=self.reload_event if self.placement.moves else -1,

@@ -123,10 +123,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lifecycle._blocks import find_blocks, within
-from lifecycle._hardware import HardwareModel
-from lifecycle._nogc import gc_paused
-from lifecycle._plan import (
+from offload.lifecycle._blocks import find_blocks, within
+from offload.lifecycle._hardware import HardwareModel
+from offload.lifecycle._nogc import gc_paused
+from offload.lifecycle._plan import (
     BudgetInfeasibleError,
     Key,
     Plan,
@@ -135,7 +135,7 @@ from lifecycle._plan import (
     Trigger,
     _bulk,
 )
-from lifecycle._simulate import (
+from offload.lifecycle._simulate import (
     _DEFAULT_MIN_INFLIGHT_BYTES,
     Decision,
     Placement,
@@ -143,7 +143,7 @@ from lifecycle._simulate import (
     predict_anchors,
     simulate,
 )
-from lifecycle._trace import (
+from offload.lifecycle._trace import (
     WHOLE_STORAGE_FACTOR,
     BackwardPasses,
     Event,
@@ -152,7 +152,7 @@ from lifecycle._trace import (
     Trace,
     with_small_casts_kept,
 )
-from lifecycle._units import check_count, format_bytes, parse_bytes
+from offload.lifecycle._units import check_count, format_bytes, parse_bytes
 
 _MIN_MARGIN_BYTES = 256 << 20  # DESIGN.md "Budget": max(5% of the budget, 256 MiB) on a GPU
 _MARGIN_SHARE = 0.05
@@ -220,7 +220,7 @@ def plan(
 
     Example:
         >>> import torch, offload
-        >>> from lifecycle import HardwareModel, plan
+        >>> from offload.lifecycle import HardwareModel, plan
         >>> nn = torch.nn
         >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)])
         >>> trace = offload.profile(lambda: model(torch.randn(512, 256)).sum().backward(), model)

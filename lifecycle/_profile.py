@@ -9,10 +9,10 @@ from typing import Any
 
 from torch import nn
 
-from lifecycle._clock import Clock
-from lifecycle._recorder import MemoryProbe, Recorder
-from lifecycle._trace import EventKind, Trace
-from lifecycle._units import check_count
+from offload.lifecycle._clock import Clock
+from offload.lifecycle._recorder import MemoryProbe, Recorder
+from offload.lifecycle._trace import EventKind, Trace
+from offload.lifecycle._units import check_count
 
 
 def profile(

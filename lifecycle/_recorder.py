@@ -51,10 +51,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from lifecycle._clock import Clock, MonotonicClock
-from lifecycle._inert import BoundHook
-from lifecycle._module_hooks import outer_calls, register_forward_hooks
-from lifecycle._tensors import (
+from offload.lifecycle._clock import Clock, MonotonicClock
+from offload.lifecycle._inert import BoundHook
+from offload.lifecycle._module_hooks import outer_calls, register_forward_hooks
+from offload.lifecycle._tensors import (
     ACTIVATION_NODES,
     NormOutputs,
     ParameterStorages,
@@ -68,8 +68,8 @@ from lifecycle._tensors import (
     tensors_in,
     wraps_parameter,
 )
-from lifecycle._trace import Event, EventKind, TensorRecord, Trace
-from lifecycle._units import check_count
+from offload.lifecycle._trace import Event, EventKind, TensorRecord, Trace
+from offload.lifecycle._units import check_count
 
 MemoryProbe = Callable[[], int]
 # Nodes whose outputs may be rebuilt from another record (activation_output): the activations'
@@ -265,7 +265,7 @@ class Recorder:
 
     Example:
         >>> import torch
-        >>> from lifecycle import Recorder
+        >>> from offload.lifecycle import Recorder
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
         >>> rec = Recorder()
         >>> with rec.attach(model), rec.hooks():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lifecycle._units import format_bytes
+from offload.lifecycle._units import format_bytes
 
 if TYPE_CHECKING:
-    from lifecycle._trace import Trace
+    from offload.lifecycle._trace import Trace
 
 
 def _quantiles(values: list[float], qs: tuple[float, ...]) -> list[float]:

@@ -1,7 +1,7 @@
 """A discrete-event model of one training step under a placement: predicted device peak and time.
 
-The planner asks "what if": given a :class:`~lifecycle.Trace` of one step, a
-:class:`~lifecycle.HardwareModel` and a :class:`Placement` for each alias family, :func:`simulate`
+The planner asks "what if": given a :class:`~offload.lifecycle.Trace` of one step, a
+:class:`~offload.lifecycle.HardwareModel` and a :class:`Placement` for each alias family, :func:`simulate`
 predicts the step's device memory peak and its time. Pure: no clock, no device, no torch.
 
 NOTE [ Simulation model ]
@@ -99,10 +99,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from lifecycle._blocks import find_blocks
-from lifecycle._hardware import HardwareModel
-from lifecycle._nogc import gc_paused
-from lifecycle._trace import (
+from offload.lifecycle._blocks import find_blocks
+from offload.lifecycle._hardware import HardwareModel
+from offload.lifecycle._nogc import gc_paused
+from offload.lifecycle._trace import (
     BackwardPasses,
     Event,
     EventKind,
@@ -110,7 +110,7 @@ from lifecycle._trace import (
     Trace,
     with_small_casts_kept,
 )
-from lifecycle._units import parse_bytes
+from offload.lifecycle._units import parse_bytes
 
 _DEFAULT_MIN_INFLIGHT_BYTES = 256 << 20  # DESIGN: max_inflight_bytes defaults to at least 256 MiB
 # The automatic reload look-ahead: a quarter of the bytes the step moves (see automatic_bounds).
@@ -230,7 +230,7 @@ class Simulation:
 
     Example:
         >>> import torch, offload
-        >>> from lifecycle import HardwareModel, simulate
+        >>> from offload.lifecycle import HardwareModel, simulate
         >>> model = torch.nn.Linear(8, 8)
         >>> trace = offload.profile(lambda: model(torch.randn(4, 8)).sum().backward(), model)
         >>> sim = simulate(trace, HardwareModel.h200())
@@ -321,7 +321,7 @@ def simulate(
 
     Example:
         >>> import math, torch, offload
-        >>> from lifecycle import HardwareModel, Placement, simulate
+        >>> from offload.lifecycle import HardwareModel, Placement, simulate
         >>> nn = torch.nn
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
         >>> x = torch.randn(256, 64)
@@ -521,7 +521,7 @@ def predict_anchors(
 
     Example:
         >>> import torch, offload
-        >>> from lifecycle import HardwareModel
+        >>> from offload.lifecycle import HardwareModel
         >>> nn = torch.nn
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> trace = offload.profile(lambda: model(torch.randn(4, 8)).sum().backward(), model)

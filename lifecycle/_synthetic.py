@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lifecycle._trace import Event, EventKind, TensorRecord, Trace
-from lifecycle._units import check_count
+from offload.lifecycle._trace import Event, EventKind, TensorRecord, Trace
+from offload.lifecycle._units import check_count
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from lifecycle._jsonfile import check_header, read_json, write_json
-from lifecycle._nogc import gc_paused
+from offload.lifecycle._jsonfile import check_header, read_json, write_json
+from offload.lifecycle._nogc import gc_paused
 
 # NOTE [ Alias handling ] in offload's _family.py: a view spanning at least 1/WHOLE_STORAGE_FACTOR
 # of its storage is copied as the whole storage (sibling views packed later, q, k and v of one qkv
@@ -458,7 +458,7 @@ class Trace:
         Raises:
             TypeError / ValueError: ``top`` is not an int >= 0.
         """
-        from lifecycle._report import summarize
+        from offload.lifecycle._report import summarize
 
         return summarize(self, top=top)
 

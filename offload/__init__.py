@@ -5,19 +5,6 @@ waits (GPU, pinned host memory, NVMe, or recomputed), and run that plan with ove
 ``import offload`` is all a user needs.
 """
 
-from lifecycle import (
-    Event,
-    EventKind,
-    Family,
-    HardwareModel,
-    ModuleSpan,
-    Plan,
-    Recorder,
-    TensorRecord,
-    Trace,
-    write_memory_png,
-    write_perfetto,
-)
 from offload._errors import (
     BudgetInfeasibleError,
     ChecksumError,
@@ -30,6 +17,19 @@ from offload._planning import plan
 from offload._probe import probe_hardware
 from offload._profile import profile
 from offload._stats import OffloadStats, StepStats
+from offload.lifecycle import (
+    Event,
+    EventKind,
+    Family,
+    HardwareModel,
+    ModuleSpan,
+    Plan,
+    Recorder,
+    TensorRecord,
+    Trace,
+    write_memory_png,
+    write_perfetto,
+)
 
 __version__ = "0.1.0"
 

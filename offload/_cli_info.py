@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from lifecycle._units import format_bytes, parse_bytes
+from offload.lifecycle._units import format_bytes, parse_bytes
 
 DEFAULT_PROBE = "256MiB"
 

@@ -23,9 +23,6 @@ from typing import Any
 
 import torch
 
-from lifecycle import HardwareModel, Plan, Trace
-from lifecycle._export import write_plan_png
-from lifecycle._units import format_bytes, parse_bytes
 from offload._errors import BudgetInfeasibleError
 from offload._info import NvmeDirError, check_nvme_dir
 from offload._planning import plan, resolve_budget, trace_device
@@ -35,6 +32,9 @@ from offload._probe import (
     probe_hardware,
     with_measured_disk,
 )
+from offload.lifecycle import HardwareModel, Plan, Trace
+from offload.lifecycle._export import write_plan_png
+from offload.lifecycle._units import format_bytes, parse_bytes
 
 EXIT_OK = 0
 EXIT_FAILED = 1

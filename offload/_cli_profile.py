@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lifecycle import MonotonicClock, Recorder, Trace, write_memory_png, write_perfetto
 from offload import _cli_plan
+from offload.lifecycle import MonotonicClock, Recorder, Trace, write_memory_png, write_perfetto
 
 
 class _ProfileComplete(BaseException):

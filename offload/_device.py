@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lifecycle import Clock, MemoryProbe, MonotonicClock
+from offload.lifecycle import Clock, MemoryProbe, MonotonicClock
 
 
 def compute_device(model: nn.Module) -> torch.device:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-import lifecycle
-import storage
+from offload import lifecycle, storage
 
 
 class OffloadError(Exception):

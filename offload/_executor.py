@@ -51,11 +51,7 @@ from typing import Any
 
 import torch
 
-import storage
-from lifecycle._recorder import graph_task
-from lifecycle._simulate import automatic_bounds
-from lifecycle._tensors import version_root
-from lifecycle._trace import WHOLE_STORAGE_FACTOR
+from offload import storage
 from offload._device import DeviceStreams, GraphCapture, copy_streams
 from offload._errors import OffloadError, from_storage, modified_after_save
 from offload._family import (
@@ -69,8 +65,12 @@ from offload._family import (
     storage_bytes,
 )
 from offload._stats import StepStats
-from storage._transfer import reset_in_forked_child
-from storage._units import round_up
+from offload.lifecycle._recorder import graph_task
+from offload.lifecycle._simulate import automatic_bounds
+from offload.lifecycle._tensors import version_root
+from offload.lifecycle._trace import WHOLE_STORAGE_FACTOR
+from offload.storage._transfer import reset_in_forked_child
+from offload.storage._units import round_up
 
 log = logging.getLogger("offload")
 

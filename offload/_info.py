@@ -23,8 +23,8 @@ from typing import Any
 import psutil
 import torch
 
-from lifecycle._units import format_bytes, parse_bytes, plural
-from storage import (
+from offload.lifecycle._units import format_bytes, parse_bytes, plural
+from offload.storage import (
     ALIGNMENT_BYTES,
     cgroup_memory,
     local_world_size,

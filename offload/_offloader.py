@@ -26,25 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import lifecycle
-import storage
-from lifecycle import HardwareModel, Placement, Plan, Trace
-from lifecycle._blocks import within
-from lifecycle._inert import ModuleHook
-from lifecycle._module_hooks import outer_calls, register_forward_hooks
-from lifecycle._recorder import UnendedCalls, foreign_call, is_checkpoint_pack
-from lifecycle._tensors import (
-    NormOutputs,
-    ParameterStorages,
-    activation_output,
-    dtensor_spec,
-    is_compiled,
-    local_tensor,
-    named_modules_stop_at_compiled,
-    tensors_in,
-    wraps_parameter,
-)
-from lifecycle._units import parse_bytes, size_note
+from offload import lifecycle, storage
 from offload._device import RoomProbe, compute_device, room_probe
 from offload._errors import OffloadError, from_infeasible, modified_after_save
 from offload._executor import Executor, _Member
@@ -77,7 +59,24 @@ from offload._recipe import (
 )
 from offload._stats import OffloadStats, StepStats
 from offload._verify import RecomputeVerifier, is_tap_pack
-from storage._transfer import close_later, in_gc_pass, start_closer
+from offload.lifecycle import HardwareModel, Placement, Plan, Trace
+from offload.lifecycle._blocks import within
+from offload.lifecycle._inert import ModuleHook
+from offload.lifecycle._module_hooks import outer_calls, register_forward_hooks
+from offload.lifecycle._recorder import UnendedCalls, foreign_call, is_checkpoint_pack
+from offload.lifecycle._tensors import (
+    NormOutputs,
+    ParameterStorages,
+    activation_output,
+    dtensor_spec,
+    is_compiled,
+    local_tensor,
+    named_modules_stop_at_compiled,
+    tensors_in,
+    wraps_parameter,
+)
+from offload.lifecycle._units import parse_bytes, size_note
+from offload.storage._transfer import close_later, in_gc_pass, start_closer
 
 log = logging.getLogger("offload")
 

@@ -52,8 +52,8 @@ from typing import Any
 
 from torch import nn
 
-from lifecycle._inert import ModuleHook
 from offload._errors import OffloadError
+from offload.lifecycle._inert import ModuleHook
 
 _METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 

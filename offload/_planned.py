@@ -76,8 +76,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import lifecycle
-from lifecycle import (
+from offload import lifecycle
+from offload._device import clock_and_probe
+from offload._planning import load_arg_file
+from offload.lifecycle import (
     EventKind,
     HardwareModel,
     Placement,
@@ -87,10 +89,8 @@ from lifecycle import (
     Trace,
     Trigger,
 )
-from lifecycle._recorder import OUTSIDE
-from lifecycle._units import format_bytes
-from offload._device import clock_and_probe
-from offload._planning import load_arg_file
+from offload.lifecycle._recorder import OUTSIDE
+from offload.lifecycle._units import format_bytes
 
 log = logging.getLogger("offload")
 

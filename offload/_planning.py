@@ -13,11 +13,11 @@ from typing import TypeVar
 
 import torch
 
-import lifecycle
-from lifecycle import HardwareModel, Plan, Trace
-from lifecycle._units import parse_bytes
+from offload import lifecycle
 from offload._errors import from_infeasible
 from offload._probe import probe_hardware
+from offload.lifecycle import HardwareModel, Plan, Trace
+from offload.lifecycle._units import parse_bytes
 
 _T = TypeVar("_T")
 

@@ -1,7 +1,7 @@
 """``probe_hardware()``: measure this machine's copy links, elementwise kernel rate and disk into
 a :class:`HardwareModel`.
 
-The planner and the simulator take a :class:`~lifecycle.HardwareModel`; this module fills one with
+The planner and the simulator take a :class:`~offload.lifecycle.HardwareModel`; this module fills one with
 figures timed here, and keeps it in a small JSON cache so a process pays for the probe once per
 machine, not once per run. Nothing runs at import: CUDA, NVML, files and the cache directory are
 touched only when :func:`probe_hardware` is called.
@@ -26,11 +26,11 @@ from typing import Any, TypeAlias
 
 import torch
 
-from lifecycle import HardwareModel
-from lifecycle._jsonfile import read_json
-from lifecycle._units import format_bytes, parse_bytes, plural
 from offload._info import _nvml_info, _torch_gpus, check_nvme_dir
-from storage import measure_disk_bandwidth
+from offload.lifecycle import HardwareModel
+from offload.lifecycle._jsonfile import read_json
+from offload.lifecycle._units import format_bytes, parse_bytes, plural
+from offload.storage import measure_disk_bandwidth
 
 log = logging.getLogger("offload")
 

@@ -7,9 +7,9 @@ from typing import Any
 
 from torch import nn
 
-from lifecycle import Trace
-from lifecycle._profile import record_steps, warn_if_unused
 from offload._device import clock_and_probe, compute_device
+from offload.lifecycle import Trace
+from offload.lifecycle._profile import record_steps, warn_if_unused
 
 
 def profile(

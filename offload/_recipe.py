@@ -108,7 +108,9 @@ from typing import Any
 
 import torch
 
-from lifecycle._tensors import (
+from offload._errors import OffloadError
+from offload._family import aligned_buffer
+from offload.lifecycle._tensors import (
     Activation,
     NormArgs,
     NormOutputs,
@@ -118,8 +120,6 @@ from lifecycle._tensors import (
     parameter_cast,
     tensor_versions,
 )
-from offload._errors import OffloadError
-from offload._family import aligned_buffer
 
 
 class WeightCast:

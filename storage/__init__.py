@@ -7,8 +7,8 @@ synchronisation). Knows nothing about autograd; never imports ``offload`` or ``l
 Importing it starts no thread, touches no file and creates no CUDA context.
 """
 
-from storage._bandwidth import measure_disk_bandwidth
-from storage._budget import (
+from offload.storage._bandwidth import measure_disk_bandwidth
+from offload.storage._budget import (
     CgroupMemory,
     cgroup_memory,
     default_cpu_budget_bytes,
@@ -16,20 +16,20 @@ from storage._budget import (
     local_world_size,
     rank_share_bytes,
 )
-from storage._errors import ChecksumError, StorageError, StorageFullError
-from storage._host_tier import HostTier
-from storage._kvikio import kvikio_available
-from storage._nvme import NvmeTier
-from storage._pool import (
+from offload.storage._errors import ChecksumError, StorageError, StorageFullError
+from offload.storage._host_tier import HostTier
+from offload.storage._kvikio import kvikio_available
+from offload.storage._nvme import NvmeTier
+from offload.storage._pool import (
     HostPool,
     HostRegion,
     PoolShare,
     claim_shared_host_pool,
     shared_host_pool,
 )
-from storage._tier import StoredHandle, Tier
-from storage._transfer import CopyEngine, Transfer, byte_view, finish_elsewhere
-from storage._units import ALIGNMENT_BYTES, CHECKSUM_CHUNK_BYTES, IO_THREADS
+from offload.storage._tier import StoredHandle, Tier
+from offload.storage._transfer import CopyEngine, Transfer, byte_view, finish_elsewhere
+from offload.storage._units import ALIGNMENT_BYTES, CHECKSUM_CHUNK_BYTES, IO_THREADS
 
 __all__ = [
     # host memory

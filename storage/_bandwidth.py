@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from storage._errors import StorageFullError
-from storage._file import SpillFile, storage_error
-from storage._units import ALIGNMENT_BYTES, IO_THREADS, check_count, format_bytes, round_up
+from offload.storage._errors import StorageFullError
+from offload.storage._file import SpillFile, storage_error
+from offload.storage._units import ALIGNMENT_BYTES, IO_THREADS, check_count, format_bytes, round_up
 
 # A probe takes at most 1 / _FREE_SPACE_DIVISOR of the directory's free space: measuring a disk
 # must not fill it (other ranks, or the job itself, may be writing there).

@@ -12,7 +12,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from storage._units import check_count
+from offload.storage._units import check_count
 
 # The share of a node resource all ranks together take by default is 1 / _SHARE_DIVISOR: the
 # rest is left to the framework, the data loader and the page cache.

@@ -14,9 +14,9 @@ import weakref
 
 import numpy as np
 
-from storage._errors import StorageError, StorageFullError
-from storage._transfer import abandoned_at_exit
-from storage._units import ALIGNMENT_BYTES, format_bytes
+from offload.storage._errors import StorageError, StorageFullError
+from offload.storage._transfer import abandoned_at_exit
+from offload.storage._units import ALIGNMENT_BYTES, format_bytes
 
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _NO_FALLOCATE_ERRNOS = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})

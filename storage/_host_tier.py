@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from storage._pool import HostPool, HostRegion, shared_host_pool
-from storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
-from storage._transfer import CopyEngine, Transfer, check_waitable, wait_for
+from offload.storage._pool import HostPool, HostRegion, shared_host_pool
+from offload.storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
+from offload.storage._transfer import CopyEngine, Transfer, check_waitable, wait_for
 
 
 class HostTier(Tier):

@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from storage._budget import default_nvme_budget_bytes
-from storage._errors import ChecksumError, StorageError, StorageFullError
-from storage._extents import ExtentAllocator
-from storage._file import SpillFile, buffer_of, remove_stale_private_dirs, storage_error
-from storage._kvikio import KvikioFile
-from storage._pool import HostPool, HostRegion, shared_host_pool
-from storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
-from storage._transfer import (
+from offload.storage._budget import default_nvme_budget_bytes
+from offload.storage._errors import ChecksumError, StorageError, StorageFullError
+from offload.storage._extents import ExtentAllocator
+from offload.storage._file import SpillFile, buffer_of, remove_stale_private_dirs, storage_error
+from offload.storage._kvikio import KvikioFile
+from offload.storage._pool import HostPool, HostRegion, shared_host_pool
+from offload.storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
+from offload.storage._transfer import (
     CopyEngine,
     IoThreads,
     Transfer,
@@ -32,7 +32,7 @@ from storage._transfer import (
     track_gc_passes,
     wait_for,
 )
-from storage._units import (
+from offload.storage._units import (
     ALIGNMENT_BYTES,
     CHECKSUM_CHUNK_BYTES,
     IO_THREADS,

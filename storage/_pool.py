@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from storage._budget import default_cpu_budget_bytes
-from storage._errors import StorageError, StorageFullError
-from storage._extents import ExtentAllocator
-from storage._transfer import reset_in_forked_child
-from storage._units import ALIGNMENT_BYTES, format_bytes, next_pow2, prev_pow2, round_up
+from offload.storage._budget import default_cpu_budget_bytes
+from offload.storage._errors import StorageError, StorageFullError
+from offload.storage._extents import ExtentAllocator
+from offload.storage._transfer import reset_in_forked_child
+from offload.storage._units import ALIGNMENT_BYTES, format_bytes, next_pow2, prev_pow2, round_up
 
-logger = logging.getLogger("storage")
+logger = logging.getLogger("offload.storage")
 
 _DEFAULT_SLAB_BYTES = 256 << 20
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from storage._errors import StorageError
-from storage._transfer import (
+from offload.storage._errors import StorageError
+from offload.storage._transfer import (
     Transfer,
     byte_view,
     chain,
@@ -23,7 +23,7 @@ from storage._transfer import (
 )
 
 if TYPE_CHECKING:
-    from storage._pool import HostRegion
+    from offload.storage._pool import HostRegion
 
 
 class StoredHandle:
@@ -34,7 +34,7 @@ class StoredHandle:
     the record's space and every later read re-raises its error.
 
     Example:
-        >>> from storage import HostPool, HostTier
+        >>> from offload.storage import HostPool, HostTier
         >>> tier = HostTier(HostPool(1 << 20, slab_bytes=1 << 20))
         >>> h = tier.write(torch.arange(8, dtype=torch.uint8))
         >>> h.wait(); (h.nbytes, h.tier is tier)
@@ -119,17 +119,17 @@ class Tier(ABC):
     ``.wait()`` is the only synchronisation (see NOTE [ Transfer ordering ]). A record's space
     returns to the tier only once it was freed *and* every transfer touching it completed.
 
-    Sources and destinations are host memory: a :class:`~storage.HostRegion` (4 KiB-aligned, the
+    Sources and destinations are host memory: a :class:`~offload.storage.HostRegion` (4 KiB-aligned, the
     fast path for file I/O) or a contiguous CPU tensor of any dtype. A region source is adopted by
     the host tier (it becomes the record's storage) but only read by the NVMe tier, whose caller
     keeps it and may release it once the write completed; if the write failed, the region still
     holds the bytes, so the record can go to the next tier.
 
-    Errors: ``write`` raises :class:`~storage.StorageFullError` at once when the record does not
+    Errors: ``write`` raises :class:`~offload.storage.StorageFullError` at once when the record does not
     fit; I/O errors arrive through ``.wait()`` of the returned handle or transfer.
 
     Example:
-        >>> from storage import HostPool, HostTier
+        >>> from offload.storage import HostPool, HostTier
         >>> def round_trip(tier: Tier, x: torch.Tensor) -> torch.Tensor:
         ...     handle = tier.write(x)
         ...     out = torch.empty_like(x)

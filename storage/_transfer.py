@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from storage._errors import StorageError
+from offload.storage._errors import StorageError
 
-logger = logging.getLogger("storage")
+logger = logging.getLogger("offload.storage")
 
 # NOTE [ Transfer ordering ]
 # storage knows nothing about CUDA streams. Ordering crosses its boundary in two ways only:
@@ -47,7 +47,7 @@ class Transfer:
     """The completion of one copy or file I/O.
 
     ``.wait()`` returns once the bytes are where they were sent, or re-raises the error that
-    stopped them (:class:`~storage.StorageError` and its subclasses for I/O). It is the only
+    stopped them (:class:`~offload.storage.StorageError` and its subclasses for I/O). It is the only
     synchronisation a caller may rely on (see NOTE [ Transfer ordering ]).
 
     Example:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import offload
-from lifecycle import transformer_trace
+from offload.lifecycle import transformer_trace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

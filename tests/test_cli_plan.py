@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle import HardwareModel, Plan, Prediction, Trace, predict_anchors
-from lifecycle._units import format_bytes
 from offload._cli import main
+from offload.lifecycle import HardwareModel, Plan, Prediction, Trace, predict_anchors
+from offload.lifecycle._units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_gpt.py"
@@ -235,8 +235,8 @@ def test_infeasible_budget(work: Path, tmp_path: Path) -> None:
 def test_a_suggested_size_parses_to_at_least_what_is_needed() -> None:
     """The hint's figure: 3 significant digits, rounded up. '1.44MiB' was refused as not whole
     bytes (1623 of 2000 random needs), and whole figures lost their zeros ('100MiB' was '1MiB')."""
-    from lifecycle._units import parse_bytes
     from offload._cli_plan import _round_up_size
+    from offload.lifecycle._units import parse_bytes
 
     rng = random.Random(0)
     needs = [100 << 20, 200 << 30, 777_777, 1_509_052, 1023, 1024, 10 << 10]
@@ -578,8 +578,8 @@ def test_png_that_cannot_be_drawn_is_a_warning(
     """A plan is written before its picture: a picture that cannot be drawn (here the plan is
     of another trace, whose families the simulator refuses) is a warning, not a traceback."""
     pytest.importorskip("matplotlib")
-    from lifecycle import plan, transformer_trace
     from offload._cli_plan import _write_png
+    from offload.lifecycle import plan, transformer_trace
 
     other = transformer_trace(layers=4, hidden=64, tokens=64)
     budget = other.peak_memory_bytes // 2

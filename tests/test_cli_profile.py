@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_cli_plan import assert_anchors_printed
 
-from lifecycle import HardwareModel, Plan, Trace
+from offload.lifecycle import HardwareModel, Plan, Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_gpt.py"

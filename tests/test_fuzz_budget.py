@@ -38,9 +38,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-import storage
-from lifecycle import HardwareModel
+from offload import storage
 from offload._live import SavedBytes
+from offload.lifecycle import HardwareModel
 
 PLAIN = ("mlp", "ln", "dropout", "transpose", "attn")
 SPECIAL = ("ckpt", "leaky", "add_", "gen", "branch", "moe")

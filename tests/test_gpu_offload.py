@@ -262,7 +262,7 @@ class _Stage0:
         pass
 
     def round(self, stages: int) -> None:
-        from lifecycle import schedule_1f1b
+        from offload.lifecycle import schedule_1f1b
 
         for kind, i in schedule_1f1b(stages, self.chunks)[0]:
             if kind == "F":
@@ -361,7 +361,7 @@ def test_planned_rebuilds_bitwise_on_cuda(source: str) -> None:
     gradients stay bitwise equal on CUDA, every output is rebuilt and none is unplanned."""
     from test_offload_rebuild import REBUILDS, _act_mlp, _assert_bitwise, _forced, _profile, _step
 
-    from lifecycle import Placement
+    from offload.lifecycle import Placement
 
     model = _act_mlp().cuda()
     x = torch.randn(64, 128, 64, device="cuda")
@@ -777,7 +777,7 @@ def test_a_full_pinned_pool_waits_for_copies_in_flight_bitwise(tmp_path, monkeyp
     pool holds all but 2 MiB of the staging room, cpu_budget is 2 MiB, and the records (1 MiB
     each) spill to NVMe through that room: each D2H copy's region waits for older copies
     and file writes to give theirs back instead of raising StorageFullError. Bitwise."""
-    import storage
+    from offload import storage
 
     monkeypatch.setattr(storage._pool, "_shared_pools", {})
     monkeypatch.setattr(storage._pool, "_shared_claims", {})

@@ -10,9 +10,9 @@ import torch
 from models import gpt_block, mlp
 from torch import nn
 
-import lifecycle
 import offload
-from lifecycle import EventKind
+from offload import lifecycle
+from offload.lifecycle import EventKind
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,7 @@ import torch
 
 from offload._cli_info import add_parser
 from offload._info import NvmeDirError, check_nvme_dir, collect_info, format_info, pcie_gb_per_s
-from storage import rank_share_bytes
+from offload.storage import rank_share_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -182,8 +182,8 @@ def test_save_hardware_writes_what_plan_reads(
     """``offload info --save-hardware FILE`` writes the HardwareModel this machine plans with
     (probe_hardware's), which HardwareModel.load and ``offload plan --hardware`` read; with
     --json, standard output stays one JSON object."""
-    from lifecycle import HardwareModel, transformer_trace
     from offload import probe_hardware
+    from offload.lifecycle import HardwareModel, transformer_trace
 
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -13,8 +13,8 @@ from models import ALL_MODELS
 from torch import nn
 
 import offload
-import storage
-from storage._transfer import IoThreads
+from offload import storage
+from offload.storage._transfer import IoThreads
 
 
 def _probe_lines(caplog) -> list[str]:
@@ -91,7 +91,7 @@ def test_nvme_tier_sets_its_io_threads_cuda_device(tmp_path, caplog) -> None:
         tmp_path, capacity_bytes=1 << 20, pool=pool, cuda_device=0, io_threads=1
     )
     try:
-        with caplog.at_level(logging.ERROR, logger="storage"):
+        with caplog.at_level(logging.ERROR, logger="offload.storage"):
             x = torch.arange(1024, dtype=torch.float32)
             h = tier.write(x)
             y = torch.empty_like(x)

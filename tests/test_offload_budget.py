@@ -21,9 +21,9 @@ import torch
 from models import ALL_MODELS, ModelCase, fail_backward_at, plan_of
 from torch import nn
 
-import lifecycle
 import offload
-from lifecycle import HardwareModel, Placement, Plan
+from offload import lifecycle
+from offload.lifecycle import HardwareModel, Placement, Plan
 
 # Copies as fast as this CPU's memcpy roughly; the planner then prefers offloading.
 FAST = HardwareModel.cpu_only(
@@ -732,7 +732,7 @@ import sys
 import torch
 from torch import nn
 import offload
-from lifecycle import HardwareModel
+from offload.lifecycle import HardwareModel
 from offload._live import SavedBytes
 
 assert "torch._dynamo" not in sys.modules  # checkpoint's first call imports it
@@ -1277,8 +1277,8 @@ class _StepClock:
 def test_retimed_takes_module_times_from_the_timed_step_less_recomputation() -> None:
     """NOTE [ Refinement ]: the profile's step gets the timed step's module times; a planned
     checkpoint's recomputation in the timed step is cut out of its clock."""
-    from lifecycle import EventKind, Recorder
     from offload._planned import retimed
+    from offload.lifecycle import EventKind, Recorder
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()))

@@ -24,11 +24,10 @@ from models import ALL_MODELS, ModelCase, fail_backward_at, gpt_block, mlp, seed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import lifecycle
 import offload
-import storage
-from lifecycle._recorder import foreign_call
+from offload import lifecycle, storage
 from offload._family import Life
+from offload.lifecycle._recorder import foreign_call
 
 ENGINES = ("sync", "deferred")
 
@@ -2048,7 +2047,7 @@ def test_activation_outputs_are_rebuilt_from_their_inputs(how: str, tmp_path) ->
     """NOTE [ Activation recipes ]: in min-memory mode a GELU / SiLU output saved by the next
     Linear is not stored: rebuilt at unpack from the activation's input (offloaded once for
     both), bitwise, on every tier and copy engine, and again for a second backward."""
-    from storage import CopyEngine
+    from offload.storage import CopyEngine
 
     model = _act_mlp()
     x = torch.randn(4, 32, 64)  # 3-D: each Linear saves a 2-D view of its input

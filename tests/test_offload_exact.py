@@ -9,7 +9,7 @@ import torch
 from models import ALL_MODELS, ModelCase
 
 import offload
-import storage
+from offload import storage
 
 TIERS = {
     "cpu": {"tiers": ("cpu",)},

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from lifecycle import HardwareModel
+from offload.lifecycle import HardwareModel
 
 SLOW = HardwareModel.cpu_only(
     copy_bytes_per_s=1e6, disk_write_bytes_per_s=1e6, disk_read_bytes_per_s=1e6

@@ -12,8 +12,8 @@ from models import ALL_MODELS, plan_of
 from torch import nn
 
 import offload
-from lifecycle import HardwareModel, Recorder
 from offload._live import SavedBytes
+from offload.lifecycle import HardwareModel, Recorder
 
 FAST = HardwareModel.cpu_only(
     copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9

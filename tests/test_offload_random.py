@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-import storage
+from offload import storage
 
 # Chosen (greedy set cover over seeds 0-399) so that together they hit every block kind both outside
 # and inside a checkpoint (outside, the activation and norm recipes run), both checkpoint flavours,

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import offload
-from lifecycle import HardwareModel, Placement, Plan, TensorRecord, Trace, Trigger, simulate
 from offload._live import SavedBytes
 from offload._planned import REBUILD, ActivePlan, retimed
+from offload.lifecycle import HardwareModel, Placement, Plan, TensorRecord, Trace, Trigger, simulate
 
 FAST = HardwareModel.cpu_only(
     copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9
@@ -150,7 +150,7 @@ def test_rebuilt_outputs_are_bitwise_with_their_input_kept_or_moved(
     kept tensor) or moved (one reload serves the rebuild and the activation's own backward,
     started by the plan's trigger at the rebuilt record's unpack: no stall). Nothing leaks.
     (``rms_norm``: an ``nn.RMSNorm`` in place of the LayerNorm, run as on CUDA.)"""
-    from storage import CopyEngine
+    from offload.storage import CopyEngine
 
     norm: type[nn.Module] = nn.LayerNorm
     if parent.endswith("rms_norm"):

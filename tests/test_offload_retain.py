@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import offload
-from lifecycle import HardwareModel, Trace
 from offload._live import SavedBytes
+from offload.lifecycle import HardwareModel, Trace
 
 FAST = HardwareModel.cpu_only(
     copy_bytes_per_s=5e9, disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=1e9

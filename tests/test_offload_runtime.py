@@ -22,7 +22,7 @@ from models import ALL_MODELS, gpt_block, mlp, views_model
 from torch import nn
 
 import offload
-import storage
+from offload import storage
 
 
 def step(case, mgr, s: int = 0) -> torch.Tensor:
@@ -948,7 +948,7 @@ def test_soak_budget_mode_grows_nothing(tmp_path) -> None:
     profiler's recording, host pool slabs, NVMe file bytes, fds and threads stay as they were,
     RSS within 32 MiB; sampled steps are bitwise equal to no offloading. Longer:
     OFFLOAD_SOAK_STEPS=3000."""
-    from lifecycle import HardwareModel
+    from offload.lifecycle import HardwareModel
 
     torch.manual_seed(0)
     model = _SoakModel()
@@ -1104,7 +1104,7 @@ def test_a_manager_collected_while_its_writes_hang_is_closed_in_the_background(t
             opened_by.append("training thread")
             gate.set()
         print("OPENED BY", opened_by[0], flush=True)
-        from storage._transfer import wait_for_closes
+        from offload.storage._transfer import wait_for_closes
 
         assert wait_for_closes(20)
         print("LEFT", os.path.exists(private), pool.used_bytes, len(os.listdir("/proc/self/fd")) - fds)

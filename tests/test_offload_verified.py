@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import lifecycle
 import offload
-from lifecycle import HardwareModel
+from offload import lifecycle
 from offload._verify import same_bits
+from offload.lifecycle import HardwareModel
 
 # A 1 MB/s link: the planner recomputes rather than offloads.
 SLOW = HardwareModel.cpu_only(

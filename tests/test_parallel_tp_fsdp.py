@@ -41,8 +41,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
-import storage
-from lifecycle import HardwareModel
+from offload import storage
+from offload.lifecycle import HardwareModel
 
 pytestmark = pytest.mark.distributed
 
@@ -791,7 +791,7 @@ def tp_mlp(mesh: Any, dtensor_gelu: bool) -> nn.Module:
 def keep_inputs_rebuild_outputs(trace: offload.Trace) -> offload.Plan:
     """The planner's plan of ``trace`` with every family kept except the activation outputs it
     links to their inputs (``rebuild_from``), rebuilt: the inputs are kept."""
-    from lifecycle import Placement
+    from offload.lifecycle import Placement
 
     plan = offload.plan(trace, 4 * trace.peak_saved_bytes, HARDWARE["fast"], min_offload_bytes=0)
     rebuilt = {r.family for r in trace.records if r.rebuild_from >= 0}

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from lifecycle import (
+from offload.lifecycle import (
     BudgetInfeasibleError,
     HardwareModel,
     Plan,
@@ -199,7 +199,7 @@ def test_pipeline_rounds_search_a_longest_lived_first_order() -> None:
     """In a 1F1B round lifetimes do not fall along pack order (each microbatch's backward comes
     a few forwards later), so the planner also offloads longest-lived first; on stage 1 of the
     synthetic h=4096 pipeline that order wins. A single step (LIFO backward) gets no such order."""
-    from lifecycle._planner import _Model, _Step
+    from offload.lifecycle._planner import _Model, _Step
 
     one = transformer_trace(layers=8, hidden=4096, tokens=8192)
     # Without rebuildable GELU outputs (with them, 15 GiB fits either order equally fast).

@@ -177,7 +177,7 @@ def _pause_during_chunks(stage, live: LiveBytes) -> None:
 
 
 def _hardware(kind: str):
-    from lifecycle import HardwareModel
+    from offload.lifecycle import HardwareModel
 
     # "fast": copies cost about what this CPU's memcpy does, so the planner offloads; "slow": a
     # link and elementwise kernels so slow that it recomputes instead, whatever this machine's
@@ -337,7 +337,7 @@ def test_budgeted_stage_plans_each_microbatch_and_holds_the_budget(case, results
     """A stage with a gpu_budget: its first round is profiled, later rounds run the plan of the
     whole round (every microbatch's keys, planned per its wait), gradients stay bitwise, the
     executed round moves exactly what the plan moves, and the live peak stays under budget."""
-    from lifecycle import Placement, Plan
+    from offload.lifecycle import Placement, Plan
 
     got = sorted(results.get(case, []), key=lambda r: r[0])
     for rank, *_, error in got:
@@ -402,7 +402,7 @@ def test_budgeted_stage_plans_each_microbatch_and_holds_the_budget(case, results
 
 def test_attach_rejects_other_objects_and_unplannable_budgets() -> None:
     import offload
-    from lifecycle import HardwareModel
+    from offload.lifecycle import HardwareModel
 
     model = torch.nn.Linear(4, 4)
     mgr = offload.ActivationOffloader(model)
@@ -487,7 +487,7 @@ class _Stage0:
         pass
 
     def round(self):
-        from lifecycle import schedule_1f1b
+        from offload.lifecycle import schedule_1f1b
 
         self.held.clear()
         for kind, i in schedule_1f1b(4, self.chunks)[0]:
@@ -501,7 +501,7 @@ def test_a_failed_chunk_abandons_the_round_and_leaks_nothing() -> None:
     import gc
 
     import offload
-    from lifecycle import HardwareModel
+    from offload.lifecycle import HardwareModel
 
     model = _stage_module(0)
     gen = torch.Generator().manual_seed(3)

@@ -18,9 +18,9 @@ import pytest
 import torch
 from models import ALL_MODELS, Block
 
-import lifecycle
 import offload
-from lifecycle import (
+from offload import lifecycle
+from offload.lifecycle import (
     BudgetInfeasibleError,
     EventKind,
     HardwareModel,
@@ -31,7 +31,7 @@ from lifecycle import (
     simulate,
     transformer_trace,
 )
-from lifecycle._units import format_bytes
+from offload.lifecycle._units import format_bytes
 
 CPU, NVME, KEEP, RECOMPUTE = Placement.CPU, Placement.NVME, Placement.KEEP, Placement.RECOMPUTE
 REBUILD = Placement.REBUILD
@@ -440,7 +440,7 @@ def test_the_links_free_pass_matches_one_pass_in_pack_order(
     by more than their slack) is computed by one vectorised FIFO where the link takes them all:
     it must decide exactly as the plain in-order pass does, on every suffix the planner resumes
     from, where the link keeps up and where it refuses some."""
-    from lifecycle._planner import _Model, _Step
+    from offload.lifecycle._planner import _Model, _Step
 
     hw = HARDWARE[hw_name]
     model = _Model(_Step(traces["gpt6x8192"], 0, 0), hw, ("cpu",), math.inf, math.inf, None)
@@ -713,7 +713,7 @@ def test_size_errors_offer_only_what_the_argument_takes() -> None:
 
 
 def test_sizes_are_whole_bytes_computed_exactly() -> None:
-    from lifecycle._units import parse_bytes
+    from offload.lifecycle._units import parse_bytes
 
     assert parse_bytes("1.5GiB") == 3 << 29 and parse_bytes(".5KiB") == 512
     assert parse_bytes("9007199254740993") == 2**53 + 1  # through a float it was 2**53
@@ -733,7 +733,7 @@ def test_sizes_are_whole_bytes_computed_exactly() -> None:
 def test_negative_sizes_are_out_of_range_and_decimal_units_say_so() -> None:
     """'-5GiB' said "is not a size"; it is one, below the range taken. KB, MB, GB, TB are
     decimal and K, M, G, T binary: the errors say which a value was read as."""
-    from lifecycle._units import parse_bytes
+    from offload.lifecycle._units import parse_bytes
 
     assert (
         parse_bytes("12GB") == 12 * 10**9 and parse_bytes("12G") == parse_bytes("12GiB") == 12 << 30

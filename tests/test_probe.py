@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lifecycle import HardwareModel
-from lifecycle._units import format_bytes
 from offload import _probe
 from offload._probe import probe_hardware
+from offload.lifecycle import HardwareModel
+from offload.lifecycle._units import format_bytes
 
 SMALL = 1 << 20  # 1 MiB probes: quick, and noisy figures are fine for these checks
 

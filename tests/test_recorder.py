@@ -17,7 +17,7 @@ from models import ALL_MODELS, ModelCase, checkpointed, gpt_block, lstm, mlp, vi
 from torch import nn
 
 import offload
-from lifecycle import EventKind, Recorder, Trace
+from offload.lifecycle import EventKind, Recorder, Trace
 
 
 class Oracle:

@@ -17,7 +17,7 @@ from models import ALL_MODELS, gpt_block
 from torch import nn
 
 import offload
-from lifecycle import (
+from offload.lifecycle import (
     Decision,
     Event,
     EventKind,
@@ -947,7 +947,7 @@ def _lines_run(fn: Callable[[], object], module: ModuleType) -> int:
 def test_checkpoint_blocks_work_grows_with_the_step_not_blocks_times_families() -> None:
     """Each block's families are cut from one sorted list: a scan of every family per block
     made predict_anchors quadratic (25 of its 37 s at 40k records, profiled)."""
-    import lifecycle._simulate as simulator
+    from offload.lifecycle import _simulate as simulator
 
     work = {}
     for layers in (16, 64):
@@ -1061,7 +1061,7 @@ def test_simulations_of_one_trace_share_its_step_view_and_leave_no_cycles() -> N
     cycles are broken at the end), so no full collection has to walk the trace for it."""
     import gc
 
-    from lifecycle._simulate import _StepView
+    from offload.lifecycle._simulate import _StepView
 
     trace = _linked_transformer(3)
     hw = _pointwise(HardwareModel.h200(), 4.0e12)
@@ -1092,7 +1092,7 @@ def test_simulations_of_one_trace_share_its_step_view_and_leave_no_cycles() -> N
 def test_gc_paused_restores_the_collector(enabled: bool) -> None:
     import gc
 
-    from lifecycle._nogc import gc_paused
+    from offload.lifecycle._nogc import gc_paused
 
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
@@ -1128,7 +1128,7 @@ def test_a_reload_lives_for_one_backward_of_a_step_with_two() -> None:
     assert peaks == [196_608, 196_608]
     # Where each pass-0 trigger fires again in the second backward: an unpack at its record's
     # second unpack, a module's backward start right after the unpack before that one.
-    from lifecycle._trace import BackwardPasses
+    from offload.lifecycle._trace import BackwardPasses
 
     passes = BackwardPasses(two.records)
     assert passes.count == 2

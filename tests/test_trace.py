@@ -15,9 +15,9 @@ import torch
 from models import gpt_block, views_model
 from torch import nn
 
-import lifecycle
 import offload
-from lifecycle import (
+from offload import lifecycle
+from offload.lifecycle import (
     SCHEMA_VERSION,
     Event,
     EventKind,
@@ -337,7 +337,7 @@ def test_png_export(tmp_path) -> None:
 def test_png_without_matplotlib_names_the_extra(tmp_path) -> None:
     code = (
         "import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.figure'] = None\n"
-        "from lifecycle import Trace, write_memory_png\n"
+        "from offload.lifecycle import Trace, write_memory_png\n"
         "try:\n"
         "    write_memory_png(Trace(records=(), events=()), 'x.png')\n"
         "except ImportError as e:\n"
@@ -372,7 +372,7 @@ def test_derived_facts_are_built_once_and_not_pickled() -> None:
 def test_json_files_are_written_whole_or_not_at_all(tmp_path) -> None:
     """``write_json`` encodes first, then writes a temp file and renames it: data that cannot be
     encoded leaves no file behind, and an existing file is replaced only by a complete one."""
-    from lifecycle._jsonfile import write_json
+    from offload.lifecycle._jsonfile import write_json
 
     target = tmp_path / "plan.json"
     write_json(target, {"ok": 1})
@@ -386,7 +386,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path, file_size
     """A write that fails half-way (disk full, file too large) raises, keeps the file it was to
     replace, and removes its temp file: for a trace, a plan, a hardware model and the exports."""
     pytest.importorskip("matplotlib")
-    from lifecycle import HardwareModel, plan, write_plan_png
+    from offload.lifecycle import HardwareModel, plan, write_plan_png
 
     trace = transformer_trace(layers=2, hidden=64, tokens=64)
     p = plan(trace, trace.peak_memory_bytes, HardwareModel.h200(), margin=0)
@@ -435,7 +435,7 @@ def test_profile_warns_when_the_steps_run_no_backward_or_save_nothing() -> None:
 
 
 def _writers() -> list[tuple[str, Any]]:
-    from lifecycle import HardwareModel, plan, write_plan_png
+    from offload.lifecycle import HardwareModel, plan, write_plan_png
 
     trace = transformer_trace(layers=2, hidden=64, tokens=64)
     p = plan(trace, trace.peak_memory_bytes, HardwareModel.h200(), margin=0)
@@ -473,7 +473,7 @@ def test_save_and_load_name_a_path_that_is_not_one(tmp_path, monkeypatch, path: 
     """``Plan.load(5)`` said "expected str, bytes or os.PathLike object, not int" (and a bytes
     path was saved as a file named "b'trace.json'.tmpPID" before failing)."""
     pytest.importorskip("matplotlib")
-    from lifecycle import HardwareModel, Plan
+    from offload.lifecycle import HardwareModel, Plan
 
     monkeypatch.chdir(tmp_path)
     accepted = r"^path must be a str or os\.PathLike naming a file; got "

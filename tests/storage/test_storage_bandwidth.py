@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from storage import StorageFullError, measure_disk_bandwidth
-from storage._bandwidth import fit_probe_bytes
+from offload.storage import StorageFullError, measure_disk_bandwidth
+from offload.storage._bandwidth import fit_probe_bytes
 
 MiB = 1 << 20
 

@@ -6,8 +6,7 @@ import collections
 
 import pytest
 
-import storage._budget as budget
-from storage import (
+from offload.storage import (
     CgroupMemory,
     cgroup_memory,
     default_cpu_budget_bytes,
@@ -15,6 +14,7 @@ from storage import (
     local_world_size,
     rank_share_bytes,
 )
+from offload.storage import _budget as budget
 
 GiB = 1 << 30
 MiB = 1 << 20

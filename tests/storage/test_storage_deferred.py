@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from storage import CopyEngine, HostPool, HostTier, NvmeTier
+from offload.storage import CopyEngine, HostPool, HostTier, NvmeTier
 
 MiB = 1 << 20
 

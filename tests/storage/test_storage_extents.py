@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from storage._extents import ExtentAllocator
+from offload.storage._extents import ExtentAllocator
 
 PAGE = 4096
 

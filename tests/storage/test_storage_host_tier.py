@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from storage import HostPool, HostTier, NvmeTier, StorageError, StorageFullError, Tier, Transfer
+from offload.storage import (
+    HostPool,
+    HostTier,
+    NvmeTier,
+    StorageError,
+    StorageFullError,
+    Tier,
+    Transfer,
+)
 
 MiB = 1 << 20
 

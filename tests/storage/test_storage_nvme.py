@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from storage import (
+from offload.storage import (
     ChecksumError,
     CopyEngine,
     HostPool,
@@ -23,7 +23,7 @@ from storage import (
     byte_view,
     kvikio_available,
 )
-from storage._file import storage_error
+from offload.storage._file import storage_error
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [1, 4095, 4096, 10 * MiB + 3]
@@ -247,10 +247,10 @@ def test_close_waits_for_a_write_another_thread_is_starting(tmp_path, pool, monk
     is widened here by delaying the transfer's start (fault injection); close() must wait."""
     import time
 
-    import storage._tier
+    import offload.storage._tier
 
     tier = NvmeTier(tmp_path, capacity_bytes=32 * MiB, pool=pool, io_threads=2, direct_io=False)
-    real_chain = storage._tier.chain
+    real_chain = offload.storage._tier.chain
     entered = threading.Event()
 
     def slow_chain(*args, **kwargs):
@@ -258,7 +258,7 @@ def test_close_waits_for_a_write_another_thread_is_starting(tmp_path, pool, monk
         time.sleep(0.3)
         return real_chain(*args, **kwargs)
 
-    monkeypatch.setattr(storage._tier, "chain", slow_chain)
+    monkeypatch.setattr(offload.storage._tier, "chain", slow_chain)
     data = random_bytes(8192)
     result: dict[str, object] = {}
 
@@ -293,7 +293,7 @@ def test_a_tier_closed_by_a_gc_pass_in_a_starting_thread_does_not_hang(tmp_path)
         f"""
         import gc, os, threading, weakref
         import torch
-        from storage import HostPool, NvmeTier
+        from offload.storage import HostPool, NvmeTier
         pool = HostPool(8 << 20)
         tier = NvmeTier({str(tmp_path)!r}, capacity_bytes=8 << 20, pool=pool)
         h = tier.write(torch.ones(3 << 20, dtype=torch.uint8))  # starts I/O threads
@@ -330,7 +330,7 @@ def test_exit_waits_for_writes_that_end_and_abandons_a_stuck_one(tmp_path):
         f"""
         import multiprocessing, threading, time
         import torch
-        from storage import HostPool, NvmeTier
+        from offload.storage import HostPool, NvmeTier
         pool = HostPool(8 << 20)
         tier = NvmeTier({str(tmp_path)!r}, capacity_bytes=8 << 20, pool=pool)
         late, never = threading.Event(), threading.Event()  # two D2H copies
@@ -546,7 +546,7 @@ def test_efbig_from_a_file_size_limit_is_storage_full(tmp_path):
         f"""
         import errno, resource
         import torch
-        from storage import HostPool, NvmeTier, StorageFullError
+        from offload.storage import HostPool, NvmeTier, StorageFullError
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
         with HostPool(8 << 20) as pool, NvmeTier({str(tmp_path)!r}, capacity_bytes=64 << 20,
                                                   pool=pool) as tier:
@@ -695,7 +695,7 @@ def test_an_io_task_lets_go_of_its_arguments_before_its_future_finishes():
     the fuzzer's NVMe-only seeds 51 and 196 held 16,384 B against a predicted 8,448 (6,144
     against 4,096) in about half their runs. The future's callbacks run on the worker as it
     finishes the future: there, the buffer must already be gone."""
-    from storage._transfer import IoThreads
+    from offload.storage._transfer import IoThreads
 
     io = IoThreads(1, "storage-test", "a test")
     gate = threading.Event()

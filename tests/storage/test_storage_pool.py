@@ -13,8 +13,8 @@ import weakref
 import pytest
 import torch
 
-import storage._pool
-from storage import (
+from offload import storage
+from offload.storage import (
     ALIGNMENT_BYTES,
     HostPool,
     StorageError,
@@ -403,7 +403,7 @@ def test_pinned_slabs_go_back_through_torchs_private_host_cache_call_on_torch_2_
     ``offload._probe`` calls). Dropped pinned slabs must still be handed back through it, or
     torch's host allocator keeps them cached after close (no-op before). The calls are counted
     in place of the real one, which a CPU build lacks."""
-    from storage import _pool
+    from offload.storage import _pool
 
     calls = []
     accelerator = type("Accelerator211", (), {})()  # a torch.accelerator without the call
@@ -418,7 +418,7 @@ def _count_host_cache_empties(monkeypatch, dropped: list[weakref.ref]) -> list[b
     """Each call of torch's host-cache emptying, in place of the real one (a CPU build has none),
     records whether every slab dropped so far was gone by then: a pinned slab still referenced
     when the cache is emptied is not freed then, and stays page-locked in torch's cache."""
-    from storage import _pool
+    from offload.storage import _pool
 
     calls: list[bool] = []
     monkeypatch.setattr(_pool.torch, "accelerator", type("NoHostCache", (), {})())
