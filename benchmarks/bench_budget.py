@@ -25,7 +25,7 @@ included: on CUDA max(5% of the budget, 256 MiB), which alone outweighs a quarte
 model's activations). ``P`` is keep-all's peak. CUDA: ``max_memory_allocated`` over no offload's
 last warm-up step, absolute (``base``, ``torch.cuda.memory_allocated`` right before it, is the
 weights: no optimizer runs); ``gpu_budget`` bounds ``max_memory_allocated`` over a step,
-everything included (DESIGN.md "Budget"). CPU: the peak live saved bytes of no offload
+everything included (docs/design.md "Budget"). CPU: the peak live saved bytes of no offload
 (``offload.profile``), base 0, as on CPU the budget bounds the live saved bytes on the device; an
 allocator peak does not exist there, so the budget's measured side is n/a. The report names
 ``L``, ``P`` and the fractions.
@@ -732,7 +732,7 @@ def markdown(res: dict[str, Any]) -> str:
         keep_all = (
             f"keep-all's peak P = {peak} MiB (no offload's peak live saved bytes, "
             "offload.profile; base 0: on CPU the budget bounds the live saved bytes on the "
-            "device, DESIGN.md, Budget)"
+            "device, docs/design.md, Budget)"
         )
     budget_def = (
         f"fractions f = {shares} of the range of budgets a plan can meet, B = L + f x (P - L), "

@@ -20,7 +20,7 @@ _FORMAT = "offload.hardware"
 
 # Figures measured on one H200 (notes/design-review.md, R4): each direction alone, then both at
 # once. The disk figures are a typical NVMe Gen4 x4 drive's datasheet (notes/prior-art-papers.md);
-# the pinned allocation cost is DESIGN.md's (about 0.4 s per GiB).
+# the pinned allocation cost is docs/design.md's (about 0.4 s per GiB).
 _H200_H2D_BYTES_PER_S = 54.5e9
 _H200_D2H_BYTES_PER_S = 55.2e9
 _H200_DUPLEX_BYTES_PER_S = 84.6e9
@@ -134,7 +134,7 @@ class HardwareModel:
 
     @classmethod
     def h200(cls) -> HardwareModel:
-        """The H200 figures DESIGN.md plans with when nothing was probed.
+        """The H200 figures docs/design.md plans with when nothing was probed.
 
         PCIe as measured on one H200 (H2D 54.5 GB/s, D2H 55.2 GB/s alone, 84.6 GB/s both at once);
         the disk is assumed to be one NVMe Gen4 x4 drive (4.3 GB/s write, 6.8 GB/s read); pinned

@@ -8,7 +8,7 @@ NOTE [ Planner ]
     plan is then replayed by the discrete-event simulator (:func:`lifecycle.simulate`), whose
     peak the plan reports.
 
-    The space. Following "The physics" in DESIGN.md, a point is (m, lead, k):
+    The space. Following "The physics" in docs/design.md, a point is (m, lead, k):
       * ``m``: how many blocks (a transformer's layers: NOTE [ Blocks ] in _blocks.py) run under
         checkpoint, latest in forward first (their activations are the shortest-lived, so
         offloading them buys the least); ``m`` takes the values of a fixed ladder. A
@@ -154,7 +154,7 @@ from offload.lifecycle._trace import (
 )
 from offload.lifecycle._units import check_count, format_bytes, parse_bytes
 
-_MIN_MARGIN_BYTES = 256 << 20  # DESIGN.md "Budget": max(5% of the budget, 256 MiB) on a GPU
+_MIN_MARGIN_BYTES = 256 << 20  # docs/design.md "Budget": max(5% of the budget, 256 MiB) on a GPU
 _MARGIN_SHARE = 0.05
 _MAX_FRAMES = 8192
 _LEADS = (1.0, 0.0)
@@ -198,7 +198,7 @@ def plan(
         min_offload_bytes: families smaller than this are kept (the manager's setting).
         margin: room left under the budget for what a trace cannot show. ``None``: on a CUDA
             trace, max(5% of the budget, 256 MiB) plus ``trace.metadata["reserved_excess_bytes"]``
-            (DESIGN.md "Budget"); on a CPU trace 5% of the budget.
+            (docs/design.md "Budget"); on a CPU trace 5% of the budget.
         max_inflight_bytes: the executor's bound on copies out in flight (``None``: twice the
             largest offloaded family, at least 256 MiB).
         step: which recorded step to plan for (``-1``: the last).

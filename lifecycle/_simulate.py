@@ -112,7 +112,7 @@ from offload.lifecycle._trace import (
 )
 from offload.lifecycle._units import parse_bytes
 
-_DEFAULT_MIN_INFLIGHT_BYTES = 256 << 20  # DESIGN: max_inflight_bytes defaults to at least 256 MiB
+_DEFAULT_MIN_INFLIGHT_BYTES = 256 << 20  # docs/design.md: max_inflight_bytes defaults to >= 256 MiB
 # The automatic reload look-ahead: a quarter of the bytes the step moves (see automatic_bounds).
 _AUTO_WINDOW_SHARE = 4
 
@@ -120,7 +120,7 @@ _AUTO_WINDOW_SHARE = 4
 def automatic_bounds(largest: int, stored: int) -> tuple[int, int]:
     """``(max_inflight_bytes, look-ahead window)`` when neither is given, for a step whose
     largest moved family is ``largest`` bytes and that moved ``stored`` bytes: twice the largest,
-    at least 256 MiB (DESIGN.md); and a quarter of the bytes moved, at least twice the largest,
+    at least 256 MiB (docs/design.md); and a quarter of the bytes moved, at least twice the largest,
     at most that in-flight bound. offload's executor sets its bounds with this, and the
     simulator replays them.
 
@@ -510,7 +510,7 @@ def predict_anchors(
     prefetch_bytes: int | str | None = None,
     min_offload_bytes: int | str = 0,
 ) -> dict[str, Simulation]:
-    """Simulate DESIGN.md's three anchors: keep all, offload all (to CPU), checkpoint every block.
+    """Simulate docs/design.md's three anchors: keep all, offload all (to CPU), checkpoint every block.
 
     ``min_offload_bytes``: the manager's setting; families smaller than it stay, and so do
     weight casts smaller than it (``TensorRecord.weight_cast``: the manager keeps those as they
@@ -1220,7 +1220,7 @@ class _Simulator:
                     self.pass_end_at.setdefault(last + 1, []).append(fam)
 
     def _room_for(self, nbytes: int) -> bool:
-        # NOTE [ Stream ordering ] rule 2 (DESIGN.md): one copy larger than the bound still goes.
+        # NOTE [ Stream ordering ] rule 2 (docs/design.md): one copy larger than the bound still goes.
         return self.inflight_bytes == 0 or self.inflight_bytes + nbytes <= self.max_inflight_bytes
 
     def _offload(self, fam: _FamilyState) -> None:

@@ -1,7 +1,7 @@
 """A synthetic trace of one transformer training step: for planning experiments without a model.
 
 :func:`transformer_trace` writes the timeline a GPT-style (or Llama-style: SwiGLU) stack would
-record, layer by layer, with byte counts and times from the usual per-layer formulas (DESIGN.md,
+record, layer by layer, with byte counts and times from the usual per-layer formulas (docs/design.md,
 "The physics"): about 32·h bytes saved per token and layer in bf16 for GPT (flash attention, no
 dropout; 44·h with SwiGLU), matmul time from FLOPs at a given rate, pointwise time from bytes at
 a given memory bandwidth, backward twice the forward. It lets the planner and the simulator be

@@ -121,7 +121,7 @@ class CudaClock:
 #     While a stream captures a CUDA graph, CUDA forbids asking whether work finished or waiting
 #     for it (cudaEventQuery, cudaEventSynchronize, ...: in the default global capture mode from
 #     any thread): the call fails and invalidates the capture. Pack and unpack pass through then
-#     (DESIGN.md), and every executor entry point that would ask an event (poll at pack and
+#     (docs/design.md), and every executor entry point that would ask an event (poll at pack and
 #     module boundaries, a step's start collecting the last step's reloads and releases, a
 #     prefetch, a release, a count of live families) asks ``GraphCapture.capturing()`` first:
 #     while it says yes it leaves that work (releases queued) to the first call after the

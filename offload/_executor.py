@@ -4,7 +4,7 @@ It knows families, tiers, streams and events; the manager (``_offloader.py``) de
 tensors come here and when backward is about to need them.
 
 NOTE [ Stream ordering ]
-    These rules and no others (DESIGN.md; each was a silent wrong gradient when broken):
+    These rules and no others (docs/design.md; each was a silent wrong gradient when broken):
     1. Offload: pack records event P on the current stream (a deferred pack: on the stream that
        was current at its pack, see NOTE [ Fill after pack ]); the D2H stream waits on P, copies
        into a host region, records D. The family keeps its source (``t.detach()``'s bytes) until D is

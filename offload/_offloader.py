@@ -1058,7 +1058,7 @@ class ActivationOffloader:
 
     def _warn_traced(self) -> None:
         """From ``__enter__`` / ``__exit__`` (eager code): warn once that the model was compiled
-        after the manager was made (DESIGN.md: a compiled module is a leaf; no hooks inside)."""
+        after the manager was made (docs/design.md: a compiled module is a leaf; no hooks inside)."""
         if self._traced:
             self._warn_once(
                 "compiled",
@@ -1231,7 +1231,7 @@ class ActivationOffloader:
                 self._profiling = sig
             return
         if sig in self._infeasible:
-            # DESIGN.md "Budget": such a step runs in min-memory mode, warned, and counted.
+            # docs/design.md "Budget": such a step runs in min-memory mode, warned, and counted.
             stats.min_memory_steps = 1
             return
         named = self._struck.get(sig)
@@ -1846,7 +1846,7 @@ class ActivationOffloader:
     # -- hooks ---------------------------------------------------------------------------------
 
     def _oom_note(self) -> str:
-        """What an out-of-memory error inside a step should say about offload (DESIGN.md:
+        """What an out-of-memory error inside a step should say about offload (docs/design.md:
         "Never newly broken")."""
         active = self._active
         if self._budget_bytes is None:
@@ -1984,7 +1984,7 @@ class ActivationOffloader:
                 # (NOTE [ Structure ]), save a storage it kept, which stays on the device anyway.
                 tier = KEEP if self._kept_by_plan(local) else None
             elif tier is not None and _extent(local) > active.limit[key]:
-                tier = None  # larger than planned (DESIGN.md: Keys and signatures)
+                tier = None  # larger than planned (docs/design.md: Keys and signatures)
             if tier == REBUILD:
                 # See NOTE [ Activation recipes ] in _recipe.py; if its conditions fail, the
                 # record is not the plan's to place: to the first tier with room.
@@ -2663,7 +2663,7 @@ class _StepEnd:
         if budget is not None and stats.predicted_peak_bytes and mgr.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(mgr.device)
             if peak > budget and mgr._last_signature not in mgr._over_budget:
-                # DESIGN.md "Budget": no mid-run re-plan; say it once per signature.
+                # docs/design.md "Budget": no mid-run re-plan; say it once per signature.
                 mgr._over_budget.add(mgr._last_signature)
                 log.warning(
                     "offload: a planned step of signature %s peaked at %d bytes, above "

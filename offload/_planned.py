@@ -2,7 +2,7 @@
 
 The manager (``_offloader.py``) owns the hooks; this module holds what budget mode adds to them:
 the input signature of a step, the profiling step's recorder, the plans per signature, and the
-lookup tables a plan becomes at execution (by record key, see DESIGN.md "Keys and signatures").
+lookup tables a plan becomes at execution (by record key, see docs/design.md "Keys and signatures").
 
 NOTE [ Budget mode ]
     A step's signature is the shapes and dtypes of the root module's tensor arguments and the
@@ -27,7 +27,7 @@ NOTE [ Budget mode ]
     At most ``MAX_SIGNATURES`` signatures are profiled. Every later one runs a single plan made
     once from :func:`merged_trace` of the profiled ones (the largest group with the same record
     keys, each key at the most bytes it had), announced in a log line; a new shape whose records
-    are no larger needs no profiling step (DESIGN.md, Keys and signatures; its other trigger,
+    are no larger needs no profiling step (docs/design.md, Keys and signatures; its other trigger,
     "most steps bring a new one", is this cap: such a run reaches it within 8 steps).
     A family the plan rebuilds (``Placement.REBUILD``: an activation output whose trace record
     links it to its input, ``TensorRecord.rebuild_from``) is stored as a recipe at its pack and
@@ -43,7 +43,7 @@ NOTE [ Budget mode ]
     rebuilt in both modes (NOTE [ Weight casts ]).
 
 NOTE [ Refinement ]
-    DESIGN.md "Data flow" 2: the profiling step's times are not compute times (its own copy
+    docs/design.md "Data flow" 2: the profiling step's times are not compute times (its own copy
     waits and back-pressure on a GPU, first-step autotuning and allocator growth anywhere), so
     the first planned step of a signature planned from its own profile is recorded too (through
     the same hooks, on the same clock: on CPU offload's own copies and rebuilds are taken out of
@@ -130,7 +130,7 @@ def signature_of(args: Any, kwargs: Mapping[str, Any] | None = None) -> str:
 
 
 # NOTE [ Signatures ]
-#     DESIGN.md "Keys and signatures": a step's signature is what its root call was given. A
+#     docs/design.md "Keys and signatures": a step's signature is what its root call was given. A
 #     tensor is its dtype and shape (its values never change the saved tensors' keys: varying
 #     data is the normal case). A plain setting is its value: ``None``, a bool, an int, an enum
 #     member (``Kind.NAME``), a ``torch.dtype``, a string (quoted; longer than

@@ -5,7 +5,7 @@ NOTE [ Weight casts ]
     ``ToCopyBackward0`` of the Parameter, or a view of one, such as its transpose) for the
     backward. Stored, it costs the weight's bytes again per step (per microbatch under a pipeline,
     whose stage 0 stashes several); copied out, it crosses the link every step for bytes the
-    device already has in higher precision. DESIGN.md: autocast weight casts never cross PCIe. So
+    device already has in higher precision. docs/design.md: autocast weight casts never cross PCIe. So
     the manager stores a recipe instead: the parameter, the dtype and the view's geometry, and
     unpack casts the parameter again on the compute stream (the same ``_to_copy`` kernel on the
     same bytes: bitwise the same cast) and rebuilds the view. The profiler records such packs as

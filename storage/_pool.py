@@ -24,7 +24,7 @@ _DEFAULT_SLAB_BYTES = 256 << 20
 # A region's bytes may be read or written by work the pool cannot see: a D2H or H2D copy on a CUDA
 # stream, a file write on an I/O thread, a checksum. The pool therefore never decides when a region
 # is free; its owner does, by calling ``release()`` only after the last event or future that
-# touches the region has completed (DESIGN, NOTE [ Stream ordering ] rule 4). The pool's part:
+# touches the region has completed (docs/design.md, NOTE [ Stream ordering ] rule 4). The pool's part:
 #   * a range is handed out again only after ``release()``, never while a region covers it;
 #   * ``release()`` is idempotent, so an error path and a finalizer may both call it;
 #   * with ``poison_on_release`` the bytes are overwritten with 0xFF before the range is reused,
@@ -610,7 +610,7 @@ def claim_shared_host_pool(
     for what they claimed: the cap is the sum of the live claims, except that claims of the
     node-aware default (``default=True``: :func:`default_cpu_budget_bytes`, this rank's share of
     the node) count once, whichever is largest. Closing the last claim returns the pool's free
-    slabs to the host (DESIGN.md: the pool is returned on close).
+    slabs to the host (docs/design.md: the pool is returned on close).
 
     Example:
         >>> a = claim_shared_host_pool(1 << 20, pin_memory=False)

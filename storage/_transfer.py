@@ -29,7 +29,7 @@ logger = logging.getLogger("offload.storage")
 # storage knows nothing about CUDA streams. Ordering crosses its boundary in two ways only:
 #   * ``after=`` on a write: any object with ``.synchronize()`` (a CUDA event recorded after the
 #     D2H copy into the region) or ``.wait()`` (a Transfer). The worker that first reads the source
-#     calls it, so a file write or checksum never reads a region before its D2H finished (DESIGN,
+#     calls it, so a file write or checksum never reads a region before its D2H finished (docs/design.md,
 #     NOTE [ Stream ordering ] rule 4), and no hook ever blocks on the disk. Pass a CUDA event
 #     made with ``torch.cuda.Event(blocking=True)``: without it, each waiting I/O thread spins a
 #     CPU core until the copy ends (``cudaEventSynchronize`` without ``cudaEventBlockingSync``).
@@ -121,7 +121,7 @@ class CopyEngine:
     """Runs copies between tensors and host regions, and paces a tier's file I/O.
 
     By default a copy runs at once on the calling thread and file I/O runs as soon as a thread is
-    free. With ``deferred=True`` (for tests, DESIGN "Stream ordering" rule (a)) each copy runs on
+    free. With ``deferred=True`` (for tests, docs/design.md "Stream ordering" rule (a)) each copy runs on
     a worker thread and each file I/O task starts only after a random delay of up to
     ``max_delay_s``, tiers poison the regions they release with 0xFF, and :meth:`paused` holds all
     of it back, so a test can show that a caller which did not ``.wait()`` sees garbage.

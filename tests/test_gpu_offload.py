@@ -191,7 +191,7 @@ def _smallest_feasible_budget(trace: offload.Trace, hardware: offload.HardwareMo
 
 
 def test_budget_bounds_the_measured_peak_from_the_second_planned_step() -> None:
-    """DESIGN.md "Budget": max_memory_allocated over a step stays under gpu_budget from the
+    """docs/design.md "Budget": max_memory_allocated over a step stays under gpu_budget from the
     second executed step of a signature, and gradients stay bitwise equal."""
     torch.manual_seed(0)
     model = _Deep(width=2048, depth=8).cuda()

@@ -158,7 +158,7 @@ class KeywordInputs(nn.Module):
 
 
 def test_keyword_inputs_are_part_of_the_signature() -> None:
-    """DESIGN: a signature is the shapes and dtypes of the root module's inputs: keyword ones
+    """docs/design.md: a signature is the shapes and dtypes of the root module's inputs: keyword ones
     too, or a new batch size passed by keyword would run another signature's plan."""
     torch.manual_seed(0)
     model = KeywordInputs()
@@ -208,7 +208,7 @@ def _accumulated(model: nn.Module, batches: list[torch.Tensor], mgr: Any) -> lis
 def test_forwards_before_their_backwards_never_leave_the_profiler_recording(
     microbatches: int,
 ) -> None:
-    """DESIGN names two forwards before their backwards (accumulation). A profile the next step
+    """docs/design.md names two forwards before their backwards (accumulation). A profile the next step
     cuts short cannot describe one step: it is dropped, and the GC the recorder holds off during
     a profiled step comes back. After two such profiles the signature runs in min-memory mode
     (said once) instead of recording again and again; gradients stay bitwise. No step is
@@ -580,7 +580,7 @@ def test_a_copy_or_a_pickle_of_the_model_leaves_the_manager_behind(steps: int) -
 def test_a_dropped_manager_is_closed_by_the_garbage_collector_while_its_model_lives(
     steps: int,
 ) -> None:
-    """DESIGN: close() also runs on garbage collection. The model's hooks and the forwards a plan
+    """docs/design.md: close() also runs on garbage collection. The model's hooks and the forwards a plan
     recomputes must not keep a manager the user dropped alive (with its tiers, pool share and
     threads): the model often outlives it (a new manager per epoch or per budget)."""
     model, x, want = _blocks_case()
@@ -873,7 +873,7 @@ def test_later_infeasible_signature_runs_min_memory_when_asked() -> None:
     assert mgr.stats.last.predicted_peak_bytes == 0  # min-memory: no plan
     assert mgr.stats.last.bytes_offloaded_cpu > 0
     assert list(mgr.plans) == ["float32[8,64]"]
-    # DESIGN.md "Budget": warn, count it. Counted per step (before: never); the profiling steps
+    # docs/design.md "Budget": warn, count it. Counted per step (before: never); the profiling steps
     # and the planned ones are not.
     assert mgr.stats.last.min_memory_steps == 1
     assert mgr.stats.total.min_memory_steps == 1
@@ -1187,7 +1187,7 @@ def test_planned_step_holds_no_more_than_the_budget(share: float) -> None:
 
 def test_signatures_past_the_cap_share_a_plan_of_per_key_maxima(caplog) -> None:
     """Eight signatures are profiled and planned each; later ones run one plan made from the
-    per-key byte maxima of those eight (DESIGN.md, Keys and signatures): a smaller new shape
+    per-key byte maxima of those eight (docs/design.md, Keys and signatures): a smaller new shape
     follows it (no unplanned record, held bytes within budget), a larger one sends its larger
     records to the first tier with room; gradients stay bitwise throughout."""
     import logging
@@ -1336,7 +1336,7 @@ def test_retimed_takes_module_times_from_the_timed_step_less_recomputation() -> 
 
 
 def test_a_profiled_plan_is_refined_once_from_its_first_planned_step(caplog) -> None:
-    """DESIGN.md "Data flow" 2: the profiling step's timings are not compute times, so the first
+    """docs/design.md "Data flow" 2: the profiling step's timings are not compute times, so the first
     planned step is timed and the signature re-planned once from it; gradients stay bitwise and
     the refined plan runs with no unplanned record, within budget. A given plan is not refined."""
     import logging

@@ -1949,7 +1949,7 @@ def _autocast_step(model: torch.nn.Module, x: torch.Tensor, mgr: Any = None) -> 
 
 
 def test_autocast_weight_casts_are_rebuilt_not_stored() -> None:
-    """DESIGN.md: autocast's weight casts never cross PCIe; they are cast again at unpack (NOTE
+    """docs/design.md: autocast's weight casts never cross PCIe; they are cast again at unpack (NOTE
     [ Weight casts ]), bitwise, and hold no memory between forward and backward."""
     from offload._live import LiveBytes
 

@@ -180,7 +180,7 @@ def test_foreign_saved_tensor_hooks_inside_the_step_warn_once(
 ) -> None:
     """Saved-tensor hooks entered inside ``with mgr:`` (a library's own pair, or torch's
     ``save_on_cpu``) take every pack under them (only the innermost pair fires): the step
-    offloaded 0 bytes, silently (DESIGN.md: warn once). Now the first module call under them
+    offloaded 0 bytes, silently (docs/design.md: warn once). Now the first module call under them
     warns, naming it; gradients stay bitwise and torch.utils.checkpoint's own pair does not
     warn."""
     torch.manual_seed(0)

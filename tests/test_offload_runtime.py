@@ -310,7 +310,7 @@ def _failing(errno_: int):
 
 
 def test_an_io_error_writing_falls_back_and_frees_at_once(tmp_path, monkeypatch) -> None:
-    """DESIGN: on ENOSPC or EIO a record goes to the next tier. An EIO growing the spill file
+    """docs/design.md: on ENOSPC or EIO a record goes to the next tier. An EIO growing the spill file
     (raised by the write itself) sends it on; the step stays bitwise, and what it stored is
     freed when its graph goes, without a GC pass."""
     want = ALL_MODELS["gpt_block"](seed=0)
@@ -446,7 +446,7 @@ def test_host_allocations_count_the_slabs_a_step_made(monkeypatch) -> None:
 
 
 def test_total_stats_keep_a_bounded_window_of_lead_times() -> None:
-    """A long run's totals must not grow with it (DESIGN: no leaks): the lead-time median of
+    """A long run's totals must not grow with it (docs/design.md: no leaks): the lead-time median of
     the total is over the last LEAD_WINDOW prefetches."""
     from offload._stats import LEAD_WINDOW, StepStats
 
@@ -776,7 +776,7 @@ def test_model_must_be_a_module() -> None:
 
 @pytest.mark.slow
 def test_soak_1000_steps_no_growth(tmp_path) -> None:
-    """DESIGN's no-leak invariant: 1000 steps grow no host pool, file, fd or live-family count.
+    """docs/design.md's no-leak invariant: 1000 steps grow no host pool, file, fd or live-family count.
     Both tiers, spilling (a tiny cpu_budget), deferred copies; kept short enough for CI."""
     case = mlp(seed=0)
     engine = storage.CopyEngine(deferred=True, max_delay_s=0.0005, seed=3)
@@ -940,7 +940,7 @@ def _budget_state(mgr: offload.ActivationOffloader) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_soak_budget_mode_grows_nothing(tmp_path) -> None:
-    """DESIGN's no-leak invariant in budget mode, whose state is per signature: 10 input
+    """docs/design.md's no-leak invariant in budget mode, whose state is per signature: 10 input
     lengths (the merged plan past 8), a structure switched outside the signature, dropout and
     rrelu (deferred packs), rebuilt GELU / LayerNorm outputs and weight casts, recomputed
     blocks, records on both tiers (a small cpu_budget spills to NVMe), deferred copies, backward

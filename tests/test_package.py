@@ -99,7 +99,7 @@ def test_inner_packages_are_namespaced(tmp_path: Path) -> None:
 
 
 def test_public_api_snapshot() -> None:
-    # Change these lists deliberately, together with DESIGN.md's API section.
+    # Change these lists deliberately, together with docs/design.md's API section.
     assert offload.__all__ == [
         "ActivationOffloader",
         "activations",

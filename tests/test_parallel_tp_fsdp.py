@@ -3,7 +3,7 @@
 The tests share two CPU ranks (``distributed_util.RankPool``: ``file://`` rendezvous, a deadline
 on every job). On each rank a job runs the same steps on identically built models: once without
 offloading (the reference), then with an :class:`offload.ActivationOffloader` made on the
-already-parallelised model, in min-memory mode (copies deferred to a worker thread, DESIGN
+already-parallelised model, in min-memory mode (copies deferred to a worker thread, docs/design.md
 "Stream ordering" testing rule (a)) and with a budget of half the profiled saved peak (the first
 step profiles, the next ones carry out the plan). Oracles, per rank and step:
 

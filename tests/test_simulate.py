@@ -833,7 +833,7 @@ def test_step_time_grows_as_the_reload_link_slows(traces: dict[str, Trace], name
 @pytest.mark.parametrize("name", list(ALL_MODELS))
 def test_step_time_grows_as_the_link_slows(traces: dict[str, Trace], name: str) -> None:
     # Both directions slow. A family whose copy out has not completed when backward needs it
-    # takes its source back and is not reloaded (DESIGN, stream ordering rule 3): on a slower link
+    # takes its source back and is not reloaded (docs/design.md, stream ordering rule 3): on a slower link
     # that can save a reload, so monotonicity holds between rungs that reloaded the same bytes.
     trace = traces[name]
     sims = [simulate(trace, _hw(bw), offload_all(trace), max_inflight_bytes=0) for bw in LADDER]

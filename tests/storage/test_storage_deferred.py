@@ -1,4 +1,4 @@
-"""Deferred mode (DESIGN "Stream ordering", testing rule (a)): copies and I/O run late on worker
+"""Deferred mode (docs/design.md "Stream ordering", testing rule (a)): copies and I/O run late on worker
 threads, ``.wait()`` is the only synchronisation, and released regions hold 0xFF."""
 
 from __future__ import annotations
