@@ -40,9 +40,9 @@ _DEFAULT_SLAB_BYTES = 256 << 20
 # of (2 + 1 MiB; 64 + 32 MiB), at most ``slab_bytes`` each, and a region never spans two slabs.
 # Once less than ``slab_bytes`` of the cap is left (a small cap, or the last part of a large one
 # such as the default, half the available RAM), a new slab is the smallest of those powers that
-# holds the region, not the largest: a small first record took the largest, and a larger record
-# after it found only the small ones left (cap 3 MiB: a 1 MiB record took a 2 MiB slab, then a
-# 2 MiB record was refused with 1 MiB of the cap never allocated). Before that, every slab is a
+# holds the region, not the largest: a small first record in the largest would leave a larger
+# record after it only the small ones (cap 3 MiB: a 1 MiB record in a 2 MiB slab, then a 2 MiB
+# record refused with 1 MiB of the cap never allocated). Before that point, every slab is a
 # regular one (a cap of 12.3 GB: four 256 MiB slabs for a first step of 200 records up to
 # 16 MiB, not nine from 4 MiB up). What no choice of slabs avoids: each region needs a slab of at
 # least its size rounded up to a power of two (a 3 MiB cap holds one 1.5 MiB record, not two).

@@ -260,10 +260,10 @@ _worker_state = threading.local()
 # finalizer, which a GC pass runs on whatever thread happened to allocate: also a thread that is
 # just starting (``Thread._bootstrap_inner`` allocates while it holds threading's lock of thread
 # states, ``_shutdown_locks_lock``, in Python <= 3.12). Joining a thread takes that lock again, so
-# a close that joined its I/O threads there waited on itself, and the thread that was starting
-# the new one waited on it for ever (a dropped NVMe manager in a loop of managers hung the
-# process after about 100). By the time threads stop, every transfer has completed and the
-# workers are idle: inside a GC pass they are told to exit and left to do so on their own.
+# a close that joined its I/O threads there would wait on itself, and the thread starting the
+# new one would wait on it for ever (a loop of dropped NVMe managers hangs within about 100).
+# By the time threads stop, every transfer has completed and the workers are idle: inside a GC
+# pass they are told to exit and left to do so on their own.
 _gc_state = threading.local()
 _gc_tracked = False
 _gc_track_lock = threading.Lock()
@@ -363,9 +363,9 @@ def finish_elsewhere(finish: Callable[[], object]) -> bool:
 
 # NOTE [ Closing in the background ]
 # A GC pass runs finalizers on whatever thread allocated, in the middle of anything. An owner of
-# tiers dropped without close() (a manager in a reference cycle) and finalized there waited for
-# its transfers in flight, on the training thread, for as long as a stalled disk took (a write
-# stuck behind a gate held the pass until a 10 s watchdog opened it). Such a close goes to one
+# tiers dropped without close() (a manager in a reference cycle) and finalized there would wait
+# for its transfers in flight, on the training thread, for as long as a stalled disk takes.
+# Such a close goes to one
 # closer thread instead (close_later). That thread is started beforehand, at a safe point
 # (start_closer, where an owner makes its tiers), never in a GC pass: a pass may run inside
 # threading's own locks, where starting a thread waits on itself (NOTE [ Closing inside a GC
@@ -662,8 +662,8 @@ def check_waitable(after: object) -> None:
 
 
 # NOTE [ One finished future ]: a copy run at once (the default engine) or a record that needs no
-# write completes before its call returns. Each used to get a Future of its own (a Condition, a
-# lock, a deque and two lists that live as long as the record's handle): about 20 us of a CPU
+# write completes before its call returns. A Future of its own each (a Condition, a lock, a
+# deque and two lists that live as long as the record's handle) would cost about 20 us of a CPU
 # step's pack and unpack per saved tensor, most of it cyclic-GC work on the objects kept. They
 # share this one instead; a finished future is never changed again (set_result raises, cancel
 # returns False, a callback added runs at once and is not kept), so sharing it is safe.
