@@ -18,8 +18,8 @@ from offload.lifecycle._jsonfile import check_header, read_json, write_json
 HARDWARE_SCHEMA_VERSION = 1
 _FORMAT = "offload.hardware"
 
-# Figures measured on one H200 (notes/design-review.md, R4): each direction alone, then both at
-# once. The disk figures are a typical NVMe Gen4 x4 drive's datasheet (notes/prior-art-papers.md);
+# Figures measured on one H200 (docs/design.md, The physics): each direction alone, then both at
+# once. The disk figures are a typical NVMe Gen4 x4 drive's datasheet;
 # the pinned allocation cost is docs/design.md's (about 0.4 s per GiB).
 _H200_H2D_BYTES_PER_S = 54.5e9
 _H200_D2H_BYTES_PER_S = 55.2e9

@@ -406,7 +406,8 @@ def _plain_activation_output(t: torch.Tensor, norms: NormOutputs | None) -> Acti
         # Changed in place since the op made it (under no_grad, which leaves its node as it
         # was; or made in place, ``silu(x, inplace=True)``): the function of its input is no
         # longer what it holds. (Norm outputs: NormOutputs checks. A change through ``.data``
-        # bumps no version: like autograd, offload cannot see it; README, Limits.)
+        # bumps no version: like autograd, offload cannot see it;
+        # docs/troubleshooting.md, Known limits.)
         return None
     args: Any = ""
     if kind == "gelu":

@@ -446,7 +446,7 @@ def test_attach_rejects_other_objects_and_unplannable_budgets() -> None:
 
 
 def test_pipeline_example_with_a_stage_budget_runs() -> None:
-    """examples/pipeline_offload.py with --gpu-budget, as the README gives it (2 gloo ranks)."""
+    """examples/pipeline_offload.py with --gpu-budget, as docs/parallel.md gives it (2 gloo ranks)."""
     import subprocess
     import sys
     from pathlib import Path
