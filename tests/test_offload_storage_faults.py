@@ -406,3 +406,36 @@ def test_a_forked_child_trains_with_its_own_threads_and_files(tmp_path) -> None:
         gate.set()  # else close() waits for the gated writes
         mgr.close()
 
+
+def test_the_executors_lifecycle_points_show_in_torch_profiler(tmp_path) -> None:
+    """The executor's points are ``record_function`` ranges while torch's profiler runs: a step
+    offloading to the cpu tier shows ``offload::prefetch`` (its backward triggers) and
+    ``offload::drain`` (its stats read waits for the copies), and a step whose nvme tier is a
+    full disk (a real ENOSPC: its capacity is the 0 B left) shows ``offload::fault`` for the
+    records that fell back to the cpu tier; its gradients stay bitwise."""
+    want = ALL_MODELS["gpt_block"](seed=0)
+    want.step()
+
+    def keys(tiers: tuple[str, ...], nvme_dir: Path | None) -> set[str]:
+        case = gpt_block(seed=0)
+        mgr = offload.ActivationOffloader(
+            case.model, min_offload_bytes=0, tiers=tiers, nvme_dir=nvme_dir
+        )
+        try:
+            if nvme_dir is not None:
+                fill_blocks(nvme_dir)  # after the manager checked nvme_dir, as make_unusable
+            with torch.profiler.profile() as prof:
+                step(case, mgr)
+                last = mgr.stats.last
+            assert last.bytes_offloaded_cpu > 0 and last.reloads > 0, last
+            assert last.fallbacks == (last.records_offloaded_cpu if nvme_dir else 0), last
+            assert_grads_equal(case, want)
+        finally:
+            mgr.close()
+        return {e.key for e in prof.key_averages() if e.key.startswith("offload::")}
+
+    moved = keys(("cpu",), None)
+    assert {"offload::prefetch", "offload::drain"} <= moved and "offload::fault" not in moved
+    with tmpfs(tmp_path / "disk", "size=1m") as mount:
+        faulted = keys(("nvme", "cpu"), mount)
+        assert "offload::fault" in faulted, faulted
