@@ -113,7 +113,7 @@ def copy_out_failed(ex: Executor, fam: Family, error: BaseException) -> None:
         # on the device and unpack returns them) and say so once.
         failed = fam.tier.name
         ex.cpu_bytes -= kind_of(fam.tier).charge(fam.nbytes)
-        # On CUDA the source is device memory, which the host tiers do not take: it stays.
+        # On CUDA the source is device memory, which no tier takes (host memory only): it stays.
         failed_in = fam.tier
         later = [] if ex.cuda else tiers_after(ex, failed_in)
         fam.tier = fam.handle = None  # the failed write released its own space

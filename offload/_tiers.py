@@ -70,6 +70,6 @@ NVME: TierKind = _Nvme()
 
 
 def kind_of(tier: storage.Tier) -> TierKind:
-    """``tier``'s kind: the host tier's, else a file tier's (``NvmeTier``, and any other tier
-    that keeps its records outside the host pool)."""
+    """``tier``'s kind: the cpu tier's (``HostTier``), else a file tier's (``NvmeTier``, and
+    any other tier that keeps its records outside the host pool)."""
     return CPU if isinstance(tier, storage.HostTier) else NVME
