@@ -135,11 +135,11 @@ class Family:
         self.life = Life.ON_DEVICE
         self.members = 0  # live packed handles
         # Weak references to them: the truth when a release was cut short (see
-        # Executor._release_lost).
+        # _release.release_lost).
         self.member_refs: list[weakref.ref[Any]] = []
         self.unpacked = 0  # unpacks since the last reload, of members still alive
         # Counts the times ``unpacked`` started over: a member unpacked in the current round
-        # takes its unpack with it when it dies (see Executor._release).
+        # takes its unpack with it when it dies (see _release.release).
         self.unpack_round = 0
         self.unpacked_task = -1  # the graph task (backward) of the last of them
         self.source: torch.Tensor | None = None  # uint8 view of the span, held until copied
@@ -176,6 +176,11 @@ class Family:
 
     def covers(self, start: int, end: int) -> bool:
         return self.span_start <= start and end <= self.span_start + self.nbytes
+
+
+def step_of(fam: Family) -> Any:
+    """The executor's state of the step that packed ``fam``, while it lives."""
+    return fam.step_ref() if fam.step_ref is not None else None
 
 
 def span_of(t: torch.Tensor) -> tuple[int, int]:

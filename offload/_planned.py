@@ -101,7 +101,7 @@ KEEP = "keep"
 REBUILD = "rebuild"
 # A plan's placement as the action a pack takes (RECOMPUTE: its keys vanish, the checkpoint
 # saves the call's inputs, kept).
-_ACTION_OF = {Placement.CPU: "host", Placement.NVME: "nvme", Placement.REBUILD: REBUILD}
+_ACTION_OF = {Placement.CPU: "cpu", Placement.NVME: "nvme", Placement.REBUILD: REBUILD}
 
 
 def signature_of(args: Any, kwargs: Mapping[str, Any] | None = None) -> str:
@@ -208,7 +208,7 @@ class ActivePlan:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        # key -> "keep" | "host" | "nvme" | "rebuild"; members of a family share its decision.
+        # key -> "keep" | "cpu" | "nvme" | "rebuild"; members of a family share its decision.
         self.action: dict[tuple[str, int, int], str] = {}
         # key -> the most bytes a record of it may have and keep its decision (its family's)
         self.limit: dict[tuple[str, int, int], int] = {}

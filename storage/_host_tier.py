@@ -1,4 +1,4 @@
-"""The host tier: a record's bytes stay in a host pool region."""
+"""The cpu tier: a record's bytes stay in a host pool region."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class HostTier(Tier):
         >>> tier.free(h); tier.close()
     """
 
-    name = "host"
+    name = "cpu"  # the tier users name in ``tiers=("cpu", ...)``
 
     def __init__(self, pool: HostPool | None = None, *, copy_engine: CopyEngine | None = None):
         super().__init__()
@@ -64,7 +64,7 @@ class HostTier(Tier):
         else:
             if isinstance(source, torch.Tensor) and source.device.type != "cpu":
                 raise TypeError(
-                    f"the host tier takes host bytes; got a {source.device} tensor. Copy it into a "
+                    f"the cpu tier takes host bytes; got a {source.device} tensor. Copy it into a "
                     "HostRegion on your D2H stream and pass the region with after=<its event>."
                 )
             data, n = source_bytes(source, nbytes)
@@ -96,7 +96,7 @@ class HostTier(Tier):
         else:
             if isinstance(into, torch.Tensor) and into.device.type != "cpu":
                 raise TypeError(
-                    f"the host tier reads into host memory; got a {into.device} tensor. Copy "
+                    f"the cpu tier reads into host memory; got a {into.device} tensor. Copy "
                     "handle.region.tensor to the device on your H2D stream instead."
                 )
             dst = destination_bytes(into, n)

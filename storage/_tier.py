@@ -91,7 +91,7 @@ class StoredHandle:
 
     @property
     def region(self) -> HostRegion | None:
-        """The host region holding the bytes (host tier only), for a direct H2D copy from it."""
+        """The host region holding the bytes (cpu tier only), for a direct H2D copy from it."""
         return self._region
 
     @property
@@ -121,7 +121,7 @@ class Tier(ABC):
 
     Sources and destinations are host memory: a :class:`~offload.storage.HostRegion` (4 KiB-aligned, the
     fast path for file I/O) or a contiguous CPU tensor of any dtype. A region source is adopted by
-    the host tier (it becomes the record's storage) but only read by the NVMe tier, whose caller
+    the cpu tier (it becomes the record's storage) but only read by the NVMe tier, whose caller
     keeps it and may release it once the write completed; if the write failed, the region still
     holds the bytes, so the record can go to the next tier.
 

@@ -308,7 +308,7 @@ def _run(
             ex = mgr._executor
             assert ex is not None
             assert ex.live_families() == 0, where
-            assert ex.host_bytes == 0, where
+            assert ex.cpu_bytes == 0, where
             assert not ex._inflight and ex._inflight_bytes == 0, where
             sgd(model)
             got = state(model, x)

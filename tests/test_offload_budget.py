@@ -289,7 +289,7 @@ def test_profiled_backwards_that_raise_leave_the_signature_to_be_profiled_again(
                     del loss
                     gc.collect()
                     assert mgr._executor.live_families() == 0
-                    assert mgr._executor.host_bytes == 0
+                    assert mgr._executor.cpu_bytes == 0
                     continue
                 loss.backward()
                 for g, w in zip((p.grad for p in model.parameters()), want[s], strict=True):
@@ -2530,7 +2530,7 @@ def test_a_budget_applies_when_the_root_forward_is_never_called() -> None:
             assert plan.signature.startswith("backbone(")
             assert {"backbone", "head"} <= {e.module.split(".")[0] for e in plan.entries}
             gc.collect()
-            assert mgr._executor.live_families() == 0 and mgr._executor.host_bytes == 0
+            assert mgr._executor.live_families() == 0 and mgr._executor.cpu_bytes == 0
         finally:
             mgr.close()
 

@@ -86,7 +86,7 @@ def reference_grads(name: str, s: int = 0) -> dict[str, torch.Tensor]:
 def assert_nothing_live(mgr: Any) -> None:
     ex = mgr._executor
     assert ex.live_families() == 0
-    assert ex.host_bytes == 0
+    assert ex.cpu_bytes == 0
     assert not ex._inflight and ex._inflight_bytes == 0
 
 
@@ -1037,7 +1037,7 @@ def test_a_backward_that_raises_midway_leaves_host_and_file_as_before(
         del loss
         gc.collect()
         drain(mgr)
-        assert (ex.live_families(), ex.host_bytes, host.used_bytes, nvme.used_bytes) == (0,) * 4
+        assert (ex.live_families(), ex.cpu_bytes, host.used_bytes, nvme.used_bytes) == (0,) * 4
         assert len(os.listdir("/proc/self/fd")) == files
         assert not mgr._deferred and mgr._profiling is None
         assert_bitwise(offloaded_step(case, mgr, 3), want[3])
@@ -1062,8 +1062,10 @@ def test_a_release_cut_short_by_an_interrupt_is_finished(engine: str, where: str
     """Ctrl-C while backward frees the graph: the KeyboardInterrupt is raised inside a saved
     tensor's handle's ``__del__`` (Python prints it and drops it) as it releases its family, on
     entry, before the bytes are freed, or inside the tier's ``free``. That family kept its 32 KiB
-    in the host tier (and in ``host_bytes``, the cpu_budget count) until close(); now the next
+    in the host tier (and in ``cpu_bytes``, the cpu_budget count) until close(); now the next
     count of live families finishes the release, and the next steps are exact and leave nothing."""
+    from offload import _release
+
     want = [reference_grads("gpt_block", s) for s in range(3)]
     case = gpt_block(seed=0)
     dropped: list[type[BaseException] | None] = []  # not the exceptions: their frames hold handles
@@ -1077,9 +1079,10 @@ def test_a_release_cut_short_by_an_interrupt_is_finished(engine: str, where: str
             loss = case.loss(case.batch(1))
         if where == "tier":
             monkeypatch.setattr(host, "free", _interrupted_once(host.free))
+        elif where == "release":
+            monkeypatch.setattr(type(ex), "release", _interrupted_once(type(ex).release))
         else:
-            name = "release" if where == "release" else "_free"
-            monkeypatch.setattr(type(ex), name, _interrupted_once(getattr(type(ex), name)))
+            monkeypatch.setattr(_release, "free", _interrupted_once(_release.free))
         loss.backward()
         monkeypatch.undo()
         assert dropped == [KeyboardInterrupt]
@@ -1266,7 +1269,7 @@ def test_each_manager_gets_its_own_cpu_budget_from_the_shared_pool(monkeypatch) 
     for m, mgr in zip(models, managers, strict=True):
         with mgr:
             losses.append(m(x).sum())
-    held = [mgr._executor.host_bytes for mgr in managers]
+    held = [mgr._executor.cpu_bytes for mgr in managers]
     assert held[0] == held[1] > 2 << 20
     pool = managers[0]._executor.pool
     assert managers[1]._executor.pool is pool and pool.capacity_bytes >= 8 << 20
@@ -1307,12 +1310,12 @@ def test_cpu_budget_counts_the_host_regions_padding(tmp_path) -> None:
         with mgr:
             loss = model(x).sum()
         host = mgr._tiers[0]
-        assert mgr._executor.host_bytes == host.used_bytes <= 1 << 20
+        assert mgr._executor.cpu_bytes == host.used_bytes <= 1 << 20
         assert mgr.stats.last.records_offloaded_cpu == 128
         assert mgr.stats.last.records_offloaded_nvme == 181 - 128
         loss.backward()
         assert torch.equal(model.w.grad, want)
-        assert mgr._executor.host_bytes == host.used_bytes == 0
+        assert mgr._executor.cpu_bytes == host.used_bytes == 0
 
 
 class _TwoSins(nn.Module):
@@ -1348,7 +1351,7 @@ def test_a_cpu_budget_of_no_power_of_two_holds_a_small_then_a_large_record(monke
             assert mgr.stats.last.bytes_offloaded_cpu == 3 << 20
             assert mgr.stats.last.records_offloaded_cpu == 2
         assert mgr.stats.last.host_allocations == 0
-        assert mgr._executor.host_bytes == 0
+        assert mgr._executor.cpu_bytes == 0
 
 
 def test_a_step_whose_nvme_tier_cannot_be_made_gives_its_pool_claim_back(
@@ -1392,20 +1395,20 @@ def test_a_prefetch_without_memory_leaves_the_family_for_its_unpack(
     gives up, and the unpack reloads it (a stall), bitwise."""
     import sys
 
-    import offload._executor as executor_module
+    import offload._reload as reload_module
 
     want = reference_grads("gpt_block")
     case = gpt_block(seed=0)
-    real = executor_module.aligned_buffer
+    real = reload_module.aligned_buffer
     refused = []
 
     def short_for_prefetches(*args: Any, **kw: Any) -> Any:
-        if sys._getframe(2).f_code.co_name == "_begin_reload":  # fault injection: prefetch only
+        if sys._getframe(2).f_code.co_name == "begin_reload":  # fault injection: prefetch only
             refused.append(args[0])
             raise torch.OutOfMemoryError("injected: no memory for a prefetch")
         return real(*args, **kw)
 
-    monkeypatch.setattr(executor_module, "aligned_buffer", short_for_prefetches)
+    monkeypatch.setattr(reload_module, "aligned_buffer", short_for_prefetches)
     with manager(case.model, tiers=tiers, **nvme_kw(tiers, tmp_path)) as mgr:
         case.model.zero_grad(set_to_none=True)
         with mgr:
@@ -1498,6 +1501,8 @@ def test_a_family_freed_while_its_nvme_write_is_queued_keeps_the_queue_sound(tmp
     on CPU, where it is not used otherwise: a family freed while queued (its members died, or
     its step failed) no longer breaks every later poll, and its pinned copy goes back once its
     write is done."""
+    from offload import _release
+
     pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
     nvme = storage.NvmeTier(tmp_path, capacity_bytes=1 << 22, pool=pool)
     ex = hand_executor(nvme, pool)
@@ -1510,7 +1515,7 @@ def test_a_family_freed_while_its_nvme_write_is_queued_keeps_the_queue_sound(tmp
         fam.to(Life.OFF_DEVICE)
         ex._writing.append((fam, fam.handle))  # as _retire queues it on CUDA
         ex._writing_bytes += 4096
-        ex._free(fam)  # before the queue was polled
+        _release.free(ex, fam)  # before the queue was polled
         assert fam.handle is None and fam.life is Life.FREED
         assert_write_queue_drains(ex, pool, nvme)
     finally:
@@ -1644,7 +1649,7 @@ def test_a_manager_finalized_on_an_io_thread_closes_from_a_thread_of_its_own(tmp
             t.join(10)
     assert errors == []
     assert not os.path.exists(private)
-    assert mgr._executor.live_families() == 0 and mgr._executor.host_bytes == 0
+    assert mgr._executor.live_families() == 0 and mgr._executor.cpu_bytes == 0
     with pytest.raises(offload.OffloadError, match="closed"):
         loss.backward()
     mgr.close()
@@ -1672,7 +1677,7 @@ def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monke
                     fam.handle.wait()
         mgr._executor.poll()
         assert mgr.stats.last.fallbacks > 0
-        assert mgr._executor.host_bytes > 0
+        assert mgr._executor.cpu_bytes > 0
         case.model.zero_grad(set_to_none=True)
         loss.backward()
         assert_bitwise(case.grads(), want)
@@ -2661,7 +2666,7 @@ def test_a_release_while_a_failed_write_goes_to_the_next_tier_frees_the_new_copy
     poll; a GC pass at that write (a dropped graph's finalizer released the family) left poll
     moving a freed family back 'off device' (an illegal move raised out of the pack or module
     boundary that polled) and its new copy held for good. The new copy is freed instead."""
-    from offload._executor import host_charge
+    from offload._tiers import cpu_charge
 
     seen: list[Any] = []
     x1 = torch.randn(32, 32, requires_grad=True)
@@ -2690,8 +2695,8 @@ def test_a_release_while_a_failed_write_goes_to_the_next_tier_frees_the_new_copy
             with gc_pass_when_returning(storage.HostTier.write) as passes:
                 ex.poll()
             assert passes[0] == 2 and a.life is Life.FREED  # what this test is about
-            assert b.life is Life.OFF_DEVICE and b.tier.name == "host"
-            assert ex.host_bytes == host_charge(b.nbytes) == mgr._tiers[1].used_bytes
+            assert b.life is Life.OFF_DEVICE and b.tier.name == "cpu"
+            assert ex.cpu_bytes == cpu_charge(b.nbytes) == mgr._tiers[1].used_bytes
             y2.backward()
         finally:
             gc.enable()
@@ -2708,8 +2713,9 @@ def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
     poll adopts the pinned copy into the host tier (or, with no room there, keeps it as the
     record's copy); a GC pass at that write (or at the log line saying so) finalized the
     family's last member and freed the family first, and the copy was then kept for good (in
-    the host tier, counted in ``host_bytes``; or the pinned region). It is freed with its
+    the host tier, counted in ``cpu_bytes``; or the pinned region). It is freed with its
     family."""
+    from offload import _faults
     from offload._executor import Executor, _Member
 
     pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
@@ -2725,7 +2731,7 @@ def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
         pool=pool,
         staging_bytes=1 << 20,
     )
-    where = storage.HostTier.write if host_room else Executor._say_write_failed
+    where = storage.HostTier.write if host_room else _faults.say_write_failed
     gc.collect()
     gc.disable()  # only the pass below may finalize the member
     try:
@@ -2753,7 +2759,7 @@ def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
         with gc_pass_when_returning(where) as passes:
             ex.poll()
         assert passes[0] == 1 and fam.life is Life.FREED  # what this test is about
-        assert fam.handle is None and fam.spill is None and ex.host_bytes == 0
+        assert fam.handle is None and fam.spill is None and ex.cpu_bytes == 0
         assert not ex._writing and host.used_bytes == 0 and pool.used_bytes == 0
     finally:
         gc.enable()

@@ -181,7 +181,7 @@ def assert_nothing_live(mgr: offload.ActivationOffloader) -> None:
     ex = mgr._executor
     assert ex is not None
     assert ex.live_families() == 0
-    assert ex.host_bytes == 0
+    assert ex.cpu_bytes == 0
     assert not ex._inflight and ex._inflight_bytes == 0
 
 

@@ -134,7 +134,7 @@ def test_active_plan_rebuilds_its_keys_without_a_reload_trigger() -> None:
         assert all(active.limit[k] == e.nbytes for k in e.keys)
         assert e.keys[0] not in active.trigger
     moved = [e for e in plan.entries if e.placement is Placement.CPU]
-    assert len(moved) == REBUILDS and all(active.action[e.keys[0]] == "host" for e in moved)
+    assert len(moved) == REBUILDS and all(active.action[e.keys[0]] == "cpu" for e in moved)
     assert not ActivePlan(dataclasses.replace(plan, entries=tuple(moved))).rebuilds
 
 
@@ -192,7 +192,7 @@ def test_rebuilt_outputs_are_bitwise_with_their_input_kept_or_moved(
                 assert last.reloads <= reloads
                 assert last.stalls == 0, last
             assert mgr._executor is not None and mgr._executor.live_families() == 0
-            assert mgr._executor.host_bytes == 0
+            assert mgr._executor.cpu_bytes == 0
             assert _kept_alive(mgr) == 0  # no kept input outlives the graph
     finally:
         mgr.close()

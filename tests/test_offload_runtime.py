@@ -131,7 +131,7 @@ def test_dropped_graph_releases() -> None:
         del loss
         gc.collect()
         assert mgr._executor.live_families() == 0
-        assert mgr._executor.host_bytes == 0
+        assert mgr._executor.cpu_bytes == 0
     finally:
         mgr.close()
 
@@ -226,7 +226,7 @@ def test_full_store_without_fallback_raises_and_leaks_nothing() -> None:
         assert info.value.bytes_needed > 0
         assert "cpu_budget" in str(info.value)
         assert mgr._executor.live_families() == 0
-        assert mgr._executor.host_bytes == 0
+        assert mgr._executor.cpu_bytes == 0
     finally:
         mgr.close()
 
@@ -250,7 +250,7 @@ def test_a_store_failing_at_the_steps_exit_fails_the_step_and_leaks_nothing() ->
         assert loss is not None  # the forward ran: the exit raised
         assert not mgr._deferred
         assert mgr._executor.live_families() == 0
-        assert mgr._executor.host_bytes == 0
+        assert mgr._executor.cpu_bytes == 0
         with pytest.raises(offload.OffloadError, match="raised"):
             loss.backward()
         del loss
@@ -326,7 +326,7 @@ def test_an_io_error_writing_falls_back_and_frees_at_once(tmp_path, monkeypatch)
             last = mgr.stats.last
             assert last.fallbacks > 0 and last.bytes_offloaded_cpu > 0
             assert last.bytes_offloaded_nvme == 0
-            assert mgr._executor.live_families() == 0 and mgr._executor.host_bytes == 0
+            assert mgr._executor.live_families() == 0 and mgr._executor.cpu_bytes == 0
         for k, g in want.grads().items():
             assert torch.equal(case.grads()[k], g), k
     finally:

@@ -140,7 +140,7 @@ def test_unusable_disk_before_the_first_step_falls_back(tmp_path, caplog, how) -
                 assert said == []  # a cap: the tier is full, not failing
             else:
                 assert len(said) == 1 and str(mount) in said[0], said
-                assert os.strerror(code) in said[0] and "went to the host tier" in said[0]
+                assert os.strerror(code) in said[0] and "went to the cpu tier" in said[0]
             with pytest.raises(error) as info, alone:
                 other.loss(other.batch())
             assert str(mount) in str(info.value) and info.value.errno == code
@@ -185,7 +185,7 @@ def test_a_tier_failing_in_consecutive_steps_is_quarantined(tmp_path) -> None:
     After QUARANTINE_FAILING_STEPS such steps the nvme tier is set aside with one warning
     (stats.tiers_quarantined), later steps put their records in the cpu tier and their
     gradients are bitwise; before, every step failed for ever."""
-    from offload._executor import QUARANTINE_FAILING_STEPS
+    from offload._faults import QUARANTINE_FAILING_STEPS
 
     want = ALL_MODELS["gpt_block"](seed=0)
     want.step()
@@ -381,7 +381,7 @@ def test_a_forked_child_trains_with_its_own_threads_and_files(tmp_path) -> None:
                 last = mgr.stats.last
                 assert last.bytes_offloaded_nvme > 0 and last.fallbacks == 0, last
                 ex = mgr._executor
-                assert ex.live_families() == 0 and ex.host_bytes == 0
+                assert ex.live_families() == 0 and ex.cpu_bytes == 0
                 # The parent's staging of the writes in flight at the fork went back too.
                 assert ex.pool.used_bytes == 0, ex.pool.used_bytes
                 child_dir = mgr._tiers[0].private_directory
@@ -405,3 +405,37 @@ def test_a_forked_child_trains_with_its_own_threads_and_files(tmp_path) -> None:
     finally:
         gate.set()  # else close() waits for the gated writes
         mgr.close()
+
+
+def test_the_executors_lifecycle_points_show_in_torch_profiler(tmp_path) -> None:
+    """The executor's points are ``record_function`` ranges while torch's profiler runs: a step
+    offloading to the cpu tier shows ``offload::prefetch`` (its backward triggers) and
+    ``offload::drain`` (its stats read waits for the copies), and a step whose nvme tier is a
+    full disk (a real ENOSPC: its capacity is the 0 B left) shows ``offload::fault`` for the
+    records that fell back to the cpu tier; its gradients stay bitwise."""
+    want = ALL_MODELS["gpt_block"](seed=0)
+    want.step()
+
+    def keys(tiers: tuple[str, ...], nvme_dir: Path | None) -> set[str]:
+        case = gpt_block(seed=0)
+        mgr = offload.ActivationOffloader(
+            case.model, min_offload_bytes=0, tiers=tiers, nvme_dir=nvme_dir
+        )
+        try:
+            if nvme_dir is not None:
+                fill_blocks(nvme_dir)  # after the manager checked nvme_dir, as make_unusable
+            with torch.profiler.profile() as prof:
+                step(case, mgr)
+                last = mgr.stats.last
+            assert last.bytes_offloaded_cpu > 0 and last.reloads > 0, last
+            assert last.fallbacks == (last.records_offloaded_cpu if nvme_dir else 0), last
+            assert_grads_equal(case, want)
+        finally:
+            mgr.close()
+        return {e.key for e in prof.key_averages() if e.key.startswith("offload::")}
+
+    moved = keys(("cpu",), None)
+    assert {"offload::prefetch", "offload::drain"} <= moved and "offload::fault" not in moved
+    with tmpfs(tmp_path / "disk", "size=1m") as mount:
+        faulted = keys(("nvme", "cpu"), mount)
+        assert "offload::fault" in faulted, faulted

@@ -720,7 +720,7 @@ def _failing_between_chunks(rank: int, world_size: int, fail_steps: tuple[int, .
             module.zero_grad(set_to_none=True)
             gc.collect()
             ex = mgr._executor
-            info["live"] = (ex.live_families(), ex.host_bytes)
+            info["live"] = (ex.live_families(), ex.cpu_bytes)
             mgr.close()
         return grads, info
 
