@@ -123,9 +123,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from offload.lifecycle._anchors import predict_anchors
 from offload.lifecycle._blocks import find_blocks, within
 from offload.lifecycle._hardware import HardwareModel
 from offload.lifecycle._nogc import gc_paused
+from offload.lifecycle._placement import Decision, Placement
 from offload.lifecycle._plan import (
     BudgetInfeasibleError,
     Key,
@@ -135,14 +137,8 @@ from offload.lifecycle._plan import (
     Trigger,
     _bulk,
 )
-from offload.lifecycle._simulate import (
-    _DEFAULT_MIN_INFLIGHT_BYTES,
-    Decision,
-    Placement,
-    _step_index,
-    predict_anchors,
-    simulate,
-)
+from offload.lifecycle._sim_step import _step_index
+from offload.lifecycle._simulate import _DEFAULT_MIN_INFLIGHT_BYTES, simulate
 from offload.lifecycle._trace import (
     WHOLE_STORAGE_FACTOR,
     BackwardPasses,
@@ -205,7 +201,7 @@ def plan(
         simulate_records: replay the chosen plan with :func:`lifecycle.simulate` when the step
             has at most this many records (0: never); the plan then reports the simulator's peak,
             and the anchors as :func:`lifecycle.predict_anchors` simulates them (NOTE [ Anchors ]
-            in ``_simulate.py``; without, the model's keep_all and checkpoint_blocks only).
+            in ``_anchors.py``; without, the model's keep_all and checkpoint_blocks only).
         signature: a label for the plan (the manager passes the input signature).
         recompute: allow recomputing blocks (``False`` under tensor parallelism, where a
             block's forward issues collectives that recomputation would issue again).

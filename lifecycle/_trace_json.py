@@ -12,14 +12,7 @@ from typing import Any, TypeVar
 
 from offload.lifecycle._jsonfile import check_header
 from offload.lifecycle._nogc import gc_paused
-from offload.lifecycle._trace import (
-    _FORMAT,
-    SCHEMA_VERSION,
-    Event,
-    EventKind,
-    TensorRecord,
-    Trace,
-)
+from offload.lifecycle._trace import _FORMAT, SCHEMA_VERSION, Event, EventKind, TensorRecord, Trace
 
 _T = TypeVar("_T")
 
