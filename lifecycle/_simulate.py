@@ -1,4 +1,5 @@
 """A discrete-event model of one training step under a placement: predicted device peak and time.
+Here: :func:`simulate` and what it models (the NOTEs); the replay itself is in _sim_engine.py.
 
 The planner asks "what if": given a :class:`~offload.lifecycle.Trace` of one step, a
 :class:`~offload.lifecycle.HardwareModel` and a :class:`Placement` for each alias family, :func:`simulate`
