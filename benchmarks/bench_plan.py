@@ -20,7 +20,8 @@ Trace construction is not timed. Per size and budget share:
   (``Trace._derived``). The two before it run on a new copy of the trace each time, so they are
   first calls, which build that view.
 
-``--baseline-rev REV`` also times ``lifecycle/_planner.py`` and ``lifecycle/_simulate.py`` as
+``--baseline-rev REV`` also times the planner and the simulator (``lifecycle/_planner.py``,
+``lifecycle/_simulate.py`` and the modules they were split into, as ``REV`` has them) as
 committed at git revision ``REV`` (read with ``git show``, nothing checked out) on the same
 traces, in the same process, each alternating run by run (ABBA) with its current version, for
 before/after figures measured side by side (the simulator's on first calls, at 1k and 10k). The
@@ -37,6 +38,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -105,28 +107,57 @@ def _summary(times: list[float]) -> dict[str, Any]:
     }
 
 
-def _baseline(rev: str, module: str = "_planner") -> ModuleType:
-    """``lifecycle/<module>.py`` at git revision ``rev``, imported beside the current one (it
-    imports the rest of ``lifecycle`` as it is now)."""
+# The planner's and the simulator's modules, dependencies first (a revision before their split
+# has _simulate.py and _planner.py alone).
+_BASELINE_MODULES = (
+    "_placement",
+    "_sim_step",
+    "_sim_engine",
+    "_simulate",
+    "_anchors",
+    "_plan_model",
+    "_plan_cost",
+    "_plan_search",
+    "_planner",
+)
+
+
+def _baseline(rev: str) -> dict[str, ModuleType]:
+    """The modules of ``_BASELINE_MODULES`` that git revision ``rev`` has, as it has them, each
+    imported beside the current one as ``<name>_baseline``: they import each other's baseline
+    copies, and the rest of ``lifecycle`` as it is now."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = f"lifecycle/{module}.py"
-    source = subprocess.run(
-        ["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True, text=True
-    ).stdout
-    name = f"offload.lifecycle.{module}_baseline"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    assert spec is not None
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[name] = loaded  # dataclasses look their module up while the class is built
-    exec(compile(source, f"{rev}:{path}", "exec"), loaded.__dict__)
-    return loaded
+    out: dict[str, ModuleType] = {}
+    for module in _BASELINE_MODULES:
+        path = f"lifecycle/{module}.py"
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True
+        )
+        if shown.returncode != 0:
+            continue  # not at that revision
+        source = shown.stdout
+        for other in out:
+            source = re.sub(
+                rf"\boffload\.lifecycle\.{other}\b", f"offload.lifecycle.{other}_baseline", source
+            )
+        name = f"offload.lifecycle.{module}_baseline"
+        spec = importlib.util.spec_from_loader(name, loader=None)
+        assert spec is not None
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[name] = loaded  # dataclasses look their module up while the class is built
+        exec(compile(source, f"{rev}:{path}", "exec"), loaded.__dict__)
+        out[module] = loaded
+    if "_planner" not in out or "_simulate" not in out:
+        raise SystemExit(f"--baseline-rev {rev}: no lifecycle/_planner.py or _simulate.py there")
+    return out
 
 
-def _old_decisions(sim_module: ModuleType, decisions: dict[int, Any]) -> dict[int, Any]:
-    """``decisions`` as the baseline simulator's own Decision objects."""
+def _old_decisions(vocabulary: ModuleType, decisions: dict[int, Any]) -> dict[int, Any]:
+    """``decisions`` as the baseline simulator's own Decision objects (``vocabulary``: the
+    baseline module that defines Decision and Placement)."""
     return {
-        fam: sim_module.Decision(
-            placement=sim_module.Placement(d.placement.value),
+        fam: vocabulary.Decision(
+            placement=vocabulary.Placement(d.placement.value),
             reload_event=d.reload_event,
             recompute_module=d.recompute_module,
         )
@@ -223,7 +254,9 @@ def _one_budget(
         if sim_baseline is None:
             row["simulate"] = _summary(_times(lambda t: simulate(t, hw, decisions), slow, trace))
         else:  # the simulator at the baseline revision, run by run in ABBA order, first calls
-            old_decisions = _old_decisions(sim_baseline, decisions)
+            # Decision and Placement: in _placement.py since the split, in _simulate.py before.
+            vocabulary = sys.modules.get("offload.lifecycle._placement_baseline", sim_baseline)
+            old_decisions = _old_decisions(vocabulary, decisions)
             new_sim, old_sim = _alternating(
                 lambda t: simulate(t, hw, decisions),
                 lambda t: sim_baseline.simulate(t, hw, old_decisions),
@@ -336,8 +369,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu"))
     args = ap.parse_args(argv)
     hw = HardwareModel.h200()
-    baseline = _baseline(args.baseline_rev) if args.baseline_rev else None
-    sim_baseline = _baseline(args.baseline_rev, "_simulate") if args.baseline_rev else None
+    old = _baseline(args.baseline_rev) if args.baseline_rev else {}
+    baseline, sim_baseline = old.get("_planner"), old.get("_simulate")
     load_before = os.getloadavg()
     sizes = [
         _one_size(n, args.budgets, args.repeats, hw, baseline, sim_baseline) for n in args.records

@@ -21,17 +21,14 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from offload.lifecycle._anchors import offload_all
 from offload.lifecycle._hardware import HardwareModel
+from offload.lifecycle._placement import Placement
 from offload.lifecycle._plan import BudgetInfeasibleError, Plan
 from offload.lifecycle._planner import plan
-from offload.lifecycle._simulate import (
-    Placement,
-    Simulation,
-    _automatic_window_bytes,
-    _step_index,
-    offload_all,
-    simulate,
-)
+from offload.lifecycle._sim_engine import Simulation
+from offload.lifecycle._sim_step import _step_index
+from offload.lifecycle._simulate import _automatic_window_bytes, simulate
 from offload.lifecycle._trace import Event, EventKind, Trace
 from offload.lifecycle._units import check_count, parse_bytes
 

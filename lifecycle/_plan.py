@@ -19,13 +19,13 @@ from typing import Any
 
 from offload.lifecycle._hardware import HardwareModel
 from offload.lifecycle._jsonfile import check_header, read_json, write_json
+from offload.lifecycle._placement import Decision, Placement
 from offload.lifecycle._report import check_top
-from offload.lifecycle._simulate import Decision, Placement
 from offload.lifecycle._units import format_bytes
 
 PLAN_SCHEMA_VERSION = 1
 _FORMAT = "offload.plan"
-_ANCHORS = ("keep_all", "offload_all", "checkpoint_blocks")  # NOTE [ Anchors ] in _simulate
+_ANCHORS = ("keep_all", "offload_all", "checkpoint_blocks")  # NOTE [ Anchors ] in _anchors
 _TIERS = ("cpu", "nvme")
 
 Key = tuple[str, int, int]  # (module path, call index, ordinal): TensorRecord.key
@@ -179,7 +179,7 @@ class Plan:
             call vanish); a pack whose key is not here is unplanned.
         predicted: the plan's predicted peak and step time.
         anchors: what running each alternative instead would give (NOTE [ Anchors ] in
-            ``lifecycle._simulate``): keeping everything (``"keep_all"``), the manager's
+            ``lifecycle._anchors``): keeping everything (``"keep_all"``), the manager's
             min-memory mode (``"offload_all"``) and non-reentrant checkpoint around every block
             (``"checkpoint_blocks"``), as :func:`lifecycle.predict_anchors` simulates them;
             without a simulation, the planner model's ``"keep_all"`` and (when it may recompute
@@ -291,7 +291,7 @@ class Plan:
             )
         missing = [a for a in _ANCHORS if a not in self.anchors]
         if missing:
-            # See NOTE [ Anchors ] in lifecycle._simulate: the model has no look-ahead window.
+            # See NOTE [ Anchors ] in lifecycle._anchors: the model has no look-ahead window.
             lines.append(
                 f"  {', '.join(missing)}: not predicted without a simulation of the step "
                 "(lifecycle.predict_anchors simulates them)"

@@ -199,7 +199,8 @@ def test_pipeline_rounds_search_a_longest_lived_first_order() -> None:
     """In a 1F1B round lifetimes do not fall along pack order (each microbatch's backward comes
     a few forwards later), so the planner also offloads longest-lived first; on stage 1 of the
     synthetic h=4096 pipeline that order wins. A single step (LIFO backward) gets no such order."""
-    from offload.lifecycle._planner import _Model, _Step
+    from offload.lifecycle._plan_model import _Model, _Step
+    from offload.lifecycle._plan_search import _Search
 
     one = transformer_trace(layers=8, hidden=4096, tokens=8192)
     # Without rebuildable GELU outputs (with them, 15 GiB fits either order equally fast).
@@ -219,6 +220,6 @@ def test_pipeline_rounds_search_a_longest_lived_first_order() -> None:
     target = 15 * 2**30
     pack_order_only = model_of(stage1)
     pack_order_only.variants = [v for v in pack_order_only.variants if not v[1]]
-    best, restricted = full.search(target), pack_order_only.search(target)
+    best, restricted = _Search(full).search(target), _Search(pack_order_only).search(target)
     assert best is not None and restricted is not None
     assert best.peak <= target and best.step_s < restricted.step_s

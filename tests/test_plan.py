@@ -440,7 +440,7 @@ def test_the_links_free_pass_matches_one_pass_in_pack_order(
     by more than their slack) is computed by one vectorised FIFO where the link takes them all:
     it must decide exactly as the plain in-order pass does, on every suffix the planner resumes
     from, where the link keeps up and where it refuses some."""
-    from offload.lifecycle._planner import _Model, _Step
+    from offload.lifecycle._plan_model import _Model, _Step
 
     hw = HARDWARE[hw_name]
     model = _Model(_Step(traces["gpt6x8192"], 0, 0), hw, ("cpu",), math.inf, math.inf, None)

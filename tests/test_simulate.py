@@ -947,7 +947,7 @@ def _lines_run(fn: Callable[[], object], module: ModuleType) -> int:
 def test_checkpoint_blocks_work_grows_with_the_step_not_blocks_times_families() -> None:
     """Each block's families are cut from one sorted list: a scan of every family per block
     made predict_anchors quadratic (25 of its 37 s at 40k records, profiled)."""
-    from offload.lifecycle import _simulate as simulator
+    from offload.lifecycle import _anchors as simulator
 
     work = {}
     for layers in (16, 64):
@@ -1061,7 +1061,7 @@ def test_simulations_of_one_trace_share_its_step_view_and_leave_no_cycles() -> N
     cycles are broken at the end), so no full collection has to walk the trace for it."""
     import gc
 
-    from offload.lifecycle._simulate import _StepView
+    from offload.lifecycle._sim_step import _StepView
 
     trace = _linked_transformer(3)
     hw = _pointwise(HardwareModel.h200(), 4.0e12)
