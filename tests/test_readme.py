@@ -44,11 +44,11 @@ BASH = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
 
 def test_readme_command_lines_match_the_parser() -> None:
     """The synopsis names each option of each subcommand, and only those; the example command
-    lines parse (running them takes 20 s: tests/test_cli_*.py run the same commands)."""
+    lines parse (running them takes 20 s: tests/cli/test_cli_*.py run the same commands)."""
     import argparse
     import shlex
 
-    from offload._cli import build_parser
+    from offload.cli._main import build_parser
 
     parser = build_parser()
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
