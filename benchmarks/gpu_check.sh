@@ -48,7 +48,7 @@ if [ -n "${OUT:-}" ]; then mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"; fi
 # pytest's --durations and every benchmark log its elapsed seconds per round, to correct these
 # from the first run). Every Python process pays about 10 s to import torch and start CUDA;
 # GPT weights are drawn on the CPU (h2048 0.47 G parameters, about 3 s; h4096 0.94 G, 6 s);
-# pinned host memory costs 0.4 s/GiB (offload/_info.py, measured on an H200 host). Steps are
+# pinned host memory costs 0.4 s/GiB (offload/cli/_node_report.py, measured on an H200 host). Steps are
 # short: h2048 and h4096 are 12 and 23 TFLOP a step, 20-40 ms at the 790 TFLOP/s bf16 measured
 # on these machines; each saves about 3.5 GB (40 bytes per token, layer and unit of width,
 # plus the bf16 logits and their float32 copy), about 70 ms each way over PCIe at 50 GB/s.

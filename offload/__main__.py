@@ -2,6 +2,6 @@
 
 import sys
 
-from offload._cli import main
+from offload.cli import main
 
 sys.exit(main())

@@ -255,7 +255,7 @@ def test_cli_page_command_lines_match_the_parser() -> None:
     import argparse
     import shlex
 
-    from offload._cli import build_parser
+    from offload.cli._main import build_parser
 
     bash = [b.code for path in (DOCS / "profiling-and-cli.md", README) for b in blocks(path)]
     parser = build_parser()

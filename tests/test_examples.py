@@ -2,7 +2,7 @@
 what they promise (the README's first command runs ``examples/demo.py``).
 
 ``examples/pipeline_offload.py`` runs in tests/test_pipelining.py; ``train_gpt.py`` under the
-profiling CLI in tests/test_cli_profile.py.
+profiling CLI in tests/cli/test_cli_profile.py.
 """
 
 from __future__ import annotations

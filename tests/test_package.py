@@ -182,8 +182,10 @@ def test_docstring_examples_run() -> None:
     import importlib
     import pkgutil
 
+    from offload import cli
+
     failed = attempted = 0
-    for pkg in (offload, lifecycle):
+    for pkg in (offload, lifecycle, cli):
         for info in pkgutil.iter_modules(pkg.__path__):
             if info.name in ("__main__",):
                 continue

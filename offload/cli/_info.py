@@ -8,20 +8,11 @@ import os
 import sys
 from typing import Any
 
-from offload.lifecycle._units import format_bytes, parse_bytes
+from offload.cli._args import EXIT_FAILED, fail, positive_size
+from offload.lifecycle._units import format_bytes
 
 DEFAULT_PROBE = "256MiB"
-
-
-def _size(text: str) -> int:
-    # argparse names the option ("argument --probe-bytes: ..."): the message does not again.
-    try:
-        n = parse_bytes(text.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("value=")) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 bytes; got {text!r}")
-    return n
+_PROG = "offload info"
 
 
 def _dir(text: str) -> str:
@@ -57,8 +48,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--probe-bytes",
         metavar="SIZE",
-        type=_size,
-        default=_size(DEFAULT_PROBE),
+        type=positive_size,
+        default=positive_size(DEFAULT_PROBE),
         help=f"size of each bandwidth probe, PCIe copies and disk file, e.g. 64MiB "
         f"(default {DEFAULT_PROBE})",
     )
@@ -76,22 +67,17 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Collect and print; the exit status."""
-    from offload._info import NvmeDirError, collect_info, format_info
+    from offload._info import NvmeDirError
+    from offload.cli._node_report import collect_info, format_info
 
     if args.save_hardware is not None and (problem := _unwritable(args.save_hardware)):
-        print(
-            f"offload info: error: --save-hardware {args.save_hardware!r}: {problem}",
-            file=sys.stderr,
-        )
-        return 2
+        return fail(_PROG, f"--save-hardware {args.save_hardware!r}: {problem}")
     try:
         info = collect_info(nvme_dir=args.nvme_dir, probe_bytes=args.probe_bytes)
     except NvmeDirError as e:
-        print(f"offload info: error: --nvme-dir {e.path}: {e.problem}", file=sys.stderr)
-        return 2
+        return fail(_PROG, f"--nvme-dir {e.path}: {e.problem}")
     except ValueError as e:  # LOCAL_WORLD_SIZE that is not a positive integer
-        print(f"offload info: error: {e}", file=sys.stderr)
-        return 2
+        return fail(_PROG, str(e))
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -125,13 +111,11 @@ def _save_hardware(path: str, nvme_dir: str | None, *, json_out: bool) -> int:
     try:
         hw = probe_hardware(nvme_dir=nvme_dir)
     except Exception as e:  # a driver or OS failure, reported, not a traceback
-        print(f"offload info: error: measuring for --save-hardware failed ({e})", file=sys.stderr)
-        return 1
+        return fail(_PROG, f"measuring for --save-hardware failed ({e})", EXIT_FAILED)
     try:
         hw.save(path)
     except OSError as e:
-        print(f"offload info: error: --save-hardware {path!r}: {e}", file=sys.stderr)
-        return 1
+        return fail(_PROG, f"--save-hardware {path!r}: {e}", EXIT_FAILED)
     # With --json, standard output holds the JSON object alone.
     print(f"wrote {path} ({hw.source})", file=sys.stderr if json_out else sys.stdout)
     return 0

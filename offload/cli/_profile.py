@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload import _cli_plan
+from offload.cli import _args, _plan
 from offload.lifecycle import MonotonicClock, Recorder, Trace, write_memory_png, write_perfetto
 
 
@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> None:
             "after SCRIPT is passed to it. Exit status: 0 success; 1 the script failed (the "
             "completed steps are still written and planned) or no step completed; 2 bad "
             "arguments or an output that cannot be written; "
-            f"{_cli_plan.EXIT_INFEASIBLE} the budget cannot be met (the trace is "
+            f"{_args.EXIT_INFEASIBLE} the budget cannot be met (the trace is "
             "written; the message gives the smallest feasible budget)."
         ),
     )
@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
         "--out", default="offload-profile", help="output directory (default ./offload-profile)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    _cli_plan.add_plan_options(p, budget_required=False)
+    _args.add_plan_options(p, budget_required=False)
     p.add_argument("script", help="the training script to run")
     rest = p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     # argparse marks a REMAINDER positional required, and without SCRIPT said "required: script,
@@ -62,9 +62,8 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _fail(msg: str, code: int = 2) -> int:
-    print(f"offload profile: error: {msg}", file=sys.stderr)
-    return code
+def _fail(msg: str, code: int = _args.EXIT_BAD_ARGS) -> int:
+    return _args.fail("offload profile", msg, code)
 
 
 def _prepare_out(out: str) -> str | None:
@@ -110,15 +109,13 @@ def run(args: argparse.Namespace) -> int:
     plan_options = None
     try:
         if args.gpu_budget is not None:
-            plan_options = _cli_plan.check_plan_options(
-                args, cuda_expected=torch.cuda.is_available()
-            )
-        elif given := _cli_plan.planning_options_given(args):
-            raise _cli_plan.UsageError(
+            plan_options = _args.check_plan_options(args, cuda_expected=torch.cuda.is_available())
+        elif given := _args.planning_options_given(args):
+            raise _args.UsageError(
                 f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with "
                 "--gpu-budget (without a budget there is nothing to plan)"
             )
-    except _cli_plan.UsageError as e:
+    except _args.UsageError as e:
         return _fail(str(e))
     err = _prepare_out(args.out)
     if err:
@@ -127,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if hardware is not None:
         # The outputs replace (or, a plan of an earlier run, remove) these files.
         for name in _OUTPUTS:
-            if _cli_plan.same_file(hardware, os.path.join(args.out, name)):
+            if _args.same_file(hardware, os.path.join(args.out, name)):
                 return _fail(
                     f"--hardware {hardware!r} is the {name} this run writes into --out; "
                     "keep the hardware model outside --out"
@@ -236,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     if plan_options is not None:
         print()
-        status = _cli_plan.plan_and_write(
+        status = _plan.plan_and_write(
             trace, plan_options, plan_path=plan_path, png_path=png_path, prog="offload profile"
         )
     if failure is not None:
@@ -249,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def script_stdout() -> Iterator[None]:
-    """Give the script the standard output stream itself, not :func:`offload._cli.main`'s
+    """Give the script the standard output stream itself, not :func:`offload.cli.main`'s
     wrapper, and put the wrapper back after it (whatever the script left in ``sys.stdout``):
     the script's failed writes are its own, the summary's are the command's (exit status 2)."""
     ours = sys.stdout

@@ -1,5 +1,5 @@
 """``offload plan`` end to end on a trace of the example training script: the main paths in a
-subprocess, as a user runs it; argument errors through ``offload._cli.main`` in this process
+subprocess, as a user runs it; argument errors through ``offload.cli.main`` in this process
 (the same code, without paying for a Python start and a torch import per case)."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from offload._cli import main
+from offload.cli import main
 from offload.lifecycle import HardwareModel, Plan, Prediction, Trace, predict_anchors
 from offload.lifecycle._units import format_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train_gpt.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Tiny CPU activations: plan every one, and hold the budget exactly.
@@ -235,7 +235,7 @@ def test_infeasible_budget(work: Path, tmp_path: Path) -> None:
 def test_a_suggested_size_parses_to_at_least_what_is_needed() -> None:
     """The hint's figure: 3 significant digits, rounded up. '1.44MiB' was refused as not whole
     bytes (1623 of 2000 random needs), and whole figures lost their zeros ('100MiB' was '1MiB')."""
-    from offload._cli_plan import _round_up_size
+    from offload.cli._plan import _round_up_size
     from offload.lifecycle._units import parse_bytes
 
     rng = random.Random(0)
@@ -533,7 +533,7 @@ def test_png_skipped_without_matplotlib(work: Path, peak: int, tmp_path: Path) -
     out = tmp_path / "plan.json"
     code = (
         "import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.figure'] = None\n"
-        "from offload._cli import main; raise SystemExit(main(sys.argv[1:]))"
+        "from offload.cli import main; raise SystemExit(main(sys.argv[1:]))"
     )
     r = run_cli(
         "plan",
@@ -578,7 +578,7 @@ def test_png_that_cannot_be_drawn_is_a_warning(
     """A plan is written before its picture: a picture that cannot be drawn (here the plan is
     of another trace, whose families the simulator refuses) is a warning, not a traceback."""
     pytest.importorskip("matplotlib")
-    from offload._cli_plan import _write_png
+    from offload.cli._plan import _write_png
     from offload.lifecycle import plan, transformer_trace
 
     other = transformer_trace(layers=4, hidden=64, tokens=64)

@@ -13,7 +13,7 @@ from test_cli_plan import assert_anchors_printed
 
 from offload.lifecycle import HardwareModel, Plan, Trace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train_gpt.py"
 
 
@@ -61,7 +61,7 @@ def test_the_profile_command_in_the_script_docstring(tmp_path: Path) -> None:
     import ast
     import shlex
 
-    from offload._cli import build_parser
+    from offload.cli._main import build_parser
 
     doc = ast.get_docstring(ast.parse(TRAIN.read_text())) or ""
     line = next(s.strip() for s in doc.splitlines() if s.strip().startswith("offload profile"))
@@ -92,7 +92,7 @@ def test_missing_script(tmp_path: Path) -> None:
 
 
 def test_no_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from offload._cli import main
+    from offload.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["profile", "--out", str(tmp_path / "o")])
@@ -181,7 +181,7 @@ def test_script_sys_exit_zero_is_success(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "entry", [["-m", "offload"], ["-c", "from offload._cli import main; raise SystemExit(main())"]]
+    "entry", [["-m", "offload"], ["-c", "from offload.cli import main; raise SystemExit(main())"]]
 )
 def test_help(entry: list[str]) -> None:
     r = subprocess.run(
@@ -275,7 +275,7 @@ def test_profile_infeasible_budget_keeps_the_trace(tmp_path: Path) -> None:
 def test_profile_bad_planning_arguments(
     tmp_path: Path, args: list[str], named: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from offload._cli import main
+    from offload.cli import main
 
     # Refused before the script runs.
     script = _script(tmp_path, "raise SystemExit('the script must not run')")
@@ -294,7 +294,7 @@ def test_profile_percentage_budget_needs_cuda(
 ) -> None:
     import torch
 
-    from offload._cli import main
+    from offload.cli import main
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine takes a percentage of its device memory")
@@ -318,7 +318,7 @@ def test_script_that_changes_directory(
 ) -> None:
     """A relative --out means relative to where the command started, whatever directory the
     script moves to; the command's own directory is back when it returns."""
-    from offload._cli import main
+    from offload.cli import main
 
     (tmp_path / "data").mkdir()
     script = _script(tmp_path, _TINY.format(chdir="os.chdir('data')"))
@@ -335,7 +335,7 @@ def test_profile_without_budget_removes_an_earlier_plan(
 ) -> None:
     """An earlier run's plan belongs to the trace this run replaces: without --gpu-budget
     there is no new plan, and the old one must not stay beside the new trace."""
-    from offload._cli import main
+    from offload.cli import main
 
     out = tmp_path / "prof"
     out.mkdir()
@@ -354,7 +354,7 @@ def test_a_hardware_model_inside_out_where_an_output_goes_is_refused(
 ) -> None:
     """``--hardware OUT/plan.json`` was read, then removed as an earlier run's plan (and
     ``OUT/trace.json`` overwritten by the trace); refused before the script runs."""
-    from offload._cli import main
+    from offload.cli import main
 
     out = tmp_path / "prof"
     out.mkdir()
@@ -419,7 +419,7 @@ def test_output_directory_that_takes_no_byte(tmp_path: Path) -> None:
 def test_a_directory_where_an_output_goes(
     tmp_path: Path, blocked: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from offload._cli import main
+    from offload.cli import main
 
     if blocked.endswith(".png"):
         pytest.importorskip("matplotlib")
@@ -462,7 +462,7 @@ def test_script_that_exits_with_an_error_status(
 ) -> None:
     """``sys.exit(3)`` in the script is its exit status, not an exception: one line, no
     traceback, and the completed steps are written."""
-    from offload._cli import main
+    from offload.cli import main
 
     script = _script(tmp_path, _TINY.format(chdir="import sys") + f"    {exit_call}\n")
     code = main(["profile", "--quiet", "--steps", "5", "--out", str(tmp_path / "o"), str(script)])
@@ -479,7 +479,7 @@ def test_traceback_of_the_script_starts_in_the_script(
 ) -> None:
     """The script's own exception keeps its traceback, from the script's first frame, as
     ``python script.py`` prints it (not from offload's or runpy's frames)."""
-    from offload._cli import main
+    from offload.cli import main
 
     script = _script(tmp_path, "def f():\n    raise KeyError('boom')\n\nf()\n")
     code = main(["profile", "--quiet", "--out", str(tmp_path / "o"), str(script)])
@@ -494,7 +494,7 @@ def test_traceback_of_the_script_starts_in_the_script(
 def test_output_or_script_of_the_wrong_kind(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
 ) -> None:
-    from offload._cli import main
+    from offload.cli import main
 
     script = _script(tmp_path, _TINY.format(chdir=""))
     if kind == "file":  # --out names an existing file

@@ -1,4 +1,4 @@
-"""The ``offload`` command line (also ``python -m offload``)."""
+"""``main``: parse the arguments, run the subcommand, report a standard output that fails."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="offload", description="Activation memory manager for PyTorch training."
     )
     sub = p.add_subparsers(dest="command", required=True)
-    from offload import _cli_info, _cli_plan, _cli_profile
+    from offload.cli import _info, _plan, _profile
 
-    _cli_profile.add_parser(sub)
-    _cli_plan.add_parser(sub)
-    _cli_info.add_parser(sub)
+    _profile.add_parser(sub)
+    _plan.add_parser(sub)
+    _info.add_parser(sub)
     return p
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stdout = sys.stdout
     # `offload profile` hands the script the stream itself while it runs (see
-    # _cli_profile.script_stdout): a failed write there is the script's own to handle.
+    # offload.cli._profile.script_stdout): a failed write there is the script's own to handle.
     sys.stdout = _Stdout(stdout)  # type: ignore[assignment]  # writes and flushes suffice
     try:
         code = int(args.run(args) or 0)

@@ -17,11 +17,12 @@ import psutil
 import pytest
 import torch
 
-from offload._cli_info import add_parser
-from offload._info import NvmeDirError, check_nvme_dir, collect_info, format_info, pcie_gb_per_s
+from offload._info import NvmeDirError, check_nvme_dir, pcie_gb_per_s
+from offload.cli._info import add_parser
+from offload.cli._node_report import collect_info, format_info
 from offload.storage import rank_share_bytes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only report")
 
@@ -196,7 +197,7 @@ def test_save_hardware_writes_what_plan_reads(
     hw = HardwareModel.load(saved)
     assert hw == probe_hardware(nvme_dir=disk)  # the cached model, as the planner gets it
     assert f"disk {disk.resolve()}" in hw.source and "datasheet" not in hw.source
-    from offload._cli import main
+    from offload.cli import main
 
     trace = tmp_path / "trace.json"
     transformer_trace(layers=1, hidden=64, tokens=64).save(trace)
@@ -258,7 +259,7 @@ def test_import_is_free_and_bad_dir_exits_2(tmp_path: Path) -> None:
     # imports start nothing, then `python -m offload info` (run_module) rejects a missing dir.
     missing = tmp_path / "no-such-dir"
     code = (
-        "import runpy, sys, torch, offload._info, offload._cli_info\n"
+        "import runpy, sys, torch, offload._info, offload.cli._info, offload.cli._node_report\n"
         "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n"
         # torch.cuda imports pynvml itself, so only kvikio (2 GB of CUDA libraries) is checked.
         "assert 'kvikio' not in sys.modules, 'import loaded kvikio'\n"
