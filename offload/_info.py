@@ -261,68 +261,6 @@ def _measure_pcie_unchecked(device_index: int, nbytes: int) -> dict[str, Any]:
     }
 
 
-<<<<<<< HEAD
-def _host_memory(local_ranks: int, ranks_source: str) -> dict[str, Any]:
-    vm = psutil.virtual_memory()
-    cgroup = cgroup_memory()
-    # The same min as storage.default_cpu_budget_bytes, on the numbers shown next to it.
-    headroom = int(vm.available)
-    limited_by = "available RAM"
-    if (
-        cgroup is not None
-        and cgroup.headroom_bytes is not None
-        and cgroup.headroom_bytes < headroom
-    ):
-        headroom = cgroup.headroom_bytes
-        limited_by = "cgroup limit - usage"
-    return {
-        "total_bytes": int(vm.total),
-        "available_bytes": int(vm.available),
-        "used_percent": float(vm.percent),
-        "cgroup": None if cgroup is None else dataclasses.asdict(cgroup),
-        "headroom_bytes": headroom,
-        "headroom_limited_by": limited_by,
-        "local_ranks": local_ranks,
-        "local_ranks_source": ranks_source,
-        # docs/design.md "Host and disk resources belong to the node".
-        "default_cpu_budget_bytes": rank_share_bytes(headroom, local_ranks),
-    }
-
-
-def _nvme_info(directory: Path, nbytes: int, local_ranks: int) -> dict[str, Any]:
-    usage = psutil.disk_usage(str(directory))
-    out: dict[str, Any] = {
-        "path": str(directory),
-        "free_bytes": int(usage.free),
-        "total_bytes": int(usage.total),
-        "filesystem": _filesystem_of(directory),
-        "local_ranks": local_ranks,
-        # Split like host memory (docs/design.md "Host and disk resources belong to the node").
-        "default_nvme_bytes": rank_share_bytes(usage.free, local_ranks),
-    }
-    try:
-        r = measure_disk_bandwidth(directory, nbytes)
-    except OSError as e:  # StorageFullError (too little free space), EIO, ...
-        out["error"] = f"disk probe failed: {e.strerror or e}"
-        return out
-    if r["nbytes"] < r["requested_nbytes"]:
-        out["probe_note"] = (
-            f"probe shrunk from {format_bytes(r['requested_nbytes'])} to fit the free space"
-        )
-    out.update(
-        io_mode=r["io_mode"],
-        o_direct=r["direct_io"],
-        o_direct_note=r["direct_io_note"],
-        probe_bytes=r["nbytes"],
-        io_threads=r["threads"],
-        write_gb_per_s=r["write_gbps"],
-        read_gb_per_s=r["read_gbps"],
-    )
-    return out
-
-
-=======
->>>>>>> cli
 def _filesystem_of(directory: Path) -> dict[str, str] | None:
     """The mount holding ``directory`` (the longest mount point that is a prefix of it)."""
     try:

@@ -139,7 +139,7 @@ def _host_memory(local_ranks: int, ranks_source: str) -> dict[str, Any]:
         "headroom_limited_by": limited_by,
         "local_ranks": local_ranks,
         "local_ranks_source": ranks_source,
-        # DESIGN "Host and disk resources belong to the node".
+        # docs/design.md "Host and disk resources belong to the node".
         "default_cpu_budget_bytes": rank_share_bytes(headroom, local_ranks),
     }
 
@@ -152,7 +152,7 @@ def _nvme_info(directory: Path, nbytes: int, local_ranks: int) -> dict[str, Any]
         "total_bytes": int(usage.total),
         "filesystem": _filesystem_of(directory),
         "local_ranks": local_ranks,
-        # Split like host memory (DESIGN "Host and disk resources belong to the node").
+        # Split like host memory (docs/design.md "Host and disk resources belong to the node").
         "default_nvme_bytes": rank_share_bytes(usage.free, local_ranks),
     }
     try:
