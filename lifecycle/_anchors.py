@@ -23,7 +23,7 @@ from offload.lifecycle._units import parse_bytes
 #       offload_all        the manager without a gpu_budget (min-memory mode): every movable
 #                          family to the host, rebuildable outputs rebuilt, reloads through the
 #                          executor's look-ahead window (not a planned move-everything, whose
-#                          planned reloads held a quarter of what min-memory mode holds);
+#                          planned reloads hold a quarter of what min-memory mode holds);
 #       checkpoint_blocks  non-reentrant torch.utils.checkpoint around every block, the blocks
 #                          the planner recomputes (NOTE [ Blocks ] in _blocks.py).
 #     lifecycle.plan reports these, simulated, when it simulates its plan; above

@@ -104,11 +104,10 @@ NOTE [ Rebuilt outputs ]
     and the output's, so a moved input's reload is placed and timed for that (for every column
     of the variant, also where the output is recomputed instead: its reload then starts
     earlier than it needs to). Where memory is plentiful the rebuild variant loses by its
-    rebuild time and the plan stores the outputs. The extra columns cost planning time: 100,800
-    records took 1.5-1.8 s at budgets of 25% and 50% against 0.9-1.2 s without them when they
-    came (benchmarks/bench_plan.py, the same run); 1.06 and 0.95 s since the trace's events are
-    read column by column, the link's free pass is vectorised where it takes everything, and
-    the boundary search yields to the heap between probes.
+    rebuild time and the plan stores the outputs. The extra columns cost planning time, kept
+    near a second for 100,800 records (benchmarks/bench_plan.py) by reading the trace's events
+    column by column, vectorising the link's free pass where it takes everything, and letting
+    the boundary search yield to the heap between probes.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ It knows families, tiers, streams and events; the manager (``_offloader.py``) de
 tensors come here and when backward is about to need them.
 
 NOTE [ Stream ordering ]
-    These rules and no others (docs/design.md; each was a silent wrong gradient when broken):
+    These rules and no others (docs/design.md; each, broken, gives a silent wrong gradient):
     1. Offload: pack records event P on the current stream (a deferred pack: on the stream that
        was current at its pack, see NOTE [ Fill after pack ]); the D2H stream waits on P, copies
        into a host region, records D. The family keeps its source (``t.detach()``'s bytes) until D is
@@ -34,7 +34,7 @@ NOTE [ Stream ordering ]
     events (its back-pressure waits on D are stalls; a sleeping thread wakes later). An NVMe
     write's I/O threads wait for D before reading staging, each piece's thread on its own (up to
     ``io_threads``, 8, per record): they get a blocking event recorded right after D, so a record
-    waiting for its D2H copy no longer keeps up to 8 cores busy.
+    waiting for its D2H copy keeps no core busy.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ NOTE [ Alias handling ]
     both held weakly) plus ``t._version``, and never on ``data_ptr()``. Versions of different
     counters do not compare: GRU cells split one storage with ``unsafe_chunk`` (no views, a
     counter each) and change the pieces in place, so sibling pieces reach equal versions holding
-    different bytes (matching on storage and version alone gave a wrong gradient). Never on
+    different bytes (matching on storage and version alone would give a wrong gradient). Never on
     ``data_ptr()``: once an offloaded tensor is freed, the
-    allocator hands its address to the next tensor of the step (keying on the address gave
-    gradients off by 8.0). The family is copied once, from ``t.detach()`` taken inside pack (a
+    allocator hands its address to the next tensor of the step (keying on the address gives
+    wrong gradients). The family is copied once, from ``t.detach()`` taken inside pack (a
     later ``out.data = ...`` must not change what is copied): the whole storage when the first
     member spans at least a quarter of it (views packed later, such as q, k and v of one qkv
     output, are then covered), else just that member's byte span (``WHOLE_STORAGE_FACTOR`` in
@@ -18,7 +18,7 @@ NOTE [ Alias handling ]
     reuses it; one reaching outside it, or packed at a newer version, starts a new family. Members come back as ``as_strided``
     views over one reloaded buffer whose address is congruent to the original modulo 4096 bytes,
     so every member keeps its original alignment (kernels choose code paths by alignment: a
-    compact rebuild changed a ``dot`` result).
+    compact rebuild can change a ``dot`` result).
 """
 
 from __future__ import annotations

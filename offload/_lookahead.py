@@ -154,8 +154,8 @@ def _reload_wanted(ex: Executor, step: _StepState, task: int) -> None:
 # NOTE [ Later backward passes ]
 #     A step may run several backwards over one graph (``l1.backward(retain_graph=True);
 #     l2.backward()``). The look-ahead's pointer only moves down, and the first backward
-#     takes it past the first packed family: the second got no window, only the reloads its
-#     modules' triggers and its unpacks asked for (8 x (Linear(128) + Tanh), a 4-family
+#     takes it past the first packed family: the second would get no window, only the reloads
+#     its modules' triggers and its unpacks ask for (8 x (Linear(128) + Tanh), a 4-family
 #     window: 131,072 B reloaded ahead of need midway through the first, 0 in the second).
 #     So the first prefetch under a new graph task (``torch._C._current_graph_task_id()``)
 #     of a step that an earlier backward walked starts the walk over, and the walk skips a
@@ -163,13 +163,13 @@ def _reload_wanted(ex: Executor, step: _StepState, task: int) -> None:
 #     starts at the family packed last among those that prefetch names (the trigger's, or
 #     the one just unpacked), not at the top: the families above it were mostly saved by
 #     ops only an earlier loss reaches (``l1 = y.pow(2).mean()`` saves y, which ``l2 = y.sum()``
-#     never unpacks), and from the top the walk brought them back to be held, counted
-#     against the window, until the graph died. One the later backward does not use but
+#     never unpacks), and from the top the walk would bring them back to be held, counted
+#     against the window, until the graph dies. One the later backward does not use but
 #     that lies below the start is still brought back (the executor cannot tell: which
 #     nodes a backward runs is the engine's, and holding nodes to ask it would tie the
 #     graph into a reference cycle). Likewise a family some member of which only an
 #     earlier loss's ops saved is never unpacked by all its members again: its reload
-#     stays until the graph dies (as before; lifecycle's simulator counts it so).
+#     stays until the graph dies (lifecycle's simulator counts it so).
 
 
 def prefetch_step(ex: Executor, step: _StepState, *, restart: bool = False) -> None:

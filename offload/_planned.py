@@ -137,8 +137,8 @@ def signature_of(args: Any, kwargs: Mapping[str, Any] | None = None) -> str:
 #     ``_LONG_STR`` characters: its crc32, stable across processes, unlike ``hash()``). These are
 #     what picks a forward's structure (``model(x, depth)``, ``use_cache=False``, an attention
 #     kind), and a plan profiled for one structure keyed by (module, call, ordinal) silently
-#     misplaces another's records (depth 1 -> 3 under one signature: 8 records unplanned and
-#     the saved peak 2.7x the plan's). An int that changes every step (a step counter) thus makes
+#     misplaces another's records (depth 1 -> 3 under one signature leaves 8 records unplanned
+#     and the saved peak 2.7x the plan's). An int that changes every step (a step counter) thus makes
 #     each step a new signature: the 8 profiled ones, then the shared plan of their per-key
 #     maxima (NOTE [ Budget mode ]), whose lookup tables every later one shares; ``mgr.plans``
 #     keeps the ``MAX_SHARED_SIGNATURES`` most recent of those, so a counter grows nothing. A

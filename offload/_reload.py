@@ -120,8 +120,8 @@ def undo_reload(ex: Executor, fam: Family) -> None:
 
 # NOTE [ NVMe reloads land early ]
 #     An NVMe reload is two copies: file -> pinned staging on the I/O threads, then staging
-#     -> device on the H2D stream. Issued only at unpack, the second queued behind all the
-#     compute before it and every NVMe record cost a bubble. So each poll (every pack,
+#     -> device on the H2D stream. Issued only at unpack, the second would queue behind all
+#     the compute before it, and every NVMe record would cost a bubble. So each poll (every pack,
 #     module boundary, backward trigger and unpack) issues it for the reads it finds done,
 #     from the compute-side thread that polls, never from an I/O thread's callback (no CUDA
 #     work there). The H2D stream waits on the event recorded right after the destination
