@@ -428,6 +428,7 @@ def test_rrelu_noise_filled_after_pack(act: str, tiers, backward: str, tmp_path)
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    assert stats.records_offloaded_cpu + stats.records_offloaded_nvme > 0
     if act == "inline":
         # x and the noise (no gradient: deferred), h, rrelu's output and the model's output
         # (pow's): all five stored; b.t() kept (a parameter's view).
@@ -908,6 +909,7 @@ def test_gradient_accumulation_over_two_micro_steps(engine: str) -> None:
                 loss = case.loss(case.batch(s))
             loss.backward()
         assert mgr.stats.total.steps == 2
+        assert mgr.stats.total.records_offloaded_cpu > 0
         assert_bitwise(case.grads(), want)
         del loss
         assert_nothing_live(mgr)
@@ -1169,6 +1171,8 @@ def test_saved_tensor_read_outside_backward() -> None:
     with manager(model) as mgr:
         with mgr:
             y = model(x)
+        last = mgr.stats.last
+        assert last.records_offloaded_cpu > 0 and last.records_rebuilt > 0  # mat1: rebuilt
         h = model[1](model[0](x))
         saved = y.grad_fn._saved_mat1
         assert torch.equal(saved, h)
@@ -2173,6 +2177,7 @@ def test_norm_outputs_are_rebuilt_with_their_modules_arguments(
             else:
                 want_rebuilt = (norms, norms * 128 * 64 * 4)
             assert (last.records_rebuilt, last.bytes_rebuilt) == want_rebuilt
+            assert last.records_offloaded_cpu + last.records_offloaded_nvme > 0
             assert mgr._executor is not None and mgr._executor.live_families() == 0
     finally:
         mgr.close()

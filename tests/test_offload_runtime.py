@@ -469,7 +469,7 @@ def test_prefetch_runs_ahead_of_unpack() -> None:
             loss = model(x).sum()
         loss.backward()
         last = mgr.stats.last
-        assert last.reloads == last.records_offloaded_cpu
+        assert last.reloads == last.records_offloaded_cpu > 0
         assert last.stalls <= 1  # at most the first unpack, before any module's pre-hook
     finally:
         mgr.close()
