@@ -332,6 +332,8 @@ def _run(
                     f"{where}: held {saved.peak_planned} > budget, predicted "
                     f"{last.predicted_peak_bytes}; the plan is in {path}"
                 )
+        total = mgr.stats.total  # step 0 ran in min-memory mode: something moved
+        assert total.bytes_offloaded_cpu + total.bytes_offloaded_nvme > 0, info
     finally:
         mgr.close()
     assert pool.used_bytes == used_before, info

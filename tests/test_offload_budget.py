@@ -103,6 +103,7 @@ def test_planned_steps_are_bitwise_and_follow_the_plan(name: str, tiers, tmp_pat
     # (NOTE [ Refinement ]), which is another plan where the times move a choice (a checkpointed
     # model's: 102,916 predicted bytes, then 114,688, with compute times 100x shorter).
     assert stats[0].predicted_peak_bytes == 0
+    assert stats[0].bytes_offloaded_cpu + stats[0].bytes_offloaded_nvme > 0  # min-memory mode
     assert 0 < stats[1].predicted_peak_bytes <= plan.target_bytes
     assert plan.metadata.get("refined")
     for i, s in enumerate(stats[1:], start=1):
@@ -112,6 +113,9 @@ def test_planned_steps_are_bitwise_and_follow_the_plan(name: str, tiers, tmp_pat
         assert s.predicted_peak_bytes == plan.predicted_peak_bytes
         moved = plan.bytes_by_placement()
         assert s.bytes_offloaded_cpu + s.bytes_offloaded_nvme <= moved["cpu"] + moved["nvme"]
+        assert s.bytes_recomputed == moved["recompute"]
+        if moved["cpu"] + moved["nvme"] > 0:
+            assert s.bytes_offloaded_cpu + s.bytes_offloaded_nvme > 0
     assert mgr.plans == {plan.signature: plan}
 
 
@@ -138,6 +142,7 @@ def test_each_signature_is_profiled_and_planned_once() -> None:
             assert torch.equal(g, p.grad)
         predicted.append(mgr.stats.last.predicted_peak_bytes)
     mgr.close()
+    assert mgr.stats.total.records_offloaded_cpu > 0
     assert [torch.equal(a, b) for a, b in zip(ref, model.parameters(), strict=True)]
     assert sorted(mgr.plans) == ["float32[32,64]", "float32[48,64]"]
     # First step of each signature profiles (no prediction); later ones execute their plan.
@@ -176,6 +181,7 @@ def test_keyword_inputs_are_part_of_the_signature() -> None:
             for g, p in zip(got, model.parameters(), strict=True):
                 assert torch.equal(g, p.grad)
             assert mgr.stats.last.unplanned_records == 0
+        assert mgr.stats.total.records_offloaded_cpu > 0
         assert sorted(mgr.plans) == [
             "scale=float32[];x=float32[32,64]",
             "scale=float32[];x=float32[48,64]",

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import faults
 import pytest
 import torch
 from models import ALL_MODELS, ModelCase, fail_backward_at, gpt_block, mlp, seeded_steps
@@ -428,6 +429,7 @@ def test_rrelu_noise_filled_after_pack(act: str, tiers, backward: str, tmp_path)
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    assert stats.records_offloaded_cpu + stats.records_offloaded_nvme > 0
     if act == "inline":
         # x and the noise (no gradient: deferred), h, rrelu's output and the model's output
         # (pow's): all five stored; b.t() kept (a parameter's view).
@@ -908,6 +910,7 @@ def test_gradient_accumulation_over_two_micro_steps(engine: str) -> None:
                 loss = case.loss(case.batch(s))
             loss.backward()
         assert mgr.stats.total.steps == 2
+        assert mgr.stats.total.records_offloaded_cpu > 0
         assert_bitwise(case.grads(), want)
         del loss
         assert_nothing_live(mgr)
@@ -1172,6 +1175,8 @@ def test_saved_tensor_read_outside_backward() -> None:
     with manager(model) as mgr:
         with mgr:
             y = model(x)
+        last = mgr.stats.last
+        assert last.records_offloaded_cpu > 0 and last.records_rebuilt > 0  # mat1: rebuilt
         h = model[1](model[0](x))
         saved = y.grad_fn._saved_mat1
         assert torch.equal(saved, h)
@@ -1434,21 +1439,15 @@ def test_a_reload_that_failed_to_start_is_not_reused_on_retry(monkeypatch) -> No
     model(x).square().sum().backward()
     want = local_grads(model)
     model.zero_grad(set_to_none=True)
-    real = storage.HostTier.read
-    calls = [0]
-
-    def fails_once(self, handle, into):  # fault injection: the first read fails to start
-        calls[0] += 1
-        if calls[0] == 1:
-            raise storage.StorageError("injected: the read failed to start")
-        return real(self, handle, into)
-
-    monkeypatch.setattr(storage.HostTier, "read", fails_once)
+    host = faults.install(monkeypatch, "cpu")["cpu"]
+    error = storage.StorageError("injected: the read failed to start")
+    host.fail("read", error, at="submit", calls={0})  # the first read fails to start
     with manager(model) as mgr:
         with mgr:
             loss = model(x).square().sum()
         with pytest.raises(offload.StorageError) as kept:  # the error is kept, as loggers do
             loss.backward(retain_graph=True)
+        assert host.injected == 1
         model.zero_grad(set_to_none=True)
         loss.backward()
         assert_bitwise(local_grads(model), want)
@@ -1660,14 +1659,10 @@ def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monke
     the host-tier accounting must come back to zero once the graph is gone."""
     want = reference_grads("gpt_block")
     case = gpt_block(seed=0)
+    nvme = faults.install(monkeypatch, "nvme")["nvme"]
     with manager(case.model, tiers=("nvme", "cpu"), nvme_dir=tmp_path) as mgr:
         with mgr:
-            spill = mgr._tiers[0]._file
-
-            def broken(*args: Any, **kw: Any) -> None:
-                raise OSError(5, os.strerror(5))
-
-            monkeypatch.setattr(spill, "write", broken)
+            nvme.fail("write", OSError(5, os.strerror(5)))  # every write, once it ran
             loss = case.loss(case.batch())
         # The failures surface when the I/O thread runs the writes: wait for them (an unsettled
         # check raced that thread, and failed under load).
@@ -1676,7 +1671,7 @@ def test_late_nvme_write_failure_falls_back_to_host_and_balances(tmp_path, monke
                 with contextlib.suppress(storage.StorageError):
                     fam.handle.wait()
         mgr._executor.poll()
-        assert mgr.stats.last.fallbacks > 0
+        assert mgr.stats.last.fallbacks > 0 and nvme.injected > 0
         assert mgr._executor.cpu_bytes > 0
         case.model.zero_grad(set_to_none=True)
         loss.backward()
@@ -1703,6 +1698,7 @@ def test_nvme_writes_that_fail_late_are_not_counted_as_nvme_bytes(
     in the totals for step 2) whenever its failure came after its release or its step."""
     want = [reference_grads("gpt_block", s) for s in range(4)]
     case = gpt_block(seed=0)
+    nvme = faults.install(monkeypatch, "nvme")["nvme"]
     with manager(case.model, engine, tiers=tiers, nvme_dir=tmp_path) as mgr:
         assert_bitwise(offloaded_step(case, mgr, 0), want[0])
         drain(mgr)
@@ -1710,12 +1706,7 @@ def test_nvme_writes_that_fail_late_are_not_counted_as_nvme_bytes(
         stored = mgr.stats.last.bytes_offloaded_nvme
         assert stored > 0
         gate = threading.Event()
-
-        def broken(*args: Any, **kw: Any) -> None:
-            gate.wait(timeout=30)
-            raise OSError(5, os.strerror(5))
-
-        monkeypatch.setattr(mgr._tiers[0]._file, "write", broken)
+        nvme.fail("write", OSError(5, os.strerror(5)), gate=gate)
 
         def fail_the_writes() -> None:
             gate.set()
@@ -1749,21 +1740,11 @@ def test_nvme_writes_that_fail_late_are_not_counted_as_nvme_bytes(
         gc.collect()
         assert_nothing_live(mgr)
         total = mgr.stats.total
+        assert nvme.injected > 0
         assert total.bytes_offloaded_nvme == before.bytes_offloaded_nvme == stored
         assert total.records_offloaded_nvme == before.records_offloaded_nvme
         moved = total.bytes_offloaded_cpu - before.bytes_offloaded_cpu
         assert moved == (2 * stored if "cpu" in tiers else 0)
-
-
-def _fail_writes_at(gate: threading.Event):
-    """A replacement for the spill file's write that fails with EIO once ``gate`` opens (the
-    I/O thread blocks until then): a write that fails late, after pack returned."""
-
-    def broken(*args: Any, **kw: Any) -> None:
-        gate.wait(timeout=30)
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-    return broken
 
 
 @pytest.mark.parametrize("read", ["after_backward", "before_backward"])
@@ -1780,12 +1761,13 @@ def test_stats_are_final_when_read_while_nvme_writes_still_run(
     stay) and count as fallbacks in the step that packed them; gradients stay exact."""
     want = [reference_grads("gpt_block", s) for s in range(2)]
     case = gpt_block(seed=0)
+    nvme = faults.install(monkeypatch, "nvme")["nvme"]
     with manager(case.model, engine, tiers=tiers, nvme_dir=tmp_path) as mgr:
         assert_bitwise(offloaded_step(case, mgr, 0), want[0])
         step0 = mgr.stats.last
         assert step0.bytes_offloaded_nvme > 0 and step0.fallbacks == 0
-        gate = threading.Event()
-        monkeypatch.setattr(mgr._tiers[0]._file, "write", _fail_writes_at(gate))
+        gate = threading.Event()  # each write fails (EIO) once it opens: late, after pack
+        nvme.fail("write", OSError(errno.EIO, os.strerror(errno.EIO)), gate=gate)
         case.model.zero_grad(set_to_none=True)
         with mgr:
             loss = case.loss(case.batch(1))
@@ -1814,6 +1796,7 @@ def test_stats_are_final_when_read_while_nvme_writes_still_run(
         assert [getattr(again, f) for f in moved_fields] == [getattr(last, f) for f in moved_fields]
         assert_nothing_live(mgr)
         total = mgr.stats.total
+        assert nvme.injected > 0
         assert total.bytes_offloaded_nvme == step0.bytes_offloaded_nvme
         assert total.bytes_offloaded_cpu == last.bytes_offloaded_cpu
         assert total.fallbacks == last.fallbacks
@@ -1829,11 +1812,13 @@ def test_writes_that_fail_at_close_leave_the_totals_right(
     either way they stored nothing. Before, with backward first, ``stats.total`` after close
     still counted them: 24 records (794624 bytes) on NVMe where step 0's 12 (397312) were."""
     case = gpt_block(seed=0)
+    nvme = faults.install(monkeypatch, "nvme")["nvme"]
     with manager(case.model, engine, tiers=("nvme", "cpu"), nvme_dir=tmp_path) as mgr:
         offloaded_step(case, mgr, 0)
         step0 = mgr.stats.last
-        gate = threading.Event()
-        monkeypatch.setattr(mgr._tiers[0]._file, "write", _fail_writes_at(gate))
+        assert step0.bytes_offloaded_nvme > 0
+        gate = threading.Event()  # each write fails (EIO) once it opens: late, after pack
+        nvme.fail("write", OSError(errno.EIO, os.strerror(errno.EIO)), gate=gate)
         with mgr:
             loss = case.loss(case.batch(1))
         if backward:
@@ -1844,7 +1829,7 @@ def test_writes_that_fail_at_close_leave_the_totals_right(
         mgr.close()
         opener.join()
         total = mgr.stats.total
-        assert total.steps == 2
+        assert total.steps == 2 and nvme.injected > 0
         assert total.bytes_offloaded_nvme == step0.bytes_offloaded_nvme
         assert total.records_offloaded_nvme == step0.records_offloaded_nvme
         assert total.bytes_offloaded_cpu == total.records_offloaded_cpu == 0
@@ -1861,6 +1846,7 @@ def test_a_full_disk_is_logged_once_per_tier_and_counted_in_fallbacks(
     want = [reference_grads("gpt_block", s) for s in range(4)]
     case = gpt_block(seed=0)
     caplog.set_level(logging.DEBUG, logger="offload")
+    nvme = faults.install(monkeypatch, "nvme")["nvme"]
     with manager(
         case.model, engine, tiers=("nvme", "cpu"), nvme_dir=tmp_path, cpu_budget="64KiB"
     ) as mgr:
@@ -1868,11 +1854,7 @@ def test_a_full_disk_is_logged_once_per_tier_and_counted_in_fallbacks(
             case.model.zero_grad(set_to_none=True)
             with mgr:
                 if s == 0:
-
-                    def full(*args: Any, **kw: Any) -> None:
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-                    monkeypatch.setattr(mgr._tiers[0]._file, "write", full)
+                    nvme.fail("write", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
                 loss = case.loss(case.batch(s))
             # Every failure is seen while its record lives (one seen after backward released
             # the record is no fallback, and says nothing).
@@ -1887,6 +1869,7 @@ def test_a_full_disk_is_logged_once_per_tier_and_counted_in_fallbacks(
         assert "to the nvme tier failed" in warned[0].getMessage()
         assert "counted in stats.fallbacks" in warned[0].getMessage()
         assert len(failed) == mgr.stats.total.fallbacks > 4  # the others at the debug level
+        assert nvme.injected >= len(failed)
         gc.collect()
         assert_nothing_live(mgr)
 
@@ -2178,6 +2161,7 @@ def test_norm_outputs_are_rebuilt_with_their_modules_arguments(
             else:
                 want_rebuilt = (norms, norms * 128 * 64 * 4)
             assert (last.records_rebuilt, last.bytes_rebuilt) == want_rebuilt
+            assert last.records_offloaded_cpu + last.records_offloaded_nvme > 0
             assert mgr._executor is not None and mgr._executor.live_families() == 0
     finally:
         mgr.close()
@@ -2672,17 +2656,13 @@ def test_a_release_while_a_failed_write_goes_to_the_next_tier_frees_the_new_copy
     x1 = torch.randn(32, 32, requires_grad=True)
     x2 = torch.randn(32, 32, requires_grad=True)
     kw = {"tiers": ("nvme", "cpu"), "nvme_dir": tmp_path}
+    nvme = faults.install(monkeypatch, "nvme")["nvme"]
     with manager(nn.Linear(2, 2), "deferred", **kw) as mgr:
         gc.collect()
         gc.disable()  # only the pass below may finalize the dropped graph
         try:
             with mgr._engine.paused(), mgr:  # no write fails before the step's last poll
-                spill = mgr._tiers[0]._file
-
-                def broken(*args: Any, **kw: Any) -> None:
-                    raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-                monkeypatch.setattr(spill, "write", broken)
+                nvme.fail("write", OSError(errno.EIO, os.strerror(errno.EIO)))
                 y1 = Saver.apply(seen, x1 * 1)  # family a: its graph is dropped below
                 y2 = Saver.apply(seen, x2 * 1)
             ex = mgr._executor
@@ -2695,6 +2675,7 @@ def test_a_release_while_a_failed_write_goes_to_the_next_tier_frees_the_new_copy
             with gc_pass_when_returning(storage.HostTier.write) as passes:
                 ex.poll()
             assert passes[0] == 2 and a.life is Life.FREED  # what this test is about
+            assert nvme.injected == 2
             assert b.life is Life.OFF_DEVICE and b.tier.name == "cpu"
             assert ex.cpu_bytes == cpu_charge(b.nbytes) == mgr._tiers[1].used_bytes
             y2.backward()
@@ -2720,7 +2701,7 @@ def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
 
     pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
     engine = storage.CopyEngine(deferred=True, max_delay_s=0.0)
-    nvme = storage.NvmeTier(tmp_path, capacity_bytes=1 << 22, pool=pool, copy_engine=engine)
+    nvme = faults.FailingNvmeTier(tmp_path, capacity_bytes=1 << 22, pool=pool, copy_engine=engine)
     host = storage.HostTier(pool)
     ex = Executor(
         device=torch.device("cpu"),
@@ -2735,11 +2716,7 @@ def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
     gc.collect()
     gc.disable()  # only the pass below may finalize the member
     try:
-
-        def broken(*args: Any, **kw: Any) -> None:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-        monkeypatch.setattr(nvme._file, "write", broken)
+        nvme.faults.fail("write", OSError(errno.EIO, os.strerror(errno.EIO)))
         data = torch.zeros(4096, dtype=torch.uint8)
         fam = hand_family(data)
         region = pool.allocate(4096)
@@ -2759,6 +2736,7 @@ def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
         with gc_pass_when_returning(where) as passes:
             ex.poll()
         assert passes[0] == 1 and fam.life is Life.FREED  # what this test is about
+        assert nvme.faults.injected == 1
         assert fam.handle is None and fam.spill is None and ex.cpu_bytes == 0
         assert not ex._writing and host.used_bytes == 0 and pool.used_bytes == 0
     finally:

@@ -48,6 +48,17 @@ def assert_bitwise(got: list[dict[str, torch.Tensor]], want: list[dict[str, torc
             assert torch.equal(g[k], w[k]), k
 
 
+def assert_moved(mgr: offload.ActivationOffloader, tier: str) -> None:
+    """The step stored records in ``tier``'s tiers: an exactness check of a step that kept
+    everything on the device would prove nothing."""
+    last = mgr.stats.last
+    assert last.records_offloaded_cpu + last.records_offloaded_nvme > 0
+    if "cpu" not in tier:
+        assert last.records_offloaded_cpu == 0
+    if "nvme" not in tier:
+        assert last.records_offloaded_nvme == 0
+
+
 def make_mgr(
     case: ModelCase, tier: str, tmp_path, engine: storage.CopyEngine | None = None, **kw
 ) -> offload.ActivationOffloader:
@@ -86,6 +97,7 @@ def test_gradients_bitwise_equal_deferred_engine(name: str, tier: str, tmp_path)
     mgr = make_mgr(case, tier, tmp_path, engine=engine)
     try:
         got = run_offloaded(case, mgr, steps=2)
+        assert_moved(mgr, tier)
     finally:
         mgr.close()
         engine.close()
@@ -105,6 +117,7 @@ def test_deferred_copies_held_back_until_backward(tmp_path) -> None:
                 loss = case.loss(case.batch(0))
         loss.backward()
         got = [case.grads()]
+        assert_moved(mgr, "cpu+nvme")
     finally:
         mgr.close()
         engine.close()
@@ -141,6 +154,7 @@ def test_backward_inside_the_step(tmp_path) -> None:
     with make_mgr(case, "cpu", tmp_path) as mgr:
         case.model.zero_grad(set_to_none=True)
         case.loss(case.batch()).backward()
+    assert_moved(mgr, "cpu")
     mgr.close()
     assert_bitwise([case.grads()], want)
 
@@ -164,6 +178,7 @@ def test_double_backward_inside_step_passes_through() -> None:
             g.pow(2).sum().backward()
         if mgr is not None:
             assert mgr.stats.last.records_kept > 0  # packs made by the first backward stayed
+            assert mgr.stats.last.records_offloaded_cpu > 0  # the forward's went out
             mgr.close()
         return torch.cat([lin.weight.grad.flatten(), x.grad.flatten()])
 

@@ -142,6 +142,7 @@ def test_a_module_compiled_again_keeps_its_hooks(
         assert g.keys() == w.keys()
         for k in w:
             assert torch.equal(g[k], w[k]), k
+    assert all(stats.records_offloaded_cpu > 0 for stats, _, _ in seen)
     if budget:
         for stats, peak, _ in seen[1:]:  # planned from step 2 on
             assert stats.unplanned_records == 0 and stats.min_memory_steps == 0
@@ -162,6 +163,7 @@ def test_a_module_whose_compiled_call_is_gone_warns_once() -> None:
         model.blocks[1]._compiled_call_impl = None
         with pytest.warns(RuntimeWarning, match="'blocks.1' no longer has the compiled") as record:
             got += seeded_steps(model, mgr, n=2, first=1)
+        assert mgr.stats.last.records_offloaded_cpu > 0
     # The user's line: the with statement, in seeded_steps.
     assert len(record) == 1 and record[0].filename == seeded_steps.__code__.co_filename
     for g, w in zip(got, want, strict=True):

@@ -386,6 +386,7 @@ def test_an_activation_output_changed_under_no_grad_is_stored_not_rebuilt(
     try:
         got = _step(model, x, mgr)
         assert mgr.stats.last.records_rebuilt == 0
+        assert getattr(mgr.stats.last, f"records_offloaded_{tier}") > 0  # stored instead
     finally:
         mgr.close()
     _assert_bitwise(got, want)

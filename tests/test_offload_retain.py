@@ -247,6 +247,8 @@ def test_a_gradient_penalty_is_planned_with_what_its_graph_keeps() -> None:
             held.append((meter.peak_planned, mgr.stats.last.predicted_peak_bytes))
         trace = mgr._profiler.trace()
         assert trace.create_graph_steps and trace.retained_steps
+        total = mgr.stats.total
+        assert total.bytes_offloaded_cpu + total.bytes_recomputed > 0
     finally:
         mgr.close()
     _assert_bitwise(got, want)

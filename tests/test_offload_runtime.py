@@ -14,6 +14,7 @@ import time
 import warnings
 from typing import Any
 
+import faults
 import psutil
 import pytest
 import torch
@@ -299,16 +300,6 @@ def gc_off():
         gc.enable()
 
 
-def _failing(errno_: int):
-    """A replacement for a SpillFile method that fails like the disk would (fault injection: a
-    real EIO needs a failing device)."""
-
-    def fail(*args, **kwargs):
-        raise OSError(errno_, os.strerror(errno_))
-
-    return fail
-
-
 def test_an_io_error_writing_falls_back_and_frees_at_once(tmp_path, monkeypatch) -> None:
     """docs/design.md: on ENOSPC or EIO a record goes to the next tier. An EIO growing the spill file
     (raised by the write itself) sends it on; the step stays bitwise, and what it stored is
@@ -316,7 +307,8 @@ def test_an_io_error_writing_falls_back_and_frees_at_once(tmp_path, monkeypatch)
     want = ALL_MODELS["gpt_block"](seed=0)
     want.step()
     case = gpt_block(seed=0)
-    monkeypatch.setattr(storage._file.SpillFile, "grow", _failing(errno.EIO))
+    nvme = faults.install(monkeypatch, "nvme")["nvme"]
+    nvme.fail("write", OSError(errno.EIO, os.strerror(errno.EIO)), at="submit")
     mgr = offload.ActivationOffloader(
         case.model, min_offload_bytes=0, tiers=("nvme", "cpu"), nvme_dir=tmp_path
     )
@@ -327,6 +319,7 @@ def test_an_io_error_writing_falls_back_and_frees_at_once(tmp_path, monkeypatch)
             assert last.fallbacks > 0 and last.bytes_offloaded_cpu > 0
             assert last.bytes_offloaded_nvme == 0
             assert mgr._executor.live_families() == 0 and mgr._executor.cpu_bytes == 0
+            assert nvme.injected > 0
         for k, g in want.grads().items():
             assert torch.equal(case.grads()[k], g), k
     finally:
@@ -335,6 +328,7 @@ def test_an_io_error_writing_falls_back_and_frees_at_once(tmp_path, monkeypatch)
 
 def test_an_io_error_reading_raises_and_frees_at_once(tmp_path, monkeypatch) -> None:
     case = gpt_block(seed=0)
+    nvme = faults.install(monkeypatch, "nvme")["nvme"]
     mgr = offload.ActivationOffloader(
         case.model, min_offload_bytes=0, tiers=("nvme",), nvme_dir=tmp_path
     )
@@ -343,10 +337,10 @@ def test_an_io_error_reading_raises_and_frees_at_once(tmp_path, monkeypatch) -> 
             with mgr:
                 loss = case.loss(case.batch())
             settle(mgr)  # backward reads the file (not the sources still held while writing)
-            monkeypatch.setattr(storage._file.SpillFile, "read_into", _failing(errno.EIO))
+            nvme.fail("read", OSError(errno.EIO, os.strerror(errno.EIO)))
             with pytest.raises(offload.StorageError) as info:
                 loss.backward()
-            assert info.value.errno == errno.EIO
+            assert info.value.errno == errno.EIO and nvme.injected > 0
             del info, loss
             assert mgr._executor.live_families() == 0
     finally:
@@ -469,7 +463,7 @@ def test_prefetch_runs_ahead_of_unpack() -> None:
             loss = model(x).sum()
         loss.backward()
         last = mgr.stats.last
-        assert last.reloads == last.records_offloaded_cpu
+        assert last.reloads == last.records_offloaded_cpu > 0
         assert last.stalls <= 1  # at most the first unpack, before any module's pre-hook
     finally:
         mgr.close()

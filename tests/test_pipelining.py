@@ -534,6 +534,8 @@ def test_a_failed_chunk_abandons_the_round_and_leaks_nothing() -> None:
             got = round_grads(stage)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         assert mgr.plan is not None and mgr.stats.last.unplanned_records == 0
+        total = mgr.stats.total
+        assert total.bytes_offloaded_cpu + total.bytes_recomputed > 0
     gc.collect()
     assert mgr._executor.live_families() == 0
     mgr.close()
