@@ -17,21 +17,29 @@ import os
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Container, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from offload import lifecycle, storage
+from offload._config import (
+    OffloadConfig,
+    _check_hardware_arg,
+    _check_keep_names,
+    _check_model,
+    _check_nvme_dir_type,
+    _check_user_plan,
+    _inflight_arg,
+    _keep_arg,
+    _tiers_arg,
+)
 from offload._device import RoomProbe, compute_device, room_probe
 from offload._errors import OffloadError, from_infeasible, modified_after_save
 from offload._executor import Executor, _Member
 from offload._family import span_of
-from offload._info import check_nvme_dir
 from offload._pipelining import PipelineAttachment, PipelineRound
 from offload._planned import (
     KEEP,
@@ -58,12 +66,26 @@ from offload._recipe import (
     weight_cast,
 )
 from offload._stats import OffloadStats, StepStats
-from offload._verify import RecomputeVerifier, is_tap_pack
+from offload._verify import RecomputeVerifier
+from offload._warnings import (
+    WarnOnce,
+    _check_compiled_share,
+    _check_device,
+    _check_foreign_hooks,
+    _check_given_plan,
+    _warn_foreign_around,
+    _warn_keep_covers_nothing,
+    _warn_no_module,
+    _warn_nvme_dir_ignored,
+    _warn_plan_without_kept,
+    _warn_traced,
+    _warn_uncompiled,
+)
 from offload.lifecycle import HardwareModel, Placement, Plan, Trace
 from offload.lifecycle._blocks import within
 from offload.lifecycle._inert import ModuleHook
 from offload.lifecycle._module_hooks import outer_calls, register_forward_hooks
-from offload.lifecycle._recorder import UnendedCalls, foreign_call, is_checkpoint_pack
+from offload.lifecycle._recorder import UnendedCalls, foreign_call
 from offload.lifecycle._tensors import (
     NormOutputs,
     ParameterStorages,
@@ -75,12 +97,11 @@ from offload.lifecycle._tensors import (
     tensors_in,
     wraps_parameter,
 )
-from offload.lifecycle._units import parse_bytes, size_note
+from offload.lifecycle._units import parse_bytes
 from offload.storage._transfer import close_later, in_gc_pass, start_closer
 
 log = logging.getLogger("offload")
 
-_TIERS = ("cpu", "nvme")
 # Profiles of one signature cut short by overlapping steps before it runs in min-memory mode.
 _UNFINISHED_PROFILES = 2
 # Steps of one signature not profiled because older steps' tensors lived on, before it runs in
@@ -101,134 +122,6 @@ _pop_hooks = getattr(_autograd, "_pop_saved_tensors_default_hooks", None)
 _push_hooks = getattr(_autograd, "_push_saved_tensors_default_hooks", None)
 # The number the next autograd node of this thread will get (see NOTE [ Fill after pack ]).
 _sequence_nr = getattr(_autograd, "_get_sequence_nr", None)
-
-
-@dataclass(frozen=True, kw_only=True)
-class OffloadConfig:
-    """The manager's settings, validated and resolved to numbers (units in the names)."""
-
-    tiers: tuple[str, ...]
-    cpu_budget_bytes: int
-    nvme_dir: str | None
-    min_offload_bytes: int
-    keep_names: frozenset[str]
-    keep_types: tuple[type, ...]
-    max_inflight_bytes: int  # 0 = 2 x the largest record, at least 256 MiB
-    on_infeasible: str
-
-    def __post_init__(self) -> None:
-        _check_tiers(self.tiers)
-        if "nvme" in self.tiers and self.nvme_dir is None:
-            raise ValueError("nvme_dir is required when 'nvme' is in tiers")
-        if self.nvme_dir is not None:
-            check_nvme_dir(self.nvme_dir)  # NvmeDirError (a ValueError) says what is wrong
-        if self.tiers == ("cpu",) and self.cpu_budget_bytes == 0:
-            raise ValueError(
-                "cpu_budget 0 leaves the only tier, 'cpu', no room; give a positive cpu_budget, "
-                "None for the node-aware default, or add 'nvme' to tiers"
-            )
-        if self.on_infeasible not in ("raise", "min_memory"):
-            raise ValueError(
-                f"on_infeasible must be 'raise' or 'min_memory'; got {self.on_infeasible!r}"
-            )
-
-
-def _check_tiers(tiers: tuple[str, ...]) -> None:
-    if not tiers:
-        raise ValueError("tiers must name at least one of 'cpu', 'nvme'")
-    for t in tiers:
-        if t not in _TIERS:
-            raise ValueError(f"tiers: {t!r} is not a tier; use 'cpu' and/or 'nvme'")
-    if len(set(tiers)) != len(tiers):
-        raise ValueError(f"tiers: {tiers!r} names a tier twice")
-
-
-def _check_model(model: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-
-
-def _tiers_arg(tiers: Any) -> tuple[str, ...]:
-    if isinstance(tiers, str):
-        tiers = (tiers,)
-    if not isinstance(tiers, Iterable) or isinstance(tiers, (bytes, bytearray)):
-        raise TypeError(
-            f"tiers must be 'cpu', 'nvme' or a sequence of them; got {type(tiers).__name__}"
-        )
-    tiers = tuple(tiers)
-    _check_tiers(tiers)
-    return tiers
-
-
-def _check_nvme_dir_type(nvme_dir: Any) -> None:
-    if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
-        raise TypeError(
-            f"nvme_dir must be a directory path (str or os.PathLike) or None; got "
-            f"{type(nvme_dir).__name__}"
-        )
-
-
-def _inflight_arg(value: Any) -> int:
-    """``max_inflight_bytes`` as the config holds it: 0 for automatic (``None``)."""
-    if value is None:
-        return 0
-    # 1 byte lets one record out at a time; 0 would mean "automatic" in the config.
-    return parse_bytes(
-        value,
-        name="max_inflight_bytes",
-        positive=True,
-        or_none="automatic: twice the largest record, at least 256 MiB",
-    )
-
-
-def _keep_arg(keep: Any) -> tuple[frozenset[str], tuple[type, ...]]:
-    if isinstance(keep, (str, type)):
-        keep = (keep,)
-    try:
-        items = tuple(keep)
-    except TypeError:
-        raise TypeError(
-            f"keep must be module names or nn.Module types; got {type(keep).__name__}"
-        ) from None
-    names, types = [], []
-    for k in items:
-        if isinstance(k, str):
-            names.append(k)
-        elif isinstance(k, type) and issubclass(k, nn.Module):
-            types.append(k)
-        else:
-            raise TypeError(f"keep: {k!r} is neither a module name (str) nor an nn.Module subclass")
-    return frozenset(names), tuple(types)
-
-
-def _warn_keep_covers_nothing(
-    model: nn.Module, names: frozenset[str], types: tuple[type, ...]
-) -> None:
-    """Warn (once, from the constructor) about ``keep=`` entries that can keep nothing: a type
-    no module of the model has, or a module inside a compiled one (whose call is a leaf to the
-    manager: see NOTE [ Keep covers the module tree ])."""
-    reachable = dict(named_modules_stop_at_compiled(model))
-    hidden = sorted(names - reachable.keys())
-    if hidden:
-        compiled = sorted(
-            n for n, m in reachable.items() if is_compiled(m) and within(hidden[0], [n])
-        )
-        warnings.warn(
-            f"offload: keep={hidden!r} keeps nothing: those modules lie inside the compiled "
-            f"module {compiled[0] if compiled else '?'!r}, whose call the manager sees as one "
-            "(what they save is saved in that call, and moves). Keep the compiled module, or "
-            "compile a smaller part",
-            RuntimeWarning,
-            stacklevel=_user_stacklevel(),
-        )
-    absent = [t.__name__ for t in types if not any(isinstance(m, t) for m in reachable.values())]
-    if absent:
-        warnings.warn(
-            f"offload: keep names types {absent} that no module of the model (outside compiled "
-            "ones) has: they keep nothing. Name modules of this model, or their types",
-            RuntimeWarning,
-            stacklevel=_user_stacklevel(),
-        )
 
 
 class ActivationOffloader:
@@ -319,22 +212,11 @@ class ActivationOffloader:
         _room: RoomProbe | None = None,
     ) -> None:
         _check_model(model)
-        if hardware is not None and not isinstance(hardware, (HardwareModel, str, os.PathLike)):
-            raise TypeError(
-                "hardware must be a lifecycle.HardwareModel, a path to one saved as JSON, or None "
-                f"(probe this machine at the first plan); got {type(hardware).__name__}"
-            )
+        _check_hardware_arg(hardware)
         tiers = _tiers_arg(tiers)  # checked before the warning below, which reads them
         _check_nvme_dir_type(nvme_dir)
         if nvme_dir is not None and "nvme" not in tiers:
-            # Not an error (a script's settings may name a spill directory it does not always
-            # use), but said: nothing goes there, and the directory is not checked.
-            warnings.warn(
-                f"offload: nvme_dir={os.fspath(nvme_dir)!r} is ignored: 'nvme' is not in "
-                f"tiers={tiers!r}; add 'nvme' to tiers to spill there, or leave nvme_dir out",
-                RuntimeWarning,
-                stacklevel=_user_stacklevel(),
-            )
+            _warn_nvme_dir_ignored(nvme_dir, tiers)
             nvme_dir = None
         keep_names, keep_types = _keep_arg(keep)
         self.config = OffloadConfig(
@@ -349,13 +231,7 @@ class ActivationOffloader:
             max_inflight_bytes=_inflight_arg(max_inflight_bytes),
             on_infeasible=on_infeasible,
         )
-        unknown = keep_names - {n for n, _ in model.named_modules()}
-        if unknown:
-            raise ValueError(
-                f"keep: no module named {sorted(unknown)!r} in the model; keep takes names as "
-                "model.named_modules() gives them ('blocks', 'blocks.0.mlp', '' for the root) "
-                "or nn.Module types"
-            )
+        _check_keep_names(model, keep_names)
         _warn_keep_covers_nothing(model, keep_names, keep_types)
         self._model_ref = weakref.ref(model)
         self._cpu_budget_default = cpu_budget is None
@@ -377,52 +253,19 @@ class ActivationOffloader:
         self._user_plan = user_plan
         if user_plan is not None:
             assert self._budget_bytes is not None
-            if budget_given and user_plan.predicted_peak_bytes > self._budget_bytes:
-                # The plan is run as it is (no profiling for its signature): it cannot hold a
-                # smaller budget than it was made for.
-                given = (
-                    size_note(gpu_budget, self._budget_bytes)
-                    if isinstance(gpu_budget, str)
-                    else f"{gpu_budget!r} ({self._budget_bytes} bytes)"
-                )
-                raise ValueError(
-                    f"plan: the given plan predicts a peak of {user_plan.predicted_peak_bytes} "
-                    f"bytes, above gpu_budget={given}; "
-                    "plan offline for this budget, or leave gpu_budget out to use the plan's"
-                )
-            missing = [
-                t
-                for t in ("cpu", "nvme")
-                if user_plan.bytes_by_placement()[t] > 0 and t not in self.config.tiers
-            ]
-            if missing:
-                raise ValueError(
-                    f"plan: the given plan moves records to {missing!r}, which are not in "
-                    f"tiers={self.config.tiers!r}; add them to tiers (with nvme_dir for "
-                    "'nvme'), or plan offline with this manager's tiers"
-                )
-            names = {n for n, _ in named_modules_stop_at_compiled(model)} - {""}
-            unknown_calls = sorted({m for m, _ in user_plan.recompute_calls} - names)
-            if unknown_calls:
-                raise ValueError(
-                    f"plan: recompute_calls name {unknown_calls}, which are not modules of this "
-                    "model below its root (or lie inside a compiled one): a plan is made for the "
-                    "model it was profiled on"
-                )
-        if user_plan is not None:
+            _check_user_plan(
+                user_plan,
+                gpu_budget=gpu_budget,
+                budget_bytes=self._budget_bytes,
+                budget_given=budget_given,
+                tiers=self.config.tiers,
+                model=model,
+            )
             unplanned = set(self._kept_modules(model)) - set(
                 user_plan.metadata.get("kept_modules") or ()
             )
             if unplanned:
-                warnings.warn(
-                    f"offload: this manager keeps modules {sorted(unplanned)} (named in keep=, "
-                    "or nn.RReLU, always kept) that the given plan= was not made with: their "
-                    "saved tensors stay on the device while the plan counts them moved or "
-                    "recomputed, so the budget may not hold. Let the manager profile and plan "
-                    "(no plan=) to have them counted.",
-                    RuntimeWarning,
-                    stacklevel=_user_stacklevel(),
-                )
+                _warn_plan_without_kept(unplanned)
         self._hardware_arg = hardware
         # A path is read now: a bad file should fail here, not at the first plan.
         self._hardware: HardwareModel | None = (
@@ -526,7 +369,7 @@ class ActivationOffloader:
         # [module path, kept, families this call packed itself (offloaded ones, in pack order)]
         self._stack: list[list[Any]] = []
         self._backward_entries = UnendedCalls(self._stack)
-        self._warned: set[str] = set()
+        self._warn = WarnOnce()
         self._params = ParameterStorages()
         self._module_handles = self._install_module_hooks(model)
         # See NOTE [ One compiled leaf holding the step ].
@@ -664,7 +507,8 @@ class ActivationOffloader:
                         "outside `with mgr:` (its module calls are not counted as the step's)"
                     )
                 raise OffloadError("a step of this manager is already running; steps do not nest")
-            self._warn_traced()  # a compiled call outside steps (evaluation) traced the hooks
+            if self._traced:  # a compiled call outside steps (evaluation) traced the hooks
+                _warn_traced(self._warn)
             self._reinstate_outer_calls()
             rnd = self._round
             continuing = rnd is not None and rnd.steps > 0
@@ -714,15 +558,11 @@ class ActivationOffloader:
             if rnd is not None:
                 rnd.steps += 1
             self._refresh_params()
-            self._check_device()
+            _check_device(self._warn, self._model_ref(), self.device)
             if self.device.type == "cuda" and self._reset_peaks:
                 torch.cuda.reset_peak_memory_stats(self.device)
             if _top_hooks is not None and _top_hooks(False) is not None:
-                self._warn_once(
-                    "foreign",
-                    "another saved_tensors_hooks context is active around this step; offload's "
-                    "hooks take precedence inside it",
-                )
+                _warn_foreign_around(self._warn)
             self._maybe_hide_from_compile()
             self._hooks_cm = torch.autograd.graph.saved_tensors_hooks(
                 self._pack_fn, self._unpack_fn
@@ -771,13 +611,26 @@ class ActivationOffloader:
                     self._profiling = None
             else:
                 self._executor.poll()
-                self._check_given_plan()
-                self._check_compiled_share()
+                _check_given_plan(
+                    self._warn,
+                    self._active,
+                    self._last_signature in self._given,
+                    self._keys_looked_up,
+                    self._keys_matched,
+                    self._model_ref(),
+                )
+                _check_compiled_share(self._warn, self._executor, self._compiled_leaves)
                 self._end_structure()
-                self._warn_no_module()
+                if (
+                    self._budget_bytes is not None
+                    and not self._signature_begun
+                    and self._round is None
+                ):
+                    _warn_no_module(self._warn, self._outside_packs, self._model_ref())
             self._stack.clear()
             self._backward_entries.clear()
-            self._warn_traced()
+            if self._traced:
+                _warn_traced(self._warn)
             if failed is not None:
                 raise failed
 
@@ -900,7 +753,7 @@ class ActivationOffloader:
             raise
         self._tiers = tiers
         ex.meter = self._meter
-        ex.warn_once = _weak_warn_once(self)
+        ex.warn_once = self._warn
         self._resources[:] = [ex, *tiers, share]
         return ex
 
@@ -942,15 +795,7 @@ class ActivationOffloader:
         # compiled call ] for ``mod.compile()`` called again.
         for call in self._outer_calls:
             if not call.reinstate():
-                model = self._model_ref()
-                names = {m: n for n, m in model.named_modules()} if model is not None else {}
-                self._warn_once(
-                    f"uncompiled {id(call)}",
-                    f"module {names.get(call.module, '?')!r} no longer has the compiled call "
-                    "this manager's hooks for it run around (its _compiled_call_impl was set "
-                    "to None), so they no longer run for it. Make a new ActivationOffloader "
-                    "for the model as it is now",
-                )
+                _warn_uncompiled(self._warn, call, self._model_ref())
 
     def _refresh_params(self) -> None:
         # By storage, refreshed every step: FSDP2 and users swap parameters between steps.
@@ -958,24 +803,6 @@ class ActivationOffloader:
         self._params.clear()
         if model is not None:
             self._params.add(model)
-
-    def _check_device(self) -> None:
-        """From ``__enter__``: warn once when the model's parameters left the device the manager
-        was made on (a manager made before ``model.cuda()``, or on a meta model materialized
-        later). The device is fixed when the manager is made and only tensors saved there move,
-        so such steps moved nothing, and said nothing."""
-        model = self._model_ref()
-        if "device" in self._warned or model is None:
-            return
-        now = compute_device(model)
-        if now != self.device:
-            self._warn_once(
-                "device",
-                f"the model's parameters are on {now}, but this ActivationOffloader was made "
-                f"when they were on {self.device}: it moves only tensors saved on "
-                f"{self.device}, so nothing saved on {now} leaves it. Move the model first, "
-                "then make the manager on it",
-            )
 
     def _maybe_hide_from_compile(self) -> None:
         # Pack and unpack are torch.compiler.disable'd, but only once dynamo is in use: importing
@@ -986,89 +813,6 @@ class ActivationOffloader:
             self._hidden_from_compile = True
             self._pack_fn = torch.compiler.disable(self._pack)
             self._unpack_fn = torch.compiler.disable(self._unpack)
-
-    def _warn_once(self, key: str, msg: str) -> None:
-        """Warn once per ``key``, at the user's line (the first frame outside offload, lifecycle
-        and torch), wherever in the manager it is said."""
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(f"offload: {msg}", RuntimeWarning, stacklevel=_user_stacklevel())
-
-    # NOTE [ One compiled leaf holding the step ]
-    #     A compiled module is a leaf (no hooks inside it). Under AOTAutograd (inductor,
-    #     aot_eager) its saved tensors are packed together when its compiled forward returns and
-    #     unpacked together when its backward starts, so the leaf's reloads all come back at once:
-    #     with one leaf holding most of the step (the whole model compiled), the peak barely
-    #     drops while every byte still crosses PCIe twice. At the end of each step's forward, if
-    #     one compiled leaf holds more than half of the bytes the step stored, the manager warns
-    #     once, naming it and pointing at per-block compilation.
-
-    def _check_compiled_share(self) -> None:
-        """Warn once when one compiled leaf holds most of the step's stored bytes (NOTE [ One
-        compiled leaf holding the step ])."""
-        ex = self._executor
-        if not self._compiled_leaves or "compiled_share" in self._warned or ex is None:
-            return
-        step = ex.step
-        if step is None or step.stored_bytes == 0:
-            return
-        held: dict[str, int] = {}
-        for fam in step.families:
-            if fam.module in self._compiled_leaves:
-                held[fam.module] = held.get(fam.module, 0) + fam.nbytes
-        if not held:
-            return
-        name, nbytes = max(held.items(), key=lambda kv: kv[1])
-        if 2 * nbytes <= step.stored_bytes:
-            return
-        which = "the whole model (its root module)" if name == "" else f"module {name!r}"
-        self._warn_once(
-            "compiled_share",
-            f"{which} is compiled and holds {nbytes} of the {step.stored_bytes} bytes this step "
-            f"stored ({100 * nbytes // step.stored_bytes}%). A compiled module is one leaf: "
-            "its saved tensors all come back when its backward starts (under AOTAutograd, as "
-            "with inductor, they are also packed together when its compiled forward returns), "
-            "so offloading them lowers the peak little while PCIe is still paid. Compile each "
-            "block instead (for b in model.blocks: b.compile()) and "
-            "make the manager on the model: each block's tensors then leave as it ends and "
-            "come back just before its backward",
-        )
-
-    def _check_foreign_hooks(self, module: str) -> None:
-        """At a module call of the step (forward, not paused): warn once when a foreign
-        saved-tensor hooks pair entered inside the step shadows ours (only the innermost pair
-        fires, so nothing saved under it is offloaded). Checkpoint's own pair (pushed during a
-        checkpointed forward, which composes) and packs of a backward are not foreign."""
-        if "foreign_inside" in self._warned or _top_hooks is None or self._hooks_popped:
-            return
-        top = _top_hooks(False)
-        if top is None or top[0] is self._pack_fn:
-            return
-        if is_checkpoint_pack(top[0]) or is_tap_pack(top[0]):
-            return
-        if _current_graph_task_id is not None and _current_graph_task_id() != -1:
-            return
-        self._warn_once(
-            "foreign_inside",
-            f"a saved_tensors_hooks pair ({getattr(top[0], '__qualname__', top[0])}) entered "
-            f"inside this step is active at module {module or repr('')}: it takes every tensor "
-            "saved under it (only the innermost pair fires), so none of those is offloaded. "
-            "Enter it around the step instead, or leave it out",
-        )
-
-    def _warn_traced(self) -> None:
-        """From ``__enter__`` / ``__exit__`` (eager code): warn once that the model was compiled
-        after the manager was made (DESIGN.md: a compiled module is a leaf; no hooks inside)."""
-        if self._traced:
-            self._warn_once(
-                "compiled",
-                "the model (or a submodule of it, or a function that calls it) was compiled with "
-                "torch.compile after this ActivationOffloader was made, so dynamo traces the "
-                "manager's module hooks: it cannot compile them, the compiled graph breaks at "
-                "every module (many small graphs, slower steps) and fullgraph=True fails inside a "
-                "step. Compile first, then make the manager on the compiled model: a compiled "
-                "module is a leaf (no hooks inside it) whose saved tensors still move.",
-            )
 
     def _snapshot_last(self) -> StepStats:
         s = self._step_stats
@@ -1271,51 +1015,6 @@ class ActivationOffloader:
         if self._round is None:
             self._step_keys = []  # its structure (NOTE [ Structure ])
 
-    def _check_given_plan(self) -> None:
-        """At a step's end: warn once when the plan given with ``plan=`` knew none of the
-        step's record keys inside the model (a plan made on a model with other module names, or
-        another structure; packs outside the model, the loss's, match whatever it is): those
-        records then go unplanned to the first tier with room, exact but not planned for the
-        budget, and nothing else would say so."""
-        active = self._active
-        if (
-            active is None
-            or self._last_signature not in self._given
-            or self._keys_matched
-            or not self._keys_looked_up
-        ):
-            return
-        mine = sorted({m for m, _, _ in active.action if m != _OUTSIDE} | active.recompute_modules)
-        model = self._model_ref()
-        seen = [n for n, _ in named_modules_stop_at_compiled(model) if n] if model else []
-        self._warn_once(
-            "given-plan",
-            f"the given plan= matched 0 of this step's {self._keys_looked_up} record keys inside "
-            "the model (module path, call index, ordinal): those records went unplanned to the "
-            "first tier with room (stats.unplanned_records), so the budget is not planned. "
-            f"The plan places records of modules {mine[:6]}; this model's modules are "
-            f"{sorted(seen)[:6]}. A plan is made for the model it was profiled on: profile this model "
-            "(leave plan= out) or plan it offline",
-        )
-
-    def _warn_no_module(self) -> None:
-        """At a budgeted step's end: warn once when it saved tensors but entered no module of
-        the model (NOTE [ Top-level calls ]): it had no signature, so nothing was profiled or
-        planned, and its saved tensors were offloaded without a plan."""
-        if self._budget_bytes is None or self._signature_begun or self._round is not None:
-            return
-        if not self._outside_packs:
-            return  # nothing saved (no forward, or one without grad)
-        model = self._model_ref()
-        self._warn_once(
-            "no-module",
-            f"gpu_budget is not applied: this step saved {self._outside_packs} tensors but "
-            f"called no module of the model ({type(model).__name__}) this manager was made on, "
-            "so it has no signature to profile and plan (a step's signature comes from the "
-            "first module of the model it enters); its saved tensors were offloaded without a "
-            "plan. Make the manager on the module the step runs, or run the forward through it",
-        )
-
     # NOTE [ Structure ]
     #     A signature names what the root call was given (NOTE [ Signatures ] in _planned.py),
     #     not everything that picks the forward's structure: a float that switches a branch
@@ -1392,7 +1091,7 @@ class ActivationOffloader:
             # Its first planned step, timed for refinement: not its structure's times.
             self._drop_profile(sig)
             self._refine_next.add(sig)
-        self._warn_once(
+        self._warn(
             f"structure:{base}",
             f"a planned step of signature {base} left its plan at pack {at} (saved key {got}, "
             f"the plan's next: {expected}): the forward's structure changed while its "
@@ -1435,7 +1134,7 @@ class ActivationOffloader:
         self._drop_profile(name)
         if known is None:
             self._structure_fixed.add(base)
-            self._warn_once(
+            self._warn(
                 f"structures:{base}",
                 f"signature {base} showed more than {MAX_STRUCTURES} forward structures; it is "
                 "no longer profiled again, and steps off their plan run their rest unplanned. "
@@ -1450,7 +1149,7 @@ class ActivationOffloader:
         futile = self._futile[base] = self._futile.get(base, 0) + 1
         if futile >= _FUTILE_REPROFILES:
             self._structure_fixed.add(base)
-            self._warn_once(
+            self._warn(
                 f"structures:{base}",
                 f"signature {base} changes its forward's structure from step to step: "
                 f"{futile} re-profiles in a row found the structure that had just diverged. It "
@@ -1557,8 +1256,8 @@ class ActivationOffloader:
         from now on, and ``why`` is said (once per ``key``)."""
         counts[sig] = counts.pop(sig, 0) + 1  # the most recently struck last
         if counts[sig] >= limit:
-            self._struck[sig] = key not in self._warned  # named by the warning below
-            self._warn_once(key, why)
+            self._struck[sig] = key not in self._warn  # named by the warning below
+            self._warn(key, why)
             self._unfinished.pop(sig, None)
             self._overlap_skips.pop(sig, None)
             if len(self._struck) > MAX_SIGNATURES:
@@ -1572,7 +1271,7 @@ class ActivationOffloader:
         """One more budgeted step in a row run in min-memory mode for overlapping steps; at
         ``_UNPLANNED_STEPS`` say once why budget mode is not planning (NOTE [ Overlapping
         steps ])."""
-        if "unplanned" in self._warned:
+        if "unplanned" in self._warn:
             return
         self._unplanned_run += 1
         self._unplanned_sigs.add(sig)
@@ -1599,7 +1298,7 @@ class ActivationOffloader:
                 "afresh; pass it as a float (counted by its type only) or a tensor (by its dtype "
                 "and shape), or keep it out of the root module's call"
             )
-        self._warn_once("unplanned", msg)
+        self._warn("unplanned", msg)
 
     def _end_unplanned_run(self) -> None:
         self._unplanned_run = 0
@@ -1639,7 +1338,7 @@ class ActivationOffloader:
             plan = self._make_plan(trace, step, f"<per-key maxima of {len(group)} signatures>")
         except lifecycle.BudgetInfeasibleError as e:
             self._merged = False
-            self._warn_once(
+            self._warn(
                 "signatures",
                 f"more than {MAX_SIGNATURES} input signatures, and the plan of their per-key byte "
                 f"maxima cannot meet gpu_budget ({e}): new signatures run in min-memory mode",
@@ -1683,7 +1382,7 @@ class ActivationOffloader:
                     del self._profiled[sig]
                     raise from_infeasible(e) from None
                 self._infeasible.add(sig)
-                self._warn_once(
+                self._warn(
                     f"infeasible:{sig}",
                     f"signature {sig} cannot meet gpu_budget ({e}); its steps run in min-memory "
                     "mode (on_infeasible='min_memory')",
@@ -1700,7 +1399,7 @@ class ActivationOffloader:
         caller, less them; NOTE [ Verified recomputation ] in _verify.py)."""
         found = self._verifier.settle()
         for name in found:
-            self._warn_once(
+            self._warn(
                 f"recompute-differs:{name}",
                 f"module {name!r}, which the plan recomputed (non-reentrant checkpoint), "
                 "recomputed other values than its forward saved (a torch.Generator of its own, "
@@ -1923,7 +1622,7 @@ class ActivationOffloader:
         elif self._cursor >= 0:
             self._follow(key)
         if ex.capture.capturing():  # see NOTE [ No query while capturing ] in _device.py
-            self._warn_once("graphs", "CUDA graph capture: saved tensors are left in place")
+            self._warn("graphs", "CUDA graph capture: saved tensors are left in place")
             return self._keep(t, stats)
         if self._deferred and _sequence_nr is not None and _sequence_nr() != self._deferred_at:
             self._flush_deferred()  # an op that made a node since: theirs has returned
@@ -1938,7 +1637,7 @@ class ActivationOffloader:
                 # A wrapper subclass without bytes of its own: nothing to copy. (One with bytes
                 # comes back as a plain tensor: so it does through any saved-tensor hooks,
                 # torch's save_on_cpu or an identity pair included.)
-                self._warn_once(
+                self._warn(
                     f"subclass:{type(local).__name__}",
                     f"saved tensors of type {type(local).__name__} have no storage to copy; "
                     "they stay where they are",
@@ -2395,35 +2094,6 @@ def _has_storage(t: torch.Tensor) -> bool:
     return True
 
 
-def _weak_warn_once(mgr: ActivationOffloader) -> Callable[[str, str], None]:
-    """``mgr._warn_once`` for its executor, without a reference to ``mgr`` (the finalizer holds
-    the executor: a strong one would keep the manager alive for ever)."""
-    ref = weakref.ref(mgr)
-
-    def warn_once(key: str, msg: str) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._warn_once(key, msg)
-
-    return warn_once
-
-
-def _user_stacklevel() -> int:
-    """The ``warnings.warn`` stacklevel, from the function calling this, of the first frame
-    outside this package, lifecycle and torch: the user's line, whether they made the manager
-    or :func:`activations` made it for them, or a module hook warns (torch's ``Module.__call__``
-    runs it)."""
-    ours = (
-        os.path.dirname(os.path.abspath(__file__)) + os.sep,
-        os.path.dirname(os.path.abspath(lifecycle.__file__)) + os.sep,
-        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    )
-    level, frame = 1, sys._getframe(1)
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(ours):
-        level, frame = level + 1, frame.f_back
-    return level
-
-
 def _add_note(exc: BaseException, note: str) -> None:
     # BaseException.add_note is Python >= 3.11.
     add = getattr(exc, "add_note", None)
@@ -2536,7 +2206,7 @@ class _ForwardPre(ModuleHook):
         if mgr._paused:
             return
         if not compiling:
-            mgr._check_foreign_hooks(self.name)
+            _check_foreign_hooks(mgr._warn, self.name, mgr._pack_fn, mgr._hooks_popped)
         outer_kept = bool(mgr._stack) and mgr._stack[-1][1]
         if budget and grad and not mgr._stack and not mgr._signature_begun:
             mgr._signature_begun = True  # See NOTE [ Top-level calls ]

@@ -209,7 +209,7 @@ def test_foreign_saved_tensor_hooks_inside_the_step_warn_once(
         # Checkpoint's pair, pushed during its forward, is not foreign.
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            mgr._warned.clear()
+            mgr._warn.warned.clear()
             with mgr:
                 x = torch.randn(32, 64)
                 loss = checkpoint(model, x, use_reentrant=False).pow(2).sum()
