@@ -11,9 +11,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
+from offload import storage
 from offload._info import check_nvme_dir
+from offload._planned import load_plan, rooted_plan
+from offload._planning import resolve_budget
+from offload._warnings import (
+    _warn_keep_covers_nothing,
+    _warn_nvme_dir_ignored,
+    _warn_plan_without_kept,
+)
 from offload.lifecycle import HardwareModel, Plan
 from offload.lifecycle._tensors import named_modules_stop_at_compiled
 from offload.lifecycle._units import parse_bytes, size_note
@@ -177,3 +186,99 @@ def _check_user_plan(
             "model below its root (or lie inside a compiled one): a plan is made for the "
             "model it was profiled on"
         )
+
+
+def _keeps(config: OffloadConfig, name: str, mod: nn.Module) -> bool:
+    """Whether ``keep=`` names module ``name`` (by name or type), or it is an ``nn.RReLU``:
+    in training its op saves its noise tensor before its kernel fills it, and the fill
+    leaves the version counter as it was (torch 2.13), so a copy taken at pack holds the
+    bytes from before the fill and no check can tell: kept, always (see NOTE [ Fill after
+    pack ] in lifecycle's recorder, which names them in a trace's kept modules)."""
+    return name in config.keep_names or isinstance(mod, (*config.keep_types, nn.RReLU))
+
+
+# NOTE [ Keep covers the module tree ]: a module named in keep= (or of a type in it) keeps
+# everything saved inside it and inside its descendants, decided by name prefix over the
+# module tree (lifecycle's ``within``, as the planner reads a trace's kept modules), not by
+# the module being called: an ``nn.ModuleList`` or ``nn.ModuleDict`` has no forward, so its
+# own hooks never run, and only its children's calls can carry the keep.
+
+
+def _kept_modules(config: OffloadConfig, model: nn.Module) -> list[str]:
+    return [
+        name for name, mod in named_modules_stop_at_compiled(model) if _keeps(config, name, mod)
+    ]
+
+
+def _config_of(
+    model: Any,
+    *,
+    hardware: Any,
+    tiers: Any,
+    cpu_budget: Any,
+    nvme_dir: Any,
+    min_offload_bytes: Any,
+    keep: Any,
+    max_inflight_bytes: Any,
+    on_infeasible: str,
+) -> OffloadConfig:
+    """The manager's arguments checked (in this order: a bad one raises naming it) and resolved
+    to an :class:`OffloadConfig`; warns about those that would do nothing."""
+    _check_model(model)
+    _check_hardware_arg(hardware)
+    tiers = _tiers_arg(tiers)  # checked before the warning below, which reads them
+    _check_nvme_dir_type(nvme_dir)
+    if nvme_dir is not None and "nvme" not in tiers:
+        _warn_nvme_dir_ignored(nvme_dir, tiers)
+        nvme_dir = None
+    keep_names, keep_types = _keep_arg(keep)
+    config = OffloadConfig(
+        tiers=tiers,
+        cpu_budget_bytes=storage.default_cpu_budget_bytes()
+        if cpu_budget is None
+        else parse_bytes(cpu_budget, name="cpu_budget"),
+        nvme_dir=None if nvme_dir is None else os.fspath(nvme_dir),
+        min_offload_bytes=parse_bytes(min_offload_bytes, name="min_offload_bytes"),
+        keep_names=keep_names,
+        keep_types=keep_types,
+        max_inflight_bytes=_inflight_arg(max_inflight_bytes),
+        on_infeasible=on_infeasible,
+    )
+    _check_keep_names(model, keep_names)
+    _warn_keep_covers_nothing(model, keep_names, keep_types)
+    return config
+
+
+def _plan_and_budget(
+    plan: Any, gpu_budget: Any, model: nn.Module, device: torch.device, config: OffloadConfig
+) -> tuple[Plan | None, int | None]:
+    """The plan given with ``plan=`` (loaded, rooted at ``model``, checked against this
+    manager) and the budget in bytes (``None``: min-memory mode)."""
+    user_plan = load_plan(plan)
+    if user_plan is not None:
+        user_plan = rooted_plan(user_plan, model)
+    budget_given = gpu_budget is not None
+    if gpu_budget is None and user_plan is not None:
+        gpu_budget = user_plan.gpu_budget_bytes
+    # No step fits in no memory: 0 is refused here, not by the plan after the profiling step.
+    budget_bytes = (
+        None
+        if gpu_budget is None
+        else resolve_budget(gpu_budget, device, positive=True, or_none="min-memory mode")
+    )
+    if user_plan is not None:
+        assert budget_bytes is not None
+        _check_user_plan(
+            user_plan,
+            gpu_budget=gpu_budget,
+            budget_bytes=budget_bytes,
+            budget_given=budget_given,
+            tiers=config.tiers,
+            model=model,
+        )
+        unplanned = set(_kept_modules(config, model)) - set(
+            user_plan.metadata.get("kept_modules") or ()
+        )
+        if unplanned:
+            _warn_plan_without_kept(unplanned)
+    return user_plan, budget_bytes

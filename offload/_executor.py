@@ -65,7 +65,7 @@ from offload._family import (
     storage_bytes,
 )
 from offload._stats import StepStats
-from offload.lifecycle._recorder import graph_task
+from offload.lifecycle._calls import graph_task
 from offload.lifecycle._simulate import automatic_bounds
 from offload.lifecycle._tensors import version_root
 from offload.lifecycle._trace import WHOLE_STORAGE_FACTOR

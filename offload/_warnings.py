@@ -18,7 +18,8 @@ from offload import lifecycle
 from offload._device import compute_device
 from offload._verify import is_tap_pack
 from offload.lifecycle._blocks import within
-from offload.lifecycle._recorder import OUTSIDE, is_checkpoint_pack
+from offload.lifecycle._calls import OUTSIDE
+from offload.lifecycle._recorder_calls import is_checkpoint_pack
 from offload.lifecycle._tensors import is_compiled, named_modules_stop_at_compiled
 
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -281,3 +282,122 @@ def _warn_no_module(warn: WarnOnce, outside_packs: int, model: nn.Module | None)
         "first module of the model it enters); its saved tensors were offloaded without a "
         "plan. Make the manager on the module the step runs, or run the forward through it",
     )
+
+
+# -- texts said by budget mode and the pack hook -------------------------------------------
+
+
+def _overlap_text(sig: str, steps: int) -> str:
+    """Said when a signature was not profiled ``steps`` times in a row (overlapping steps)."""
+    return (
+        f"signature {sig} was not profiled in {steps} steps in a row: an older "
+        "step's saved tensors were still alive at each start (a graph kept without its "
+        "backward, or retain_graph=True); it runs in min-memory mode. Free old graphs "
+        "before the next step, or plan offline and pass plan="
+    )
+
+
+def _unfinished_text(sig: str, times: int) -> str:
+    """Said when ``times`` profiles of a signature were cut short by overlapping steps."""
+    return (
+        f"a step of signature {sig} began before the backward of the step being profiled "
+        "ended (forwards run before their backwards, a forward never run backward, or a "
+        "backward that raised), "
+        f"{times} times; gpu_budget profiles one step with its backward, so "
+        "this signature runs in min-memory mode. Run each backward before the next forward, "
+        "or plan offline (offload.profile, offload.plan) and pass plan="
+    )
+
+
+def _unplanned_text(steps: int, sigs: list[str]) -> str:
+    """Said when ``steps`` budgeted steps in a row (of signatures ``sigs``) ran unplanned."""
+    msg = (
+        f"gpu_budget has not been planned for in {steps} steps in a row: each "
+        "ran in min-memory mode (everything eligible offloaded: slower than a plan) because "
+        "the profiles of their signatures were cut short by steps that began before the "
+        "profiled step's backward ended. Forwards run before their backwards (gradient "
+        "accumulation with every microbatch's forward first) never let a profile finish: "
+        "give each microbatch's forward its own `with mgr:` block and run its backward "
+        "before the next microbatch's forward (the gradients accumulate in .grad just the "
+        "same; README: gradient accumulation); for a pipeline schedule use "
+        "mgr.attach(stage), which profiles a whole round"
+    )
+    if len(sigs) > 1:
+        msg += (
+            f". Those steps also came with {len(sigs)} input signatures ({sigs[0]!r}, "
+            f"{sigs[1]!r}, ...): a plain argument of the root that changes from step to "
+            "step (an int step counter) makes each step a signature of its own, profiled "
+            "afresh; pass it as a float (counted by its type only) or a tensor (by its dtype "
+            "and shape), or keep it out of the root module's call"
+        )
+    return msg
+
+
+def _signatures_text(most: int, e: Exception) -> str:
+    """Said when the merged plan past ``most`` signatures cannot meet the budget."""
+    return (
+        f"more than {most} input signatures, and the plan of their per-key byte "
+        f"maxima cannot meet gpu_budget ({e}): new signatures run in min-memory mode"
+    )
+
+
+def _infeasible_text(sig: str, e: Exception) -> str:
+    """Said when a signature met after the first cannot meet the budget."""
+    return (
+        f"signature {sig} cannot meet gpu_budget ({e}); its steps run in min-memory "
+        "mode (on_infeasible='min_memory')"
+    )
+
+
+def _recompute_differs_text(name: str) -> str:
+    """Said when a recomputed module gave other values than its forward saved."""
+    return (
+        f"module {name!r}, which the plan recomputed (non-reentrant checkpoint), "
+        "recomputed other values than its forward saved (a torch.Generator of its own, "
+        "or state that changed since its forward): that step used the values its "
+        "forward saved, so its gradients are exact, and no plan of this manager "
+        "recomputes it again. Signatures planned from their profile are planned again "
+        "without it; others run it as it is"
+    )
+
+
+def _left_plan_text(base: str, at: int, got: Any, expected: Any) -> str:
+    """Said when a planned step left its plan's sequence of keys (NOTE [ Structure ])."""
+    return (
+        f"a planned step of signature {base} left its plan at pack {at} (saved key {got}, "
+        f"the plan's next: {expected}): the forward's structure changed while its "
+        "signature did not. Likely causes: a float argument that switches a branch (a float "
+        "counts by its type only), a module attribute or global flag set between steps, or "
+        "data-dependent control flow. The rest of that step went unplanned to the first "
+        "tier with room (stats.unplanned_records), and the signature's next step profiles "
+        "its structure again. Pass such a switch to the model as a bool, int or str "
+        "argument (part of the signature), or keep= the module whose saves vary"
+    )
+
+
+def _structures_text(base: str, most: int) -> str:
+    """Said when a signature showed more than ``most`` structures."""
+    return (
+        f"signature {base} showed more than {most} forward structures; it is "
+        "no longer profiled again, and steps off their plan run their rest unplanned. "
+        "Pass what switches the structure to the model as a bool, int or str argument"
+    )
+
+
+def _futile_text(base: str, futile: int) -> str:
+    """Said when re-profiles in a row found the structure that had just diverged."""
+    return (
+        f"signature {base} changes its forward's structure from step to step: "
+        f"{futile} re-profiles in a row found the structure that had just diverged. It "
+        "is no longer profiled again; steps off their plan run their rest unplanned "
+        "(slower, and not planned for the budget). Pass what switches the structure to "
+        "the model as a bool, int or str argument"
+    )
+
+
+def _subclass_text(name: str) -> str:
+    """Said for saved tensors of a wrapper subclass without storage of their own."""
+    return f"saved tensors of type {name} have no storage to copy; they stay where they are"
+
+
+_GRAPHS_TEXT = "CUDA graph capture: saved tensors are left in place"

@@ -123,7 +123,9 @@ def test_a_module_compiled_again_keeps_its_hooks(
             with SavedBytes.on(mgr) if mgr is not None else contextlib.nullcontext() as saved:
                 grads += seeded_steps(model, mgr, n=1, first=s)
             if mgr is not None:
-                seen.append((mgr.stats.last, saved.peak_planned, mgr._calls.get(name, 0)))
+                seen.append(
+                    (mgr.stats.last, saved.peak_planned, mgr._step.calls.counts.get(name, 0))
+                )
         if mgr is not None:
             mgr.close()
         # close() leaves the module compiled the second time, without the manager.
