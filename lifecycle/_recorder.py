@@ -35,7 +35,6 @@ NOTE [ Retained graphs ]
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import gc
@@ -44,16 +43,28 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
+from offload.lifecycle._calls import CallStack, in_backward
 from offload.lifecycle._clock import Clock, MonotonicClock
 from offload.lifecycle._inert import BoundHook
 from offload.lifecycle._module_hooks import outer_calls, register_forward_hooks
+from offload.lifecycle._recorder_calls import CallHooks
+from offload.lifecycle._rows import (
+    _CODE,
+    _NF,
+    _R_DIMS,
+    _R_DTYPE,
+    _R_NBYTES,
+    _R_NDIM,
+    _R_OFFSET,
+    _R_STEP,
+    _R_STORAGE_NBYTES,
+    frozen_rows,
+)
 from offload.lifecycle._tensors import (
     ACTIVATION_NODES,
     NormOutputs,
@@ -65,10 +76,9 @@ from offload.lifecycle._tensors import (
     local_tensor,
     named_modules_stop_at_compiled,
     parameter_cast,
-    tensors_in,
     wraps_parameter,
 )
-from offload.lifecycle._trace import Event, EventKind, TensorRecord, Trace
+from offload.lifecycle._trace import EventKind, Trace
 from offload.lifecycle._units import check_count
 
 MemoryProbe = Callable[[], int]
@@ -77,106 +87,7 @@ MemoryProbe = Callable[[], int]
 _LINKABLE = frozenset(ACTIVATION_NODES) | {"ToCopyBackward0", "_FromTorchTensorBackward"}
 
 LIVE_SAVED_BYTES = "live_saved_bytes"
-OUTSIDE = "<outside>"  # the module path of packs made while no module runs (a functional loss)
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def in_backward() -> bool:
-    """True while an autograd backward runs in this thread (recomputation, double backward)."""
-    return _current_graph_task_id is not None and _current_graph_task_id() != -1
-
-
-def graph_task() -> int:
-    """The id of the autograd backward (graph task) running in this thread, -1 outside one."""
-    return _current_graph_task_id() if _current_graph_task_id is not None else -1
-
-
-def foreign_call(thread: int | None) -> bool:
-    """Whether a module call now belongs to no step run on ``thread`` (a ``threading.get_ident()``;
-    ``None``: every thread's calls are the step's).
-
-    Another thread's module call outside a backward (an evaluation or data thread calling a
-    submodule of the model while a step runs) is not the step's: counted, it shifted the step's
-    call indices, and so its record keys. Calls from inside a backward count on any thread: on
-    CUDA backward (checkpoint recomputation, among others) runs on autograd's device thread.
-
-    While dynamo traces (a model compiled after the hooks were attached), neither is asked: it
-    cannot trace ``threading.get_ident()`` or the graph task id (``fullgraph=True`` fails on
-    either, and without it each is a graph break), and the compiled code runs on the thread
-    that calls it.
-    """
-    if thread is None or torch.compiler.is_compiling():
-        return False
-    return threading.get_ident() != thread and not in_backward()
-
-
-# NOTE [ Model checkpoints ]
-#     A module called while non-reentrant ``torch.utils.checkpoint``'s pack hooks are the
-#     innermost pair (the model checkpoints it, or a module around it, itself) is never
-#     recomputed by a plan: checkpointing it again inside the model's checkpoint can make every
-#     backward fail (``CheckpointError``: recomputed values with different metadata), and its
-#     saves never reach offload's hooks anyway. A manager's own checkpoints (a plan recomputing a
-#     module) enter :class:`PlannedCheckpoint` as their forward context, which marks their pack
-#     hooks, so that a recorded planned step does not name the modules inside them.
-_CHECKPOINT_PACK = "_checkpoint_hook."  # torch.utils.checkpoint's pack hook's __qualname__
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_planned_packs: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-class PlannedCheckpoint:
-    """The forward context (``context_fn``) of a checkpoint a manager's plan runs: marks the
-    checkpoint's pack hook, the innermost when it is entered, as the plan's (NOTE [ Model
-    checkpoints ])."""
-
-    def __enter__(self) -> None:
-        top = _top_hooks(False) if _top_hooks is not None else None
-        if top is not None:
-            _planned_packs.add(top[0])
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def is_checkpoint_pack(fn: Any) -> bool:
-    """Whether ``fn`` is non-reentrant ``torch.utils.checkpoint``'s pack hook."""
-    return getattr(fn, "__qualname__", "").startswith(_CHECKPOINT_PACK)
-
-
-def under_model_checkpoint() -> bool:
-    """Whether the innermost saved-tensor hooks are a checkpoint's the model entered itself
-    (NOTE [ Model checkpoints ])."""
-    top = _top_hooks(False) if _top_hooks is not None else None
-    return top is not None and is_checkpoint_pack(top[0]) and top[0] not in _planned_packs
-
-
-class UnendedCalls:
-    """Entries of a module-call ``stack`` pushed by calls a backward runs (checkpoint's
-    recomputation). Non-reentrant checkpoint stops recomputing once backward has what it needs,
-    so such a call's forward hook may never come: its entry would stay on the stack, and the
-    step's later packs (a forward after a backward in one step) would be named after it. The end
-    of that backward (a final callback) drops them. The recorder and offload's manager each keep
-    one over their own stack, which they mutate in place; ``lock`` guards it, if any."""
-
-    def __init__(self, stack: list[Any], lock: Any = None) -> None:
-        self._stack, self._lock = stack, lock
-        self._entries: list[Any] = []
-
-    def add(self, entry: Any) -> None:
-        """``entry``, just pushed, belongs to a call the current backward runs."""
-        if not self._entries:
-            torch.autograd.Variable._execution_engine.queue_callback(self._drop)
-        self._entries.append(entry)
-
-    def clear(self) -> None:
-        """The stack was cleared (a step began or ended; a backward that raised runs no final
-        callback)."""
-        self._entries.clear()
-
-    def _drop(self) -> None:
-        with self._lock if self._lock is not None else contextlib.nullcontext():
-            stale = {id(e) for e in self._entries}
-            self._entries.clear()
-            self._stack[:] = [e for e in self._stack if id(e) not in stale]
 
 
 class StepBoundary(str, enum.Enum):
@@ -186,65 +97,7 @@ class StepBoundary(str, enum.Enum):
     BACKWARD = "backward"  # each completed backward pass ends a step (``offload profile`` CLI)
 
 
-@dataclass
-class _Call:
-    """One module call being run: where packs go and what its backward hooks refer to."""
-
-    module: str
-    call_index: int
-    packs: int = 0
-    # id -> grad_fn of each input at the call (see _forward_hook), and the handle of the hook
-    # that marks the end of the call's backward.
-    inputs: dict[int, Any] | None = None
-    end_hook: Any = None
-    buffers: tuple[tuple[torch.Tensor, int], ...] = ()  # the module's own, at the call
-    versions: tuple[tuple[torch.Tensor, int], ...] = ()  # its tensor arguments, at the call
-
-
-_RECORD_FIELDS = (  # the columns of a record row (Recorder._records)
-    "seq",
-    "step",
-    "family",
-    "module",
-    "call_index",
-    "ordinal",
-    "nbytes",
-    "storage_nbytes",
-    "storage_offset",
-    "dims",  # where the record's shape and then its stride start in Recorder._dims
-    "ndim",
-    "dtype",
-    "device",
-    "is_parameter",
-    "grad_fn",
-    "in_backward",
-    "rebuild_from",
-    "is_view",
-    "weight_cast",
-)
-
-
-_NF = len(_RECORD_FIELDS)
-_R_STEP, _R_NBYTES, _R_STORAGE_NBYTES, _R_OFFSET, _R_DIMS, _R_NDIM, _R_DTYPE = 1, 6, 7, 8, 9, 10, 11
-
-
-# NOTE [ Recorder allocations ]
-#     Every object a pack leaves alive that Python's cyclic GC tracks makes the next collection
-#     longer; with torch imported (~170k objects) one full collection took 0.2 s on the project's
-#     2-core CI machine, which added several microseconds per pack when each pack kept an enum or
-#     a small object alive. Even a tuple of ints is tracked until the first collection that sees
-#     it: the one that ran after each recorded step (the GC is paused during it) took 3-7 ms for
-#     the ~9 such objects each of bench_hooks' 2000 packs left. So records and events are rows of
-#     flat lists (each added by one ``extend`` of a tuple that dies at once), of ints, floats,
-#     strings, dtypes and devices, which the GC never tracks; shapes and strides go, as ints, into
-#     a third flat list; a family's key is an int (a tuple only for the rare ``unsafe_chunk``
-#     piece). What stays tracked per pack: the handle and its detached tensor (until backward
-#     frees them), and per alias family, a weak reference and a pair of ints.
-_KINDS = tuple(EventKind)
-_CODE = {k: i for i, k in enumerate(_KINDS)}
-
-
-class Recorder:
+class Recorder(CallHooks):
     """Records the life of every saved tensor over one or more steps.
 
     Use it through :func:`offload.profile` or the ``offload profile`` CLI; direct use:
@@ -333,10 +186,7 @@ class Recorder:
         self._family_ref: dict[Any, Any] = {}
         self._family_info: dict[Any, tuple[int, int]] = {}
         self._next_family = 0
-        self._stack: list[_Call] = []
-        self._backward_calls = UnendedCalls(self._stack, self._lock)
-        self._call_counts: dict[str, int] = {}
-        self._outside_packs = 0
+        self._calls = CallStack(self._lock)  # of _Call frames: see lifecycle/_calls.py
         self._graph_task: int | None = None
         self._thread: int | None = None  # the step's thread (see begin_step)
         # Parameters and buffers, by storage (see NOTE [ Alias families ] for why Python objects).
@@ -360,7 +210,7 @@ class Recorder:
         self._checkpointed: set[str] = set()
         self._writes_input: set[str] = set()
         # nn.RReLU modules called in a recorded step: offload keeps their saved tensors on the
-        # device (NOTE [ Fill after pack ] in offload/_offloader.py), so the trace names them as kept modules.
+        # device (NOTE [ Fill after pack ] in offload/_pack.py), so the trace names them as kept modules.
         self._fill_after_pack: set[str] = set()
         self._compiled: set[int] = set()  # ids of the compiled modules attached (leaves)
         # The compiled calls our hooks run around (see NOTE [ Hooks of a compiled call ]).
@@ -409,10 +259,7 @@ class Recorder:
                 return
             self._recording = True
             self._thread = thread
-            self._stack.clear()
-            self._backward_calls.clear()
-            self._call_counts.clear()
-            self._outside_packs = 0
+            self._calls.reset()
             self._family_ref.clear()
             self._family_info.clear()
             self._graph_task = None
@@ -443,8 +290,7 @@ class Recorder:
             if not self._recording:
                 return
             self._recording = False
-            self._stack.clear()
-            self._backward_calls.clear()
+            self._calls.clear()
             if self._warmup_left:
                 self._warmup_left -= 1
                 self._discard_current()
@@ -467,8 +313,7 @@ class Recorder:
         with self._lock:
             if self._recording:
                 self._recording = False
-                self._stack.clear()
-                self._backward_calls.clear()
+                self._calls.clear()
                 self._discard_current()
             self._resume_gc()
 
@@ -554,57 +399,9 @@ class Recorder:
         else:
             self.end_step()
         with self._lock:
-            flat = self._events
-            seconds = self._clock.seconds(flat[1::3])
-            rows = self._rows()
-            events = []
-            step = 0
-            pack_event: dict[int, int] = {}
-            for i, (ev, mem, t) in enumerate(zip(flat[0::3], flat[2::3], seconds, strict=True)):
-                if isinstance(ev, int):
-                    seq = ev if ev >= 0 else ~ev
-                    kind = EventKind.PACK if ev >= 0 else EventKind.UNPACK
-                    module, call_index = rows[seq][3], rows[seq][4]
-                    if ev >= 0:
-                        pack_event[seq] = i
-                else:
-                    seq = -1
-                    kind, module, call_index = _KINDS[ev[0]], ev[1], ev[2]
-                events.append(
-                    Event(
-                        index=i,
-                        kind=kind,
-                        step=step,
-                        time_s=t,
-                        memory_bytes=mem,
-                        module=module,
-                        call_index=call_index,
-                        record=seq,
-                    )
-                )
-                if kind is EventKind.STEP_END:
-                    step += 1
-            unpacks: dict[int, list[int]] = {}
-            for e in events:
-                if e.kind is EventKind.UNPACK:
-                    unpacks.setdefault(e.record, []).append(e.index)
-            records = []
-            for row in rows:
-                f = dict(zip(_RECORD_FIELDS, row, strict=True))
-                at, ndim = f.pop("dims"), f.pop("ndim")
-                f["shape"] = tuple(self._dims[at : at + ndim])
-                f["stride"] = tuple(self._dims[at + ndim : at + 2 * ndim])
-                f["dtype"], f["device"] = str(f["dtype"]), str(f["device"])
-                f["pack_event"] = pack_event[f["seq"]]
-                used = unpacks.get(f["seq"], ())
-                records.append(
-                    TensorRecord(
-                        **f,
-                        pack_time_s=seconds[f["pack_event"]],
-                        unpack_events=tuple(used),
-                        unpack_times_s=tuple(seconds[e] for e in used),
-                    )
-                )
+            events, records = frozen_rows(
+                self._events, self._rows(), self._dims, self._clock.seconds(self._events[1::3])
+            )
             meta = {
                 "torch_version": torch.__version__,
                 "clock": type(self._clock).__name__,
@@ -660,113 +457,6 @@ class Recorder:
         self._events.extend(
             ((_CODE[kind], module, call_index), self._stamp(), self._probe() if self._probe else 0)
         )
-
-    # -- module hooks ------------------------------------------------------------------------
-
-    def _global_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if foreign_call(self._thread):
-            return  # another thread's module: not named after what this thread runs
-        if module not in self._names:
-            if not self._stack:
-                root = type(module).__name__
-                self._roots[module] = None
-                self._global_roots.add(root)
-                for name, mod in named_modules_stop_at_compiled(module):
-                    if is_compiled(mod):
-                        self._compiled.add(id(mod))
-                    if mod not in self._names:
-                        self._names[mod] = f"{root}.{name}" if name else root
-                self.add_parameters(module)
-            else:
-                parent = self._stack[-1].module
-                self._names[module] = f"{parent}.<{type(module).__name__}>"
-                self.add_parameters(module)
-        self._forward_pre_hook(module, args)
-
-    def _forward_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if not self._recording or foreign_call(self._thread):
-            return
-        name = self._names.get(module, type(module).__name__)
-        # A compiled module is a leaf (no hooks inside): it answers for its whole subtree.
-        leaf = id(module) in self._compiled
-        if any(
-            isinstance(m, _NormBase) and m.training and m.track_running_stats
-            for m in (module.modules() if leaf else (module,))
-        ):
-            self._stateful.add(name)
-        # F.rrelu in training saves its noise tensor and then fills it, and the fill leaves the
-        # version counter as it was (torch 2.13; NOTE [ Fill after pack ] in
-        # offload/_offloader.py: offload defers such copies). offload also keeps every
-        # nn.RReLU's saved tensors where they are; a plan made from this trace must count them
-        # kept too (a plan that moved them on paper was 1.6x over its budget).
-        if isinstance(module, nn.RReLU):
-            self._fill_after_pack.add(name)
-        with self._lock:
-            idx = self._call_counts.get(name, 0)
-            self._call_counts[name] = idx + 1
-            call = _Call(name, idx)
-            if module._buffers or leaf:
-                buffers = module.buffers() if leaf else module._buffers.values()
-                call.buffers = tuple((b, b._version) for b in buffers if b is not None)
-            self._stack.append(call)
-            self._event(EventKind.FORWARD_START, name, idx)
-            if in_backward():
-                self._backward_calls.add(call)
-                return
-            if not torch.is_grad_enabled():
-                return
-        args_in = list(tensors_in(args))
-        call.inputs = {id(t): t.grad_fn for t in args_in}
-        call.versions = tuple((t, t._version) for t in args_in)
-        if under_model_checkpoint():
-            self._checkpointed.add(name)
-        # The gradient of the first differentiable input marks the end of the module's backward.
-        for t in args_in:
-            if t.requires_grad and t.grad_fn is not None:
-                call.end_hook = t.register_hook(_BackwardEnd(self, name, idx))
-                break
-
-    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._recording or foreign_call(self._thread):
-            return
-        with self._lock:
-            if not self._stack:
-                return
-            call = self._stack.pop()
-            self._event(EventKind.FORWARD_END, call.module, call.call_index)
-            if any(b._version != v for b, v in call.buffers):
-                # Its forward changed its own buffers in place (running statistics, a spectral
-                # norm's power iteration): running it again would change them twice.
-                self._stateful.add(call.module)
-            if any(t._version != v for t, v in call.versions):
-                self._writes_input.add(call.module)
-            call.versions = ()
-            if in_backward() or not torch.is_grad_enabled():
-                return
-        self._norms.note(module, output)
-        outputs = list(tensors_in(output))
-        # A module that hands back its inputs untouched (Dropout(0.0) or Dropout in eval mode,
-        # Identity) has no backward of its own: its outputs' node is the one that made its
-        # input, whose pre-hook fires after the gradient of that input is known, so the end hook
-        # would fire before the start. Its backward is an empty span at that start instead (the
-        # one offload's executor triggers at for the call). An in-place module (ReLU(inplace=True))
-        # hands back its input too, with a node of its own: it keeps both hooks.
-        inputs = call.inputs or {}
-        through = bool(outputs) and all(
-            id(t) in inputs and inputs[id(t)] is t.grad_fn for t in outputs
-        )
-        if through and call.end_hook is not None:
-            call.end_hook.remove()
-        # A pre-hook on the outputs' grad_fn fires right before the module's backward starts and,
-        # unlike register_full_backward_pre_hook, leaves the graph alone (an in-place op after the
-        # module keeps working).
-        seen: set[int] = set()
-        hook = _BackwardStart(self, call.module, call.call_index, ends=through)
-        for t in outputs:
-            fn = t.grad_fn
-            if fn is not None and id(fn) not in seen:
-                seen.add(id(fn))
-                fn.register_prehook(hook)
 
     def _backward_signal(self) -> None:
         # Called from backward (unpack or module pre-hook). Under boundary="backward", the first
@@ -955,13 +645,7 @@ class Recorder:
                 )
                 fam = self._family_info[key] = (self._next_family, storage_nbytes)
                 self._next_family += 1
-        if self._stack:
-            call = self._stack[-1]
-            module, call_index, ordinal = call.module, call.call_index, call.packs
-            call.packs = ordinal + 1
-        else:
-            module, call_index, ordinal = OUTSIDE, 0, self._outside_packs
-            self._outside_packs = ordinal + 1
+        module, call_index, ordinal = self._calls.next_key()
         seq = self._n_records
         self._n_records = seq + 1
         self._events.extend((seq, self._stamp(), self._probe() if self._probe else 0))
@@ -1022,37 +706,3 @@ class _Watch:
             rec._watch = None
         if self.ref() is not None and self.serial >= 0:
             rec._retained.add(self.serial)
-
-
-class _BackwardStart:
-    __slots__ = ("call_index", "ends", "fired", "module", "rec")
-
-    def __init__(self, rec: Recorder, module: str, call_index: int, ends: bool = False):
-        self.rec, self.module, self.call_index, self.fired = rec, module, call_index, False
-        self.ends = ends  # a pass-through module's: its backward ends where it starts
-
-    def __call__(self, grad_outputs: Any) -> None:
-        rec = self.rec
-        if self.fired or not rec._recording:
-            return None
-        self.fired = True
-        with rec._lock:
-            rec._event(EventKind.BACKWARD_START, self.module, self.call_index)
-            if self.ends:
-                rec._event(EventKind.BACKWARD_END, self.module, self.call_index)
-        rec._backward_signal()
-        return None
-
-
-class _BackwardEnd:
-    __slots__ = ("call_index", "module", "rec")
-
-    def __init__(self, rec: Recorder, module: str, call_index: int):
-        self.rec, self.module, self.call_index = rec, module, call_index
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        rec = self.rec
-        if rec._recording:
-            with rec._lock:
-                rec._event(EventKind.BACKWARD_END, self.module, self.call_index)
-        return None

@@ -17,7 +17,7 @@ import torch
 
 from offload import _reload, storage
 from offload._family import ALIGN_BYTES, Family, Life
-from offload.lifecycle._recorder import graph_task
+from offload.lifecycle._calls import graph_task
 from offload.lifecycle._simulate import automatic_bounds
 
 if TYPE_CHECKING:

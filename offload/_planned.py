@@ -89,7 +89,7 @@ from offload.lifecycle import (
     Trace,
     Trigger,
 )
-from offload.lifecycle._recorder import OUTSIDE
+from offload.lifecycle._calls import OUTSIDE
 from offload.lifecycle._units import format_bytes
 
 log = logging.getLogger("offload")
@@ -146,7 +146,7 @@ def signature_of(args: Any, kwargs: Mapping[str, Any] | None = None) -> str:
 #     and keying on it would spend 8 profiling steps on a float schedule for nothing. Not seen
 #     here: a float that switches the structure (``if p > 0``), data-dependent branches,
 #     attributes set between steps; a planned step they change leaves its plan's key sequence,
-#     which the manager notices and profiles again (NOTE [ Structure ] in _offloader.py). Pass
+#     which the manager notices and profiles again (NOTE [ Structure ] in _structure.py). Pass
 #     such a switch as a bool or an int. Other objects (a config instance, a callable) are left
 #     out: their identity or repr may change every step.
 _LONG_STR = 32

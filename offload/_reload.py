@@ -20,7 +20,7 @@ from offload._errors import OffloadError, from_storage
 from offload._family import Family, Life, aligned_buffer, aligned_offset, rebuild, step_of
 from offload._points import point
 from offload._tiers import kind_of
-from offload.lifecycle._recorder import graph_task
+from offload.lifecycle._calls import graph_task
 
 if TYPE_CHECKING:
     from offload._executor import Executor, _Member

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from offload.lifecycle._recorder import PlannedCheckpoint
+from offload.lifecycle._recorder_calls import PlannedCheckpoint
 
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -227,11 +227,11 @@ def test_forwards_before_their_backwards_never_leave_the_profiler_recording(
             for _ in range(4):
                 got = _accumulated(model, batches, mgr)
                 assert gc.isenabled()
-                assert not mgr._profiler.recorder.recording
+                assert not mgr._budget._profiler.recorder.recording
                 for g, w in zip(got, want, strict=True):
                     assert torch.equal(g, w)
         assert len([w for w in caught if "began before" in str(w.message)]) == 1
-        assert mgr.plans == {} and mgr._profiler.recorder.steps_recorded == 0
+        assert mgr.plans == {} and mgr._budget._profiler.recorder.steps_recorded == 0
         assert mgr.stats.last.bytes_offloaded_cpu > 0  # min-memory mode
     finally:
         mgr.close()
@@ -252,7 +252,7 @@ def test_a_graph_kept_alive_after_a_cut_profile_ends_in_min_memory_mode_said_onc
                     loss = model(batches[1]).pow(2).sum()
                 loss.backward()
         assert len([w for w in caught if "not profiled" in str(w.message)]) == 1
-        assert mgr.plans == {} and not mgr._profiler.recorder.recording
+        assert mgr.plans == {} and not mgr._budget._profiler.recorder.recording
         del held
     finally:
         mgr.close()
@@ -285,8 +285,8 @@ def test_profiled_backwards_that_raise_leave_the_signature_to_be_profiled_again(
                 model.zero_grad(set_to_none=True)
                 with mgr:
                     loss = model(x).pow(2).sum()
-                    profiled.append(mgr._profiling is not None)
-                    planned.append(mgr._active is not None)
+                    profiled.append(mgr._budget._profiling is not None)
+                    planned.append(mgr._step.active is not None)
                 # The first two profiled steps fail.
                 failing[:] = [1] if profiled[-1] and sum(profiled) <= 2 else []
                 if failing:
@@ -304,7 +304,7 @@ def test_profiled_backwards_that_raise_leave_the_signature_to_be_profiled_again(
         assert profiled[:3] == [True, True, True] and planned == [False] * 3 + [True] * 5
         assert list(mgr.plans) == ["float32[32,64]"]
         assert mgr.stats.total.min_memory_steps == 0
-        assert mgr._active is not None  # the last step ran the plan
+        assert mgr._step.active is not None  # the last step ran the plan
     finally:
         mgr.close()
 
@@ -317,7 +317,7 @@ def test_a_forward_without_grad_at_a_new_signature_is_not_profiled() -> None:
     try:
         with mgr, torch.no_grad():
             model(batches[0])
-        assert gc.isenabled() and not mgr._profiler.recorder.recording
+        assert gc.isenabled() and not mgr._budget._profiler.recorder.recording
         unplanned = []
         for x in batches:
             with mgr:
@@ -417,14 +417,14 @@ def test_another_threads_module_calls_are_not_the_steps() -> None:
             with mgr:
                 loss = model(x).pow(2).sum()
             loss.backward()
-            assert mgr._calls == {name: 1 for name, _ in model.named_modules()}
+            assert mgr._step.calls.counts == {name: 1 for name, _ in model.named_modules()}
             assert all(
                 torch.equal(p.grad, w) for p, w in zip(model.parameters(), want[s], strict=True)
             )
             if s:
                 assert mgr.stats.last.predicted_peak_bytes > 0  # planned
                 assert mgr.stats.last.unplanned_records == 0
-        trace = mgr._profiler.trace()
+        trace = mgr._budget._profiler.trace()
         starts = [e.module for e in trace.events if e.kind.name == "FORWARD_START" and not e.step]
         assert starts == ["", "0", "1", "2", "3", "4"]
     finally:
@@ -685,7 +685,7 @@ def test_blocks_with_running_statistics_are_not_recomputed_and_stay_exact(
         assert plan is not None and plan.recompute_calls
         assert {m for m, _ in plan.recompute_calls} <= {"blocks.1", "blocks.3", "blocks.5"}
         assert mgr.stats.last.bytes_recomputed > 0
-        assert len(mgr._plans) == (2 if first == "eval" else 1)
+        assert len(mgr._budget._plans) == (2 if first == "eval" else 1)
     finally:
         mgr.close()
 
@@ -1064,7 +1064,7 @@ def test_a_given_plan_runs_for_its_signature_whenever_it_comes(tmp_path) -> None
         assert mgr.stats.last.predicted_peak_bytes == 0
         step(mgr, large)  # the given plan's own: run from its first step
         assert mgr.stats.last.predicted_peak_bytes == given.predicted_peak_bytes
-        assert "float32[48,64]" not in mgr._profiled
+        assert "float32[48,64]" not in mgr._budget._profiled
         assert mgr.plans["float32[48,64]"].entries == given.entries
     finally:
         mgr.close()
@@ -1233,7 +1233,10 @@ def test_signatures_past_the_cap_share_a_plan_of_per_key_maxima(caplog) -> None:
     assert mgr.stats.last.unplanned_records > 0
     assert mgr.plans["float32[96,16]"] is merged
     # Later signatures share the merged plan's lookup tables, not a copy each.
-    assert mgr._active_plans["float32[96,16]"] is mgr._active_plans[merged_sig(mgr, 44)]
+    assert (
+        mgr._budget._active_plans["float32[96,16]"]
+        is mgr._budget._active_plans[merged_sig(mgr, 44)]
+    )
     mgr.close()
 
 
@@ -1252,12 +1255,12 @@ def test_planned_steps_do_not_rebuild_the_profile() -> None:
         with mgr:
             loss = model(x).sum()
         loss.backward()
-    assert mgr.plan is not None and mgr._profiler is not None
+    assert mgr.plan is not None and mgr._budget._profiler is not None
 
     def no_trace() -> None:
         raise AssertionError("the profile was read again")
 
-    mgr._profiler.trace = no_trace  # type: ignore[method-assign]
+    mgr._budget._profiler.trace = no_trace  # type: ignore[method-assign]
     for _ in range(2):
         with mgr:
             loss = model(x).sum()
@@ -1573,7 +1576,7 @@ def test_a_known_structure_found_again_inside_the_step_leaves_no_recording_behin
                     model(x).pow(2).sum().backward()
             got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             assert_bitwise([got], [_switched_step(model, None, s, on)])
-            recorded.append(mgr._profiler.recorder.steps_recorded)
+            recorded.append(mgr._budget._profiler.recorder.steps_recorded)
         assert sorted(mgr.plans) == ["float32[32,64]", "float32[32,64] [structure 2]"]
         # Each structure's profile and its timing step; the re-profiles since kept nothing.
         assert recorded[5:] == [4] * (len(pattern) - 5), str(recorded)
@@ -1646,7 +1649,7 @@ def test_a_step_counter_among_the_arguments_keeps_memory_and_plans_bounded() -> 
                 model(x, i).pow(2).sum().backward()
                 assert_bitwise([got], [{n: p.grad for n, p in model.named_parameters()}])
         assert len(mgr.plans) == MAX_SIGNATURES + MAX_SHARED_SIGNATURES
-        assert len(mgr._active_plans) <= MAX_SHARED_SIGNATURES + 1
+        assert len(mgr._budget._active_plans) <= MAX_SHARED_SIGNATURES + 1
         assert f"float32[32,16];{steps - 1}" in mgr.plans  # the most recent are named
         assert "float32[32,16];8" not in mgr.plans
     finally:
@@ -1722,8 +1725,8 @@ def test_a_step_counter_under_accumulation_keeps_the_strike_counts_bounded() -> 
         with pytest.warns(RuntimeWarning, match="steps in a row"):  # see the test below
             for i in range(200):
                 _accumulate(model, mgr, i)
-        assert len(mgr._unfinished) <= MAX_SIGNATURES
-        assert len(mgr._overlap_skips) <= MAX_SIGNATURES
+        assert len(mgr._budget._unfinished) <= MAX_SIGNATURES
+        assert len(mgr._budget._overlap_skips) <= MAX_SIGNATURES
         assert _grown(mgr) == {}
     finally:
         mgr.close()
@@ -1814,8 +1817,8 @@ def test_a_counter_every_other_step_under_accumulation_keeps_state_bounded() -> 
             for i in range(200):
                 _accumulate(model, mgr, i // 2)
         assert _grown(mgr) == {}
-        assert len(mgr._struck) == MAX_SIGNATURES
-        assert mgr.plans == {} and not mgr._profiled
+        assert len(mgr._budget._struck) == MAX_SIGNATURES
+        assert mgr.plans == {} and not mgr._budget._profiled
         said = _offload_warnings(caught)
         assert len(said) == 2, said  # the first struck signature, then the run
         assert "began before the backward" in said[0] and "steps in a row" in said[1]
@@ -1999,8 +2002,8 @@ def test_the_profiling_step_stores_no_more_than_min_memory_mode() -> None:
                 grads, stats = run(case, mgr, steps=1)
             measured[budget is None] = (stats[0].as_dict(), saved.peak)
             if budget is not None:
-                assert mgr._profiler is not None
-                links = [r for r in mgr._profiler.trace().records if r.rebuild_from >= 0]
+                assert mgr._budget._profiler is not None
+                links = [r for r in mgr._budget._profiler.trace().records if r.rebuild_from >= 0]
                 more, _ = run(case, mgr, steps=2, first=1)  # planned
                 assert_bitwise(grads + more, want)
             else:
@@ -2379,7 +2382,7 @@ def test_a_step_inside_a_graph_capture_is_neither_profiled_nor_timed() -> None:
         with mgr if mgr is not None else contextlib.nullcontext():
             loss = model(x).pow(2).sum()
             if mgr is not None:
-                profiling.append(mgr._profiling)
+                profiling.append(mgr._budget._profiling)
         loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 import offload
 from offload import lifecycle, storage
 from offload._family import Life
-from offload.lifecycle._recorder import foreign_call
+from offload.lifecycle._calls import foreign_call
 
 ENGINES = ("sync", "deferred")
 
@@ -643,9 +643,9 @@ def test_the_thread_check_of_module_hooks_stays_out_of_dynamo() -> None:
         compiled = torch.compile(model, backend="eager")
         with mgr:
             loss = compiled(torch.randn(32, 64)).sum()
-            assert mgr._profiler.recording
+            assert mgr._budget._profiler.recording
         loss.backward()
-        assert mgr._calls == {name: 1 for name, _ in model.named_modules()}
+        assert mgr._step.calls.counts == {name: 1 for name, _ in model.named_modules()}
     breaks = [r for r in counters["graph_break"] if "get_ident" in r or "graph_task" in r]
     assert not breaks
     ident = threading.get_ident()
@@ -828,9 +828,9 @@ def test_module_calls_of_a_backward_on_another_thread_count(use_reentrant: bool)
         with manager(model) as mgr:
             with mgr:
                 loss = model(x).pow(2).sum()
-                forward_calls = dict(mgr._calls)
+                forward_calls = dict(mgr._step.calls.counts)
                 on_another_thread(loss.backward) if elsewhere else loss.backward()
-                calls.append(dict(mgr._calls))
+                calls.append(dict(mgr._step.calls.counts))
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert calls[1] == calls[0] != forward_calls  # the recomputation's calls are counted
     assert_bitwise(grads[1], grads[0])
@@ -1042,7 +1042,7 @@ def test_a_backward_that_raises_midway_leaves_host_and_file_as_before(
         drain(mgr)
         assert (ex.live_families(), ex.cpu_bytes, host.used_bytes, nvme.used_bytes) == (0,) * 4
         assert len(os.listdir("/proc/self/fd")) == files
-        assert not mgr._deferred and mgr._profiling is None
+        assert not mgr._step.deferred and mgr._budget._profiling is None
         assert_bitwise(offloaded_step(case, mgr, 3), want[3])
 
 
@@ -2276,7 +2276,7 @@ def test_calls_a_checkpoint_recomputation_leaves_unfinished_end_with_its_backwar
         for _ in range(2):
             model(x).pow(2).sum().backward()
             if mgr is not None:
-                assert mgr._stack == []
+                assert mgr._step.calls.frames == []
                 moved.append(mgr.stats.last.bytes_offloaded_cpu - sum(moved))
         return moved
 

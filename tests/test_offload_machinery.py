@@ -123,7 +123,9 @@ def test_a_module_compiled_again_keeps_its_hooks(
             with SavedBytes.on(mgr) if mgr is not None else contextlib.nullcontext() as saved:
                 grads += seeded_steps(model, mgr, n=1, first=s)
             if mgr is not None:
-                seen.append((mgr.stats.last, saved.peak_planned, mgr._calls.get(name, 0)))
+                seen.append(
+                    (mgr.stats.last, saved.peak_planned, mgr._step.calls.counts.get(name, 0))
+                )
         if mgr is not None:
             mgr.close()
         # close() leaves the module compiled the second time, without the manager.
@@ -211,7 +213,7 @@ def test_foreign_saved_tensor_hooks_inside_the_step_warn_once(
         # Checkpoint's pair, pushed during its forward, is not foreign.
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            mgr._warned.clear()
+            mgr._warn.warned.clear()
             with mgr:
                 x = torch.randn(32, 64)
                 loss = checkpoint(model, x, use_reentrant=False).pow(2).sum()

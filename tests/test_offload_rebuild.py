@@ -72,8 +72,8 @@ def _profile(model: nn.Module, x: torch.Tensor) -> Trace:
     mgr = offload.ActivationOffloader(model, gpu_budget="1GiB", hardware=FAST, min_offload_bytes=0)
     try:
         _step(model, x, mgr)
-        assert mgr._profiler is not None
-        return mgr._profiler.trace()
+        assert mgr._budget._profiler is not None
+        return mgr._budget._profiler.trace()
     finally:
         mgr.close()
         model.zero_grad(set_to_none=True)
@@ -119,7 +119,7 @@ def _bytes(plan: Plan, placement: Placement) -> int:
 
 def _kept_alive(mgr: offload.ActivationOffloader) -> int:
     gc.collect()
-    return sum(1 for ref in mgr._kept_refs.values() if ref() is not None)
+    return sum(1 for ref in mgr._step.kept_refs.values() if ref() is not None)
 
 
 def test_active_plan_rebuilds_its_keys_without_a_reload_trigger() -> None:
@@ -436,8 +436,8 @@ def test_the_profiling_step_of_budget_mode_records_rebuild_links(
         _assert_bitwise(_step(model, x, mgr), want)
         first = mgr.stats.last
         assert first.predicted_peak_bytes == 0 and first.records_rebuilt == 2  # profiled
-        assert mgr._profiler is not None
-        trace = mgr._profiler.trace()
+        assert mgr._budget._profiler is not None
+        trace = mgr._budget._profiler.trace()
     finally:
         mgr.close()
 
@@ -464,9 +464,9 @@ def test_the_profiling_step_of_budget_mode_records_rebuild_links(
 
 
 def _rebuilding(mgr: offload.ActivationOffloader) -> Callable[..., Plan]:
-    """``mgr._make_plan`` with every family its trace links rebuilt (until the planner
+    """``mgr._budget._make_plan`` with every family its trace links rebuilt (until the planner
     chooses REBUILD itself)."""
-    make = mgr._make_plan
+    make = mgr._budget._make_plan
 
     def make_plan(trace: Trace, step: int, signature: str) -> Plan:
         plan = make(trace, step, signature)
@@ -486,15 +486,15 @@ def test_a_plan_that_rebuilds_is_refined_from_its_recorded_first_step() -> None:
     trace = _profile(model, x)
     budget = trace.peak_saved_bytes // 2
     mgr = offload.ActivationOffloader(model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0)
-    mgr._make_plan = _rebuilding(mgr)  # type: ignore[method-assign]
+    mgr._budget._make_plan = _rebuilding(mgr)  # type: ignore[method-assign]
     try:
         _assert_bitwise(_step(model, x, mgr), want)  # profiled
         first = mgr.plan
         assert first is not None and _bytes(first, Placement.REBUILD) > 0
         _assert_bitwise(_step(model, x, mgr), want)  # runs the first plan, recorded
         assert mgr.stats.last.records_rebuilt == REBUILDS
-        assert mgr._profiler is not None
-        recorded = mgr._profiler.trace()
+        assert mgr._budget._profiler is not None
+        recorded = mgr._budget._profiler.trace()
         refined = mgr.plan
         for _ in range(2):
             _assert_bitwise(_step(model, x, mgr), want)  # runs the refined plan

@@ -177,7 +177,7 @@ def test_retain_graph_planned_steps_hold_what_the_plan_predicts() -> None:
         for first, second, predicted in held[1:]:  # from the second step: planned
             assert 0 < first <= predicted <= budget, held
             assert second <= predicted, held
-        trace = mgr._profiler.trace()
+        trace = mgr._budget._profiler.trace()
         assert trace.retained_steps and not trace.create_graph_steps
     finally:
         mgr.close()
@@ -245,7 +245,7 @@ def test_a_gradient_penalty_is_planned_with_what_its_graph_keeps() -> None:
                 _penalty_step(model, _batch(s), mgr)
             got.append(_grads(model))
             held.append((meter.peak_planned, mgr.stats.last.predicted_peak_bytes))
-        trace = mgr._profiler.trace()
+        trace = mgr._budget._profiler.trace()
         assert trace.create_graph_steps and trace.retained_steps
         total = mgr.stats.total
         assert total.bytes_offloaded_cpu + total.bytes_recomputed > 0

@@ -249,7 +249,7 @@ def test_a_store_failing_at_the_steps_exit_fails_the_step_and_leaks_nothing() ->
             with mgr:
                 loss = (model(x).repeat(1, 64) * mask).sum()
         assert loss is not None  # the forward ran: the exit raised
-        assert not mgr._deferred
+        assert not mgr._step.deferred
         assert mgr._executor.live_families() == 0
         assert mgr._executor.cpu_bytes == 0
         with pytest.raises(offload.OffloadError, match="raised"):
@@ -873,16 +873,15 @@ def _budget_state(mgr: offload.ActivationOffloader) -> dict[str, int]:
     """Sizes of everything a budgeted manager keeps across steps: per signature (plans,
     profiles, structures, counters), per step (cleared at each start: compared at the same point
     of the run's cycle), the executor's queues and the profiler's recording."""
-    names = [
+    budget, step = mgr._budget, mgr._step
+    per_signature = [
         "_plans",
         "_active_plans",
-        "_infeasible",
         "_struck",
         "_unplanned_sigs",
         "_over_budget",
         "_profiled",
         "_shared",
-        "_refine_next",
         "_timed",
         "_unfinished",
         "_overlap_skips",
@@ -891,21 +890,16 @@ def _budget_state(mgr: offload.ActivationOffloader) -> dict[str, int]:
         "_reprofile",
         "_structure_fixed",
         "_futile",
-        "_plan_kept",
-        "_given",
-        "_recompute",
-        "_calls",
-        "_kept_seq",
-        "_kept_refs",
-        "_deferred",
-        "_rebuilds",
-        "_task_ends",
-        "_warned",
-        "_stack",
-        "_attachments",
     ]
-    out = {n: len(getattr(mgr, n)) for n in names}
-    out["structures"] = sum(len(s) for s in mgr._structures.values())
+    per_step = ["kept_seq", "kept_refs", "deferred", "rebuilds", "plan_kept"]
+    out = {n: len(getattr(budget, n)) for n in per_signature}
+    out["states"] = len(budget._states._of)  # infeasible, given, planned (to be timed), ...
+    out.update({n: len(getattr(step, n)) for n in per_step})
+    out["calls"], out["stack"] = len(step.calls.counts), len(step.calls.frames)
+    out["recompute"] = len(mgr._recomputes.installed)
+    out["task_ends"], out["attachments"] = len(mgr._task_ends), len(mgr._attachments)
+    out["warned"] = len(mgr._warn.warned)
+    out["structures"] = sum(len(s) for s in mgr._budget._structures.values())
     ex = mgr._executor
     for n in [
         "_pending_free",
@@ -917,7 +911,7 @@ def _budget_state(mgr: offload.ActivationOffloader) -> dict[str, int]:
         "_live",
     ]:
         out["ex." + n] = len(getattr(ex, n))
-    rec = mgr._profiler.recorder
+    rec = mgr._budget._profiler.recorder
     out["rec.steps"] = rec.steps_recorded
     for n in [
         "_events",
@@ -1007,7 +1001,7 @@ def test_soak_budget_mode_grows_nothing(tmp_path) -> None:
         assert total.bytes_offloaded_nvme > done.bytes_offloaded_nvme
         assert total.bytes_recomputed > done.bytes_recomputed
         assert total.records_rebuilt > done.records_rebuilt
-        assert isinstance(mgr._merged, offload.Plan)
+        assert isinstance(mgr._budget._merged, offload.Plan)
         assert any(name.endswith("[structure 2]") for name in mgr.plans)
     finally:
         mgr.close()

@@ -124,7 +124,7 @@ def test_blocks_the_model_checkpoints_itself_are_not_recomputed() -> None:
     mgr, said = run(lambda: Residual(lambda i: Block(), checkpointed=(1, 3)))
     try:
         assert recomputed(mgr) and recomputed(mgr) <= {"blocks.0", "blocks.2"}
-        trace = mgr._profiler.trace()
+        trace = mgr._budget._profiler.trace()
         assert {"blocks.1", "blocks.3", "blocks.1.fc1"} <= set(
             trace.metadata["checkpointed_modules"]
         )
@@ -142,7 +142,7 @@ def test_blocks_that_write_their_input_in_place_are_not_recomputed() -> None:
     mgr, said = run(lambda: Residual(lambda i: Block(writes_input=i % 2 == 1)))
     try:
         assert recomputed(mgr) and not recomputed(mgr) & {"blocks.1", "blocks.3"}
-        meta = mgr._profiler.trace().metadata
+        meta = mgr._budget._profiler.trace().metadata
         assert {"blocks.1", "blocks.3"} <= set(meta["input_writing_modules"])
         assert not said
     finally:
@@ -158,7 +158,7 @@ def test_a_modules_own_generator_is_replayed_and_it_stays_recomputed() -> None:
     try:
         assert {"blocks.1", "blocks.3"} <= recomputed(mgr)
         assert mgr.stats.last.bytes_recomputed > 0
-        assert not mgr._verifier.differing
+        assert not mgr._budget._verifier.differing
         assert not said
     finally:
         mgr.close()
@@ -175,7 +175,7 @@ def test_a_recomputation_that_differs_is_found_excluded_and_warned_once(noise: s
     which checkpoint refuses (CheckpointError): found the same way."""
     mgr, said = run(lambda: Residual(lambda i: Block(noise=noise if i % 2 else "")), reseed=True)
     try:
-        assert list(mgr._verifier.differing) and set(mgr._verifier.differing) <= {
+        assert list(mgr._budget._verifier.differing) and set(mgr._budget._verifier.differing) <= {
             "blocks.1",
             "blocks.3",
         }
@@ -185,10 +185,10 @@ def test_a_recomputation_that_differs_is_found_excluded_and_warned_once(noise: s
         assert mgr.plan.metadata.get("refined")
         left = recomputed(mgr)
         assert left and not left & {"blocks.1", "blocks.3"}
-        assert "checkpointed_modules" not in mgr._profiler.trace().metadata
+        assert "checkpointed_modules" not in mgr._budget._profiler.trace().metadata
         named = [str(w.message) for w in said]
-        assert len(named) == len(mgr._verifier.differing)
-        for name in mgr._verifier.differing:
+        assert len(named) == len(mgr._budget._verifier.differing)
+        for name in mgr._budget._verifier.differing:
             assert sum(f"module {name!r}" in m for m in named) == 1
     finally:
         mgr.close()
@@ -296,11 +296,13 @@ def test_verified_recomputation_on_cuda(noise: str) -> None:
                     assert mgr.stats.last.bytes_recomputed > 0
         named = [str(w.message) for w in said if "recomputed other values" in str(w.message)]
         if noise == "attribute":
-            assert not mgr._verifier.differing and not named
+            assert not mgr._budget._verifier.differing and not named
             assert {"blocks.1", "blocks.3"} & recomputed(mgr)
         else:
-            assert mgr._verifier.differing and len(named) == len(mgr._verifier.differing)
-            assert not recomputed(mgr) & set(mgr._verifier.differing)
+            assert mgr._budget._verifier.differing and len(named) == len(
+                mgr._budget._verifier.differing
+            )
+            assert not recomputed(mgr) & set(mgr._budget._verifier.differing)
     finally:
         mgr.close()
 
@@ -341,7 +343,7 @@ def test_a_given_plan_runs_a_module_found_to_differ_as_it_is() -> None:
                 for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
                     assert torch.equal(a.grad, b.grad), (step, name)
                 records.append(mgr.stats.last.records)
-        assert set(mgr._verifier.differing) == hidden
+        assert set(mgr._budget._verifier.differing) == hidden
         named = [str(w.message) for w in said if "recomputed other values" in str(w.message)]
         assert len(named) == len(set(named)) == len(hidden)  # once each
         assert records[0] < records[1] == records[-1]
