@@ -29,7 +29,7 @@ from offload.lifecycle._units import parse_bytes
 #     lifecycle.plan reports these, simulated, when it simulates its plan; above
 #     ``simulate_records`` its model predicts keep_all and checkpoint_blocks (when it may
 #     recompute every block) and leaves offload_all out (it has no look-ahead window). Measured
-#     equal to the predicted peaks on CPU: tests/test_offload_budget.py
+#     equal to the predicted peaks on CPU: tests/test_offload_window.py
 #     test_anchors_predict_what_running_each_alternative_holds.
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from simulate_util import traces  # noqa: F401  (fixtures)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

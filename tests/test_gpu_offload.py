@@ -385,7 +385,7 @@ def test_norm_outputs_rebuilt_bitwise_on_cuda(kind: str, autocast: bool) -> None
     (under autocast, the bf16 casts of them the Linears save) are rebuilt on the compute stream
     from inputs reloaded on the H2D stream, with the modules' eps, weight and bias: bitwise on
     CUDA. (RMSNorm runs ``_fused_rms_norm`` here, whose node saves the input.)"""
-    from test_offload_edges import _grads, _NormNet
+    from offload_util import _grads, _NormNet
 
     if kind == "rms_norm":
         probe = nn.RMSNorm(8, device="cuda")(torch.ones(2, 8, device="cuda", requires_grad=True))
@@ -718,9 +718,9 @@ def _halves_grads(
     saturate: bool,
 ) -> list[torch.Tensor]:
     """One step of ``b(a(x))`` with the op between the halves waiting for the manager's NVMe
-    tier (see test_offload_edges._WaitForTier), the compute stream kept busy for seconds
+    tier (see offload_util._WaitForTier), the compute stream kept busy for seconds
     before backward when ``saturate``; the gradients."""
-    from test_offload_edges import _WaitForTier
+    from offload_util import _WaitForTier
 
     for p in [*a.parameters(), *b.parameters()]:
         p.grad = None
@@ -817,7 +817,7 @@ def test_a_full_pinned_pool_waits_for_copies_in_flight_bitwise(tmp_path, monkeyp
 
 
 # -- a module's own saved tensors under the look-ahead window (NOTE [ Module triggers under the
-# -- window ]; the CPU half: test_offload_budget.py::test_a_modules_own_saved_tensors_come_back_
+# -- window ]; the CPU half: test_offload_window.py::test_a_modules_own_saved_tensors_come_back_
 # -- under_the_window) ---------------------------------------------------------------------------
 
 

@@ -419,7 +419,7 @@ def test_tensor_parallel_recompute_adds_no_collectives(ranks: RankPool) -> None:
     for rank, r in enumerate(ranks.run(_tp_worker, True, ("budget",), "slow")):
         got = r["budget"]
         # A link this slow makes the planner recompute on a plain model (see
-        # test_offload_budget.py); under TP it must not, or the block's collectives run again.
+        # test_offload_recompute.py); under TP it must not, or the block's collectives run again.
         assert not any(got["bytes_recomputed"]), (
             f"rank {rank}: recomputed {got['bytes_recomputed']}"
         )
