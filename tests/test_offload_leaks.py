@@ -1,5 +1,5 @@
-"""DESIGN's no-leak invariant: exceptions and dropped graphs release everything, steady
-state and 1000-step soaks grow nothing (both tiers, and budget mode)."""
+"""The no-leak invariant (docs/design.md, No leaks): exceptions and dropped graphs release
+everything, steady state and 1000-step soaks grow nothing (both tiers, and budget mode)."""
 
 from __future__ import annotations
 
