@@ -22,7 +22,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from offload.lifecycle import HardwareModel, plan, predict_anchors, transformer_trace
+from offload.lifecycle import (
+    BudgetInfeasibleError,
+    HardwareModel,
+    plan,
+    predict_anchors,
+    transformer_trace,
+)
 
 _BASE_BYTES = 10 << 30
 # (mlp, layers, hidden, tokens)
@@ -47,7 +53,18 @@ def _one(mlp: str, layers: int, hidden: int, tokens: int, hw: HardwareModel) -> 
     rows = []
     for share in _SHARES:
         budget = _BASE_BYTES + int(share * saved)
-        p = plan(trace, budget, hw, min_offload_bytes=0, margin=0)
+        try:
+            p = plan(trace, budget, hw, min_offload_bytes=0, margin=0)
+        except BudgetInfeasibleError as e:  # below what any plan of the allowed tiers reaches
+            rows.append(
+                {
+                    "share": share,
+                    "gpu_budget_bytes": budget,
+                    "infeasible": True,
+                    "min_feasible_bytes": e.min_feasible_bytes,
+                }
+            )
+            continue
         rows.append(
             {
                 "share": share,
@@ -97,6 +114,13 @@ def _markdown(result: dict[str, Any]) -> str:
     for t in result["traces"]:
         name = "gpt" if t["mlp"] == "gelu" else "llama"
         for row in t["budgets"]:
+            if row.get("infeasible"):
+                lines.append(
+                    f"| {name} | {t['layers']} x {t['hidden']}, {t['tokens']} | "
+                    f"+{row['share']:.0%} | infeasible (needs "
+                    f"{row['min_feasible_bytes'] / (1 << 30):.2f} GiB) | | | |"
+                )
+                continue
             a = row["anchors"]
 
             def anchor(k: str, a: dict[str, Any] = a) -> str:
