@@ -128,8 +128,13 @@ class _Member:
         src = fam.source  # uint8: the storage's bytes [span_start, span_start + nbytes)
         assert src is not None
         lo = -fam.span_start % item  # the first byte at a multiple of the item size
-        usable = (src.numel() - lo) // item * item
-        typed = src[lo : lo + usable].view(self.dtype)
+        n = src.numel()
+        usable = (n - lo) // item * item
+        typed = (
+            src.view(self.dtype)
+            if lo == 0 and usable == n
+            else src[lo : lo + usable].view(self.dtype)
+        )
         return typed.as_strided(self.size, self.stride, self.offset_bytes // item)
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
@@ -490,7 +495,7 @@ class Executor:
             step=step,
         )
         self._next_fid += 1
-        source = storage_bytes(t)[start:end]
+        source = storage_bytes(t, start, end)
         self._store(step, fam, source, tier, stream)
         fam.guard = t
         step.families.append(fam)

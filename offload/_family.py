@@ -196,8 +196,9 @@ def span_of(t: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * item
 
 
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 tensor over every byte of ``t``'s storage (keeps the storage alive).
+def storage_bytes(t: torch.Tensor, start: int = 0, end: int = -1) -> torch.Tensor:
+    """A uint8 tensor over the bytes ``[start, end)`` of ``t``'s storage (``end`` -1: to its
+    end), as one view (keeps the storage alive).
 
     Views of ``t`` only, never ``t.new_empty(0).set_(storage)``: ``set_`` returns ``Tensor(a!)``,
     which torch's CUDA sanitizer counts as a write to the storage on the current stream
@@ -210,17 +211,19 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     if type(t) is not torch.Tensor:
         # A tensor subclass with bytes of its own is viewed as the plain tensor it is.
         with torch._C.DisableTorchFunctionSubclass():
-            return _plain_bytes(t)
-    return _plain_bytes(t)
+            return _plain_bytes(t, start, end)
+    return _plain_bytes(t, start, end)
 
 
-def _plain_bytes(t: torch.Tensor) -> torch.Tensor:
+def _plain_bytes(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
     if t.is_conj():
         t = t.conj()  # clears the flag: a view
     if t.is_neg():
         t = torch._neg_view(t)  # likewise
+    if end < 0:
+        end = t.untyped_storage().nbytes()
     head = t.as_strided((0,), (1,), 0).view(torch.uint8)
-    return head.as_strided((t.untyped_storage().nbytes(),), (1,), 0)
+    return head.as_strided((end - start,), (1,), start)
 
 
 def aligned_offset(raw: torch.Tensor, mod: int) -> int:
@@ -254,6 +257,8 @@ def rebuild(
             f"internal: member of family {fam.fid} starts at byte {start}, not a multiple of its "
             f"itemsize {item}"
         )
-    usable = (raw.numel() // item) * item
-    typed = raw[:usable].view(dtype)
+    n = raw.numel()
+    usable = (n // item) * item
+    # (Whole when it divides: one view less per unpack.)
+    typed = raw.view(dtype) if usable == n else raw[:usable].view(dtype)
     return typed.as_strided(size, stride, start // item)

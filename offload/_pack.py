@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from offload._step import Step
 
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_UNPLANNED = (None, 0)  # a key the plan does not name: no decision (and no limit)
 # The number the next autograd node of this thread will get (see NOTE [ Fill after pack ]).
 _sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
@@ -104,10 +105,10 @@ class Packer:
             self.flush_deferred(step, ex, prof)  # an op that made a node since: theirs has returned
         dtensor = None
         local = t
-        if type(t) is not torch.Tensor and hasattr(t, "_local_tensor"):  # a DTensor: its shard
-            dtensor = (t.device_mesh, t.placements, t.shape, t.stride())  # type: ignore[attr-defined]
-            self.saw_dtensor = True
-        if type(t) is not torch.Tensor:
+        if type(t) is not torch.Tensor:  # a plain tensor, the common case, skips this
+            if hasattr(t, "_local_tensor"):  # a DTensor: its shard
+                dtensor = (t.device_mesh, t.placements, t.shape, t.stride())  # type: ignore[attr-defined]
+                self.saw_dtensor = True
             local = local_tensor(t)
             if type(local) is not torch.Tensor and not _has_storage(local):
                 # A wrapper subclass without bytes of its own: nothing to copy. (One with bytes
@@ -120,11 +121,12 @@ class Packer:
                 return self.keep(t, step, prof)
         top = step.top
         module, kept = (top.module, top.kept) if top is not None else (OUTSIDE, False)
+        n = local.numel()
         if (
             kept
             or local.device != self.device
-            or local.numel() * local.element_size() < self.min_offload_bytes
-            or local.numel() == 0
+            or n * local.element_size() < self.min_offload_bytes
+            or n == 0
             or local.layout is not torch.strided  # sparse: no one storage to copy
             or local.is_nested
             or self.params.holds(local, local.untyped_storage())
@@ -147,16 +149,19 @@ class Packer:
                 return rebuilt
         tier = None
         if active is not None:
-            tier = active.action.get(key)
+            # The plan's decision and its size limit in one lookup; the recomputed calls are
+            # asked only when the plan has some (a tuple per ask).
+            tier, limit = active.decision.get(key, _UNPLANNED)
+            recomputed = bool(active.recompute_calls) and (key[0], key[1]) in active.recompute_calls
             if key[0] != OUTSIDE:  # the loss's packs match whatever the model is
                 step.keys_looked_up += 1
-                if tier is not None or (key[0], key[1]) in active.recompute_calls:
+                if tier is not None or recomputed:
                     step.keys_matched += 1
             if step.diverged is not None:
                 # Off the plan's sequence: the rest of the step is not the plan's to place
                 # (NOTE [ Structure ]), save a storage it kept, which stays on the device anyway.
                 tier = KEEP if step.kept_by_plan(local) else None
-            elif tier is not None and _extent(local) > active.limit[key]:
+            elif tier is not None and _extent(local) > limit:
                 tier = None  # larger than planned (docs/design.md: Keys and signatures)
             if tier == REBUILD:
                 # See NOTE [ Activation recipes ] in _recipe.py; if its conditions fail, the
@@ -165,11 +170,7 @@ class Packer:
                 if rebuilt is not None:
                     return rebuilt
                 tier = None
-            if (
-                tier is None
-                and step.diverged is None
-                and (key[0], key[1]) in active.recompute_calls
-            ):
+            if tier is None and step.diverged is None and recomputed:
                 # Non-reentrant checkpoint saves the recomputed call's inputs itself, as packs
                 # of that call: kept, as the planner assumed (its inputs stay on the device).
                 tier = KEEP

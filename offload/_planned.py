@@ -214,11 +214,14 @@ class ActivePlan:
         self.limit: dict[tuple[str, int, int], int] = {}
         # key of a family's first member -> its reload trigger's key (or None)
         self.trigger: dict[tuple[str, int, int], tuple[str, str, int, int] | None] = {}
+        # key -> (action, limit): the pack's one lookup (the hot path, offload/_pack.py)
+        self.decision: dict[tuple[str, int, int], tuple[str, int]] = {}
         for e in plan.entries:
             action = _ACTION_OF.get(e.placement, KEEP)
             for k in e.keys:
                 self.action[k] = action
                 self.limit[k] = e.nbytes
+                self.decision[k] = (action, e.nbytes)
             if e.placement.moves:
                 self.trigger[e.keys[0]] = e.reload.key if e.reload is not None else None
         self.recompute_calls = frozenset(plan.recompute_calls)
