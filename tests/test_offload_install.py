@@ -62,6 +62,18 @@ def test_installed_min_memory_steps_are_bitwise_and_offload(name: str) -> None:
         mgr.close()
 
 
+def _raised_hooks(model: nn.Module) -> list[object]:
+    """The hooks install() added to ``model``'s modules."""
+    from offload._hooks import ForwardRaised
+
+    return [
+        h
+        for m in model.modules()
+        for h in m._forward_hooks.values()
+        if isinstance(h, ForwardRaised)
+    ]
+
+
 def _train_one(case: ModelCase, s: int) -> list[dict[str, torch.Tensor]]:
     case.model.zero_grad(set_to_none=True)
     case.loss(case.batch(s)).backward()
@@ -225,6 +237,7 @@ def test_uninstall_mid_run_then_training_without_offload() -> None:
         assert_bitwise(got, want)
         _leak_free(mgr)
         mgr.uninstall()  # again: nothing
+        assert not _raised_hooks(case.model)
     finally:
         mgr.close()
 
@@ -233,9 +246,11 @@ def test_close_uninstalls_and_an_open_step_ends() -> None:
     case = ALL_MODELS["mlp"](seed=0)
     mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0)
     mgr.install()
+    assert _raised_hooks(case.model)
     loss = case.loss(case.batch(0))
     mgr.close()
     assert not mgr.installed and mgr.closed
+    assert not _raised_hooks(case.model)
     with pytest.raises(Exception, match="closed"):
         loss.backward()  # its saved tensors went with the manager (as after `with`)
     del loss
@@ -383,3 +398,42 @@ def test_an_evaluation_forward_with_grad_is_a_step_of_its_own() -> None:
         _leak_free(mgr)
     finally:
         mgr.close()
+
+
+def test_installed_budget_steps_go_as_with_blocks_do() -> None:
+    """The same steps through install() and through ``with mgr:`` blocks holding their
+    backward: the same signatures, the same plan states step by step, plans of the same
+    modules' records (a ``with`` block also covers the loss computed outside the model)."""
+
+    def steps(how: str) -> tuple[list[tuple[bool, int, int]], list[str], set[str]]:
+        case = ALL_MODELS["gpt_block"](seed=0)
+        budget = int(0.6 * keep_all_peak(case))
+        mgr = offload.ActivationOffloader(
+            case.model, gpu_budget=budget, hardware=FAST, min_offload_bytes=0
+        )
+        try:
+            if how == "install":
+                mgr.install()
+            seen = []
+            for s in range(5):
+                case.model.zero_grad(set_to_none=True)
+                if how == "install":
+                    case.loss(case.batch(s)).backward()
+                else:
+                    with mgr:
+                        case.loss(case.batch(s)).backward()
+                last = mgr.stats.last
+                seen.append(
+                    (last.predicted_peak_bytes > 0, last.unplanned_records, last.min_memory_steps)
+                )
+            plan = mgr.plan
+            assert plan is not None
+            modules = {e.module for e in plan.entries if e.module}
+            return seen, list(mgr.plans), modules
+        finally:
+            mgr.close()
+
+    installed, with_blocks = steps("install"), steps("with")
+    assert installed[0] == with_blocks[0] == [(False, 0, 0)] + [(True, 0, 0)] * 4
+    assert installed[1] == with_blocks[1]
+    assert installed[2] == with_blocks[2] - {"<outside>"}
