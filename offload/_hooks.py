@@ -7,6 +7,8 @@ the manager's method for it (``_on_forward_pre``, ``_on_forward_post``, ``_on_mo
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ from torch import nn
 from offload._pack import _kept
 from offload._recipe import hold_norm_weights
 from offload._step import Entry
-from offload._warnings import _check_foreign_hooks
+from offload._warnings import _check_foreign_hooks, _warn_several_backwards
 from offload.lifecycle._calls import foreign_call
 from offload.lifecycle._inert import ModuleHook
 from offload.lifecycle._tensors import NormOutputs, ParameterStorages, tensors_in
@@ -77,6 +79,21 @@ class ForwardPost(ModuleHook):
             mgr._on_forward_post(module, output)
 
 
+class ForwardRaised(ModuleHook):
+    """While installed: a post-hook run even when the call raised (``always_call``), so that an
+    installed step whose forward raised ends (NOTE [ Installed steps ])."""
+
+    __slots__ = ("mgr", "name")
+
+    def __init__(self, mgr: ActivationOffloader, name: str) -> None:
+        self.mgr, self.name = weakref.ref(mgr), name
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        mgr = self.mgr()
+        if mgr is not None:
+            mgr._on_forward_raised(self.name)
+
+
 class Both:
     """Two family lists read as one, at the time the trigger fires (the planned one may still
     grow after it was registered)."""
@@ -110,7 +127,7 @@ class StepEnd:
     """Queued at a backward's first unpack, run when that backward ends: the step whose backward
     it was gets its ``step_s`` (once), and a profiling step its profile's end."""
 
-    __slots__ = ("clock", "current", "mgr", "profiling", "step", "task")
+    __slots__ = ("clock", "current", "installed", "mgr", "profiling", "step", "task")
 
     def __init__(
         self, mgr: ActivationOffloader, task: int, current: Any, clock: Any, profiling: str | None
@@ -118,9 +135,13 @@ class StepEnd:
         self.mgr, self.task, self.current, self.clock = mgr, task, current, clock
         self.profiling = profiling
         self.step: Any = None  # set by the first offloaded tensor the backward unpacks
+        # The installed step this backward ends (NOTE [ Installed steps ]), or None.
+        self.installed: Step | None = None
 
     def __call__(self) -> None:
         self.mgr._on_backward_end(self)
+        if self.installed is not None:
+            self.mgr._end_installed(self.installed)
 
 
 class StepHooks:
@@ -137,6 +158,7 @@ class StepHooks:
     _paused: int
     _warn: WarnOnce
     _pack_fn: Any
+    _unpack_fn: Any
     _norms: NormOutputs
     _params: ParameterStorages
     _task_ends: dict[int, StepEnd]
@@ -144,9 +166,16 @@ class StepHooks:
     _lock: Any
     _done: StepStats
     _traced: bool
+    _installed: int | None
     device: torch.device
 
     def _begin_signature(self, args: Any, kwargs: Any = None, module: str = "") -> None:
+        raise NotImplementedError  # ActivationOffloader's
+
+    def _begin_step(self) -> None:
+        raise NotImplementedError  # ActivationOffloader's
+
+    def _end_step(self, step: Step, exc_type: Any, exc: Any) -> None:
         raise NotImplementedError  # ActivationOffloader's
 
     # -- the step's saved-tensor hooks (offload/_pack.py, offload/_unpack.py) -------------------
@@ -197,10 +226,91 @@ class StepHooks:
     def _on_traced(self) -> None:
         self._traced = True
 
+    # NOTE [ Installed steps ]
+    #     After ``mgr.install()`` a step needs no ``with mgr:``: the first module call of the
+    #     model with grad (not in inference mode, not paused, not inside a backward, on the
+    #     thread that installed) entered while no step runs begins one, whichever module it is
+    #     (the root, or a child when a wrapper's own forward never runs). The step's
+    #     saved-tensor hooks are on only inside its top-level module calls: pushed at the
+    #     outermost pre-hook, popped at its post-hook. A later top-level call before its
+    #     backward whose inputs come out of a graph (``model.head(model.backbone(x))``) is the
+    #     same step; the backward that begins after its calls ends it, at its final callback,
+    #     as a ``with`` block whose backward ran inside it ends (its profile first, then the
+    #     block's end). A top-level call with grad whose inputs carry no graph ends the open
+    #     step as a block ends before its backward (a forward whose backward never comes:
+    #     evaluation with grad, a backward that raised) and begins the next. Calls without
+    #     grad (``no_grad``, ``inference_mode``) begin nothing and, between a step's calls,
+    #     are not its. A top-level call that raised ends its step as a block that raised
+    #     (ForwardRaised, registered only while installed).
+
+    def _enter_installed(
+        self, step: Step | None, args: Any, kwargs: Any, compiling: bool
+    ) -> Step | None:
+        """A module call while installed and no step's call runs: the step it begins or
+        re-enters, else ``step`` as it was (NOTE [ Installed steps ])."""
+        if (
+            compiling
+            or self._paused
+            or threading.get_ident() != self._installed
+            or not torch.is_grad_enabled()
+            or torch.is_inference_mode_enabled()
+            or (_current_graph_task_id is not None and _current_graph_task_id() != -1)
+        ):
+            return step
+        with self._lock:
+            if step is not None and step.running:
+                joins = not step.backward_begun and any(
+                    t.grad_fn is not None for t in tensors_in((args, kwargs))
+                )
+                if joins:  # another top-level call of the step
+                    step.between = False
+                    step.hooks_cm = torch.autograd.graph.saved_tensors_hooks(
+                        self._pack_fn, self._unpack_fn
+                    )
+                    step.hooks_cm.__enter__()
+                    return step
+                self._end_step(step, None, None)
+            self._begin_step()
+            step = self._current
+            step.installed = True
+            return step
+
+    def _on_forward_raised(self, name: str) -> None:
+        """After a module call while installed: if it raised (its post-hook did not run), its
+        frame goes; the step ends, failed, when its top-level call raised."""
+        step = self._step
+        if step is None or not step.installed or not step.running or step.between:
+            return
+        top = step.top
+        exc_type, exc, _ = sys.exc_info()
+        if top is None or top.module != name or exc_type is None or foreign_call(step.thread):
+            return  # returned (ForwardPost took its frame), or not this step's call
+        step.calls.pop()
+        if not step.calls.frames:
+            with self._lock:
+                self._end_step(step, exc_type, exc)
+
+    def _leave_installed(self, step: Step) -> None:
+        """The installed step's top-level call returned: its hooks go off until the next."""
+        step.between = True
+        cm, step.hooks_cm = step.hooks_cm, None
+        if step.hooks_popped:
+            step.hooks_popped = False  # paused() took the pair off the stack already
+        elif cm is not None:
+            cm.__exit__(None, None, None)
+
+    def _end_installed(self, step: Step) -> None:
+        """The backward of an installed step ended (after ``_on_backward_end``)."""
+        with self._lock:
+            if step is self._step and step.running:
+                self._end_step(step, None, None)
+
     def _on_forward_pre(self, hook: ForwardPre, args: Any, kwargs: Any, compiling: bool) -> None:
         """A module call of the model begins."""
         step = self._step
-        if step is None or not step.running or foreign_call(step.thread):
+        if self._installed is not None and (step is None or not step.running or step.between):
+            step = self._enter_installed(step, args, kwargs, compiling)
+        if step is None or not step.running or step.between or foreign_call(step.thread):
             return
         budget = self._budget_bytes is not None and self._executor is not None
         grad = torch.is_grad_enabled()
@@ -227,6 +337,8 @@ class StepHooks:
         backward = (
             not compiling and _current_graph_task_id is not None and _current_graph_task_id() != -1
         )
+        if step.backwards and top is None and grad and not backward and not step.installed:
+            _warn_several_backwards(self._warn)  # a training loop inside one ``with`` block
         calls.push(Entry(hook.name, call, kept=hook.kept or outer_kept), backward)
         if self._executor is not None:
             self._executor.poll()
@@ -241,6 +353,8 @@ class StepHooks:
         if step.deferred and not torch.compiler.is_compiling():
             self._flush_deferred()  # this call's last ops have returned
         entry = step.calls.pop()
+        if step.installed and not step.calls.frames:
+            self._leave_installed(step)
         name, own, call = entry.module, entry.own, entry.call_index
         noted = self._norms.note(module, output)
         if noted is not None:
@@ -292,6 +406,13 @@ class StepHooks:
             time.perf_counter,
             self._budget._profiling if self._round is None else None,
         )
+        step = self._step
+        if step is not None and step.running:
+            if step.between:  # after its top-level calls: its backward (NOTE [ Installed steps ])
+                step.backward_begun = True
+                end.installed = step
+            elif not step.installed:
+                step.backwards += 1  # a backward inside a ``with`` block
         torch.autograd.Variable._execution_engine.queue_callback(end)
         return end
 

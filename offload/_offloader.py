@@ -34,7 +34,7 @@ from offload._config import (
 from offload._device import RoomProbe, compute_device
 from offload._errors import OffloadError
 from offload._executor import Executor
-from offload._hooks import ForwardPost, ForwardPre, StepEnd, StepHooks
+from offload._hooks import ForwardPost, ForwardPre, ForwardRaised, StepEnd, StepHooks
 from offload._pack import Packer
 from offload._pipelining import PipelineAttachment, PipelineRound
 from offload._planned import (
@@ -196,6 +196,9 @@ class ActivationOffloader(StepHooks):
         self._step: Step | None = None
         self._paused = 0
         self._closed = False
+        # The thread that installed the manager (NOTE [ Installed steps ] in _hooks.py), or None.
+        self._installed: int | None = None
+        self._installed_handles: list[Any] = []  # ForwardRaised hooks (in _module_handles too)
         self._lock = threading.RLock()
         self._warn = WarnOnce()
         self._params = ParameterStorages()
@@ -343,6 +346,84 @@ class ActivationOffloader(StepHooks):
         return self._closed
 
     @property
+    def installed(self) -> bool:
+        """Whether :meth:`install` is in effect."""
+        return self._installed is not None
+
+    def install(self) -> None:
+        """Find the steps without ``with mgr:``: from now on each forward of the model with grad,
+        entered through any of its modules, together with the backward that consumes it, is
+        one step (what a trainer's loop, callback or ``training_step`` needs). Forwards under
+        ``no_grad`` or ``inference_mode`` (evaluation) are left alone; each gradient
+        accumulation micro-batch is a step; budget mode profiles, plans and refines as with
+        ``with mgr:``. Top-level calls before the backward (``model.head(model.backbone(x))``)
+        are one step. Calling it again on the same thread changes nothing.
+
+        The forwards must run on the thread that calls ``install()``; ``with mgr:`` still
+        makes one step of its block (a step an installed forward left open ends first).
+        :meth:`uninstall` (or :meth:`close`) ends it. See NOTE [ Installed steps ] in
+        ``offload/_hooks.py``.
+
+        Raises:
+            OffloadError: the manager is closed, a ``with mgr:`` block is running, or it is
+                installed on another thread.
+
+        Example:
+            >>> import torch, offload
+            >>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU())
+            >>> mgr = offload.ActivationOffloader(model, min_offload_bytes=0)
+            >>> mgr.install()
+            >>> model(torch.randn(256, 512)).sum().backward()
+            >>> mgr.stats.total.steps, mgr.stats.last.bytes_offloaded_cpu > 0
+            (1, True)
+            >>> mgr.close()
+        """
+        with self._lock:
+            if self._closed:
+                raise OffloadError("this ActivationOffloader is closed; make a new one")
+            if self._installed is not None:
+                if self._installed != threading.get_ident():
+                    raise OffloadError(
+                        "this ActivationOffloader is installed on another thread; its steps "
+                        "run on the thread that installed it (uninstall() there first)"
+                    )
+                return
+            if self._in_step:
+                raise OffloadError(
+                    "install() inside `with mgr:`: leave the block first (an installed manager "
+                    "finds its steps itself)"
+                )
+            # Made now, not at the first step's begin: the step begins inside a module's
+            # pre-hook, and hooks the profiler registered there would miss that call.
+            if self._executor is None:
+                self._executor = self._make_executor()
+            self._attach_profiler()
+            model = self._model_ref()
+            if model is not None:
+                self._installed_handles = [
+                    mod.register_forward_hook(ForwardRaised(self, name), always_call=True)
+                    for name, mod in named_modules_stop_at_compiled(model)
+                    if not is_compiled(mod)
+                ]
+                # Removed by the finalizer too, when the manager goes without close().
+                self._module_handles += self._installed_handles
+            self._installed = threading.get_ident()
+
+    def uninstall(self) -> None:
+        """Undo :meth:`install`: steps are ``with mgr:`` blocks again. A step an installed forward
+        began ends here, as a block ends before its backward (which may still run). Does
+        nothing when not installed."""
+        with self._lock:
+            self._installed = None
+            for h in self._installed_handles:
+                h.remove()
+                self._module_handles.remove(h)
+            self._installed_handles = []
+            step = self._step
+            if step is not None and step.running and step.installed:
+                self._end_step(step, None, None)
+
+    @property
     def _in_step(self) -> bool:
         """Whether a step's block is running."""
         step = self._step
@@ -353,6 +434,8 @@ class ActivationOffloader(StepHooks):
             if self._closed:
                 raise OffloadError("this ActivationOffloader is closed; make a new one")
             step = self._step
+            if step is not None and step.running and step.installed and not step.calls.frames:
+                self._end_step(step, None, None)  # see NOTE [ Installed steps ] in _hooks.py
             if step is not None and step.running:
                 if step.thread != threading.get_ident():
                     raise OffloadError(
@@ -390,17 +473,7 @@ class ActivationOffloader(StepHooks):
             self._budget._plan_profiled()
         if self._executor is None:
             self._executor = self._make_executor()
-        if self._budget_bytes is not None and self._budget._profiler is None:
-            # Attached before any forward, so its module hooks run after the manager's (the
-            # root's pre-hook begins a profiled step that the recorder's then sees).
-            model = self._model_ref()
-            if model is not None:
-                self._budget._profiler = Profiler(
-                    model,
-                    self.device,
-                    self._executor.device_saved_bytes,
-                    _kept_modules(self.config, model),
-                )
+        self._attach_profiler()
         self._account_last()
         self._step_index += 1
         stats = self._executor.begin_step(self._step_index)
@@ -443,7 +516,7 @@ class ActivationOffloader(StepHooks):
         cm, step.hooks_cm = step.hooks_cm, None
         if step.hooks_popped:
             step.hooks_popped = False  # paused() took the pair off the stack already
-        else:
+        elif cm is not None:  # (None: an installed step between its calls)
             cm.__exit__(None, None, None)
         ex = self._executor
         assert ex is not None
@@ -532,6 +605,7 @@ class ActivationOffloader(StepHooks):
         with self._lock:
             if self._closed:
                 return
+            self.uninstall()
             if self._in_step:
                 self.__exit__(None, None, None)
             self._closed = True
@@ -581,6 +655,20 @@ class ActivationOffloader(StepHooks):
             # the root or another (NOTE [ Top-level calls ] in _budget.py).
             handles += register_forward_hooks(mod, pre, ForwardPost(self), with_kwargs=True)
         return handles
+
+    def _attach_profiler(self) -> None:
+        if self._budget_bytes is not None and self._budget._profiler is None:
+            # Attached before any forward, so its module hooks run after the manager's (the
+            # root's pre-hook begins a profiled step that the recorder's then sees).
+            model = self._model_ref()
+            if model is not None:
+                assert self._executor is not None
+                self._budget._profiler = Profiler(
+                    model,
+                    self.device,
+                    self._executor.device_saved_bytes,
+                    _kept_modules(self.config, model),
+                )
 
     def _reinstate_outer_calls(self) -> None:
         # Before anything of the step (the profiler's hooks join ours): see NOTE [ Hooks of a

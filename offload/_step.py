@@ -36,7 +36,8 @@ class Entry(Frame):
 
 
 class Step:
-    """The state of one step (a ``with mgr:`` block and its backward)."""
+    """The state of one step (a ``with mgr:`` block, or an installed manager's forward, and its
+    backward)."""
 
     def __init__(
         self, index: int, stats: StepStats, thread: int, carried: Step | None = None
@@ -50,6 +51,13 @@ class Step:
         self.added = False  # its counters are in the manager's totals (see _account_last)
         self.hooks_cm: Any = None
         self.hooks_popped = False  # paused() took this step's hook pair off the stack
+        # Begun by an installed manager (NOTE [ Installed steps ] in _hooks.py): its hooks are
+        # on only inside its top-level module calls (``between`` them, off), and it ends when
+        # the backward that began after them ends.
+        self.installed = False
+        self.between = False
+        self.backward_begun = False
+        self.backwards = 0  # backwards ended while its block runs (a ``with`` step)
         # Packs whose copy waits for their op to return, and the autograd sequence number when
         # the last of them was packed (NOTE [ Fill after pack ] in _pack.py).
         self.deferred: list[weakref.ref[Any]] = []

@@ -284,6 +284,20 @@ def _warn_no_module(warn: WarnOnce, outside_packs: int, model: nn.Module | None)
     )
 
 
+def _warn_several_backwards(warn: WarnOnce) -> None:
+    """A forward of the model began inside a ``with mgr:`` block after a backward ended in it
+    (``with mgr: trainer.train()``, gradient accumulation inside one block): the block is one
+    step however many it holds, so nothing is planned per training step. Said once."""
+    warn(
+        "several-backwards",
+        "a forward began after a backward inside one `with mgr:` block: the whole block is "
+        "one step of the manager (its statistics, its profile and plan), however many "
+        "training steps it holds. Enter the manager around each forward (and its backward), "
+        "or call mgr.install() once and leave `with mgr:` out: each forward with grad and the "
+        "backward that consumes it is then one step",
+    )
+
+
 # -- texts said by budget mode and the pack hook -------------------------------------------
 
 
