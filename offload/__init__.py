@@ -5,6 +5,7 @@ waits (GPU, pinned host memory, NVMe, or recomputed), and run that plan with ove
 ``import offload`` is all a user needs.
 """
 
+from offload._activations import activations
 from offload._errors import (
     BudgetInfeasibleError,
     ChecksumError,
@@ -12,7 +13,7 @@ from offload._errors import (
     StorageError,
     StorageFullError,
 )
-from offload._offloader import ActivationOffloader, activations
+from offload._offloader import ActivationOffloader
 from offload._planning import plan
 from offload._probe import probe_hardware
 from offload._profile import profile
