@@ -170,6 +170,49 @@ def test_budget_fit_plans_then_runs_the_plan_bitwise(accumulate: int) -> None:
     assert cb.manager.stats.total.min_memory_steps == 0
 
 
+class Scaled(Classifier):
+    """A module of its own ``forward`` and a parameter of its own, ``training_step`` calling
+    ``self(x)``: the view the manager is made on holds that parameter too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.scale
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
+def test_own_forward_and_own_parameter_fit_is_bitwise() -> None:
+    def fit(callbacks: list[Any]) -> Scaled:
+        lightning.seed_everything(0, verbose=False)
+        model = Scaled()
+        lightning.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            deterministic=True,
+        ).fit(model, _loader(3))
+        return model
+
+    want = fit([])
+    cb = OffloadCallback(min_offload_bytes=0)
+    got = fit([cb])
+    for (name, a), b in zip(got.named_parameters(), want.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert not torch.equal(got.scale, torch.ones(CLASSES))
+    assert cb.manager.stats.total.steps == 3
+    assert cb.manager.stats.total.records_offloaded_cpu > 0
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in got.modules())
+
+
 class Raising(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if batch_idx == 1:
