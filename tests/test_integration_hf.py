@@ -177,7 +177,8 @@ def test_ddp_torchrun_exact(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in range(2):
-        assert (tmp_path / f"rank{rank}").read_text().split() == ["exact", "offloaded"], rank
+        words = (tmp_path / f"rank{rank}").read_text().split()
+        assert words == ["exact", "offloaded", "world2"], (rank, words)
 
 
 def _ddp_main(out: Path) -> None:
@@ -189,7 +190,13 @@ def _ddp_main(out: Path) -> None:
     cb = OffloadCallback(min_offload_bytes=0)
     model = _train(cb, **ddp)
     offloaded = cb.manager is not None and cb.manager.stats.total.records_offloaded_cpu > 0
-    words = ["exact" if _same(model, plain) else "differ", "offloaded" if offloaded else "none"]
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_initialized() else 1  # the Trainer joined the group
+    words = [
+        "exact" if _same(model, plain) else "differ",
+        "offloaded" if offloaded else "none",
+        f"world{world}",
+    ]
     (out / f"rank{rank}").write_text(" ".join(words))
 
 
