@@ -132,8 +132,9 @@ def test_composes_with_transformers_checkpoint_offload(monkeypatch: pytest.Monke
     assert 0 < t.stats.total.records_offloaded_cpu < a.stats.total.records_offloaded_cpu
 
 
-def test_bf16_autocast_exact() -> None:
-    plain = _train(bf16=True)
+def test_bf16_autocast_exact(plain: torch.nn.Module) -> None:
+    fp32, plain = plain, _train(bf16=True)
+    assert not _same(plain, fp32)  # the Trainer's CPU autocast ran
     cb = OffloadCallback(min_offload_bytes=0)
     model = _train(cb, bf16=True)
     assert _same(model, plain)
