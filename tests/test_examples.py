@@ -74,6 +74,14 @@ def test_gpt_self_check(tmp_path: Path) -> None:
     assert "parameters, loss" in out and "blocks.0.mlp.fc2" in out
 
 
+def test_hf_trainer_example_is_exact(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = _run(tmp_path, "hf_trainer.py")
+    assert "final weights bitwise equal to training without offload: yes" in out, out
+    assert "steps: 8 " in out and "unplanned records: 0" in out, out
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("script", ["fsdp2_offload.py", "tp_offload.py"])
 def test_parallel_examples_are_exact_on_two_gloo_ranks(tmp_path: Path, script: str) -> None:

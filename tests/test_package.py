@@ -29,6 +29,7 @@ assert dict(os.environ) == env, 'environment changed at import'
 for name in ('offload', 'offload.lifecycle', 'offload.storage'):
     assert not logging.getLogger(name).handlers, name
 assert not logging.getLogger().handlers, 'root handler added'
+assert 'transformers' not in sys.modules and 'lightning' not in sys.modules, 'a trainer imported'
 new = set(os.listdir('/proc/self/fd')) - fds
 # torch may open its own library files; none of ours may stay open
 for fd in new:
