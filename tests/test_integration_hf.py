@@ -203,3 +203,9 @@ def _ddp_main(out: Path) -> None:
 
 if __name__ == "__main__":
     _ddp_main(Path(sys.argv[1]))
+
+
+def test_bad_arguments_and_manager_before_training() -> None:
+    with pytest.raises(TypeError, match="gpu_budgt"):
+        OffloadCallback(gpu_budgt="1GiB")
+    assert OffloadCallback().manager is None

@@ -12,6 +12,7 @@ Importing this module imports ``transformers``; ``import offload`` does not impo
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -46,6 +47,9 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
             ``tiers``, ``min_offload_bytes``, ...), which is made on the trainer's model, under
             any DDP wrapper, when training begins.
 
+    Raises:
+        TypeError: an argument the manager does not take.
+
     Attributes:
         manager: the manager of the last ``trainer.train()`` (None before it began); closed
             when training ended, its ``stats`` and plans still readable.
@@ -59,6 +63,8 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
     """
 
     def __init__(self, **manager_kwargs: Any) -> None:
+        # A misspelt argument fails here, not when training begins.
+        inspect.signature(ActivationOffloader).bind(None, **manager_kwargs)
         self.manager_kwargs = manager_kwargs
         self.manager: ActivationOffloader | None = None
 

@@ -72,14 +72,9 @@ class OffloadCallback(Callback):
         self._model: nn.Module | None = None  # the manager holds its model weakly
 
     @property
-    def manager(self) -> ActivationOffloader:
-        """The manager of the latest fit (closed once it ended).
-
-        Raises:
-            AttributeError: no fit has started yet.
-        """
-        if self._manager is None:
-            raise AttributeError("OffloadCallback.manager: made when a fit starts (on_fit_start)")
+    def manager(self) -> ActivationOffloader | None:
+        """The manager of the latest fit (closed once it ended); None before a fit started, as
+        in :class:`offload.integrations.hf.OffloadCallback`."""
         return self._manager
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
