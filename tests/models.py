@@ -653,3 +653,19 @@ if __name__ == "__main__":
             f"{name:13s} loss {loss.item():8.4f}  {ms:6.1f} ms  {len(saved):3d} saved "
             f"({big} >= 4 KiB storage)  {', '.join(dtypes)}  reproducible={same}"
         )
+
+
+class Wrapper(nn.Module):
+    """A backbone and a head whose own forward the steps never call (a LightningModule's
+    ``training_step`` calling ``self.net(x)`` reads the same to the manager)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = [
+            nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)
+        ]
+        self.backbone = nn.Sequential(*blocks)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never called
+        raise AssertionError("the steps call the children, not the root")

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from budget_util import FAST, assert_bitwise, keep_all_peak
-from models import ALL_MODELS, ModelCase
+from models import ALL_MODELS, ModelCase, Wrapper
 from torch import nn
 
 import offload
@@ -147,29 +147,13 @@ def test_evaluation_forwards_between_installed_steps_are_left_alone() -> None:
         mgr.close()
 
 
-class _Wrapper(nn.Module):
-    """A backbone and a head whose own forward the steps never call (a LightningModule's
-    ``training_step`` calling ``self.net(x)`` reads the same to the manager)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        blocks = [
-            nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)
-        ]
-        self.backbone = nn.Sequential(*blocks)
-        self.head = nn.Linear(32, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never called
-        raise AssertionError("the steps call the children, not the root")
-
-
 @pytest.mark.parametrize("mode", ["min_memory", "budget"])
 @pytest.mark.parametrize("how", ["install", "with"])
 def test_a_wrapper_whose_forward_is_never_called(mode: str, how: str) -> None:
     """``model.head(model.backbone(x))``: two top-level calls, one step; under a budget the
     step is planned (the signature is the backbone's) and later steps follow the plan."""
     torch.manual_seed(0)
-    model = _Wrapper()
+    model = Wrapper()
     xs = [torch.randn(64, 32, generator=torch.Generator().manual_seed(s)) for s in range(4)]
 
     def loss(s: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from budget_util import FAST, SLOW, STEPS, Blocks, _blocks_case, assert_bitwise, keep_all_peak, run
-from models import ALL_MODELS, plan_of
+from models import ALL_MODELS, Wrapper, plan_of
 from torch import nn
 
 import offload
@@ -471,22 +471,6 @@ def test_a_given_plan_matching_none_of_the_models_keys_warns_once() -> None:
     assert "['0', '1', '2']" in msg and "['act', 'dec', 'enc']" in msg
 
 
-class _Wrapper(nn.Module):
-    """A backbone and a head whose own forward the steps never call (a LightningModule's
-    ``training_step`` calling ``self.net(x)`` reads the same to the manager)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        blocks = [
-            nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)
-        ]
-        self.backbone = nn.Sequential(*blocks)
-        self.head = nn.Linear(32, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never called
-        raise AssertionError("the steps call the children, not the root")
-
-
 def test_a_budget_applies_when_the_root_forward_is_never_called() -> None:
     """The steps call ``model.head(model.backbone(x))``: the step's signature comes from the
     first module entered at the top level (the backbone), so the first step is profiled, the
@@ -497,7 +481,7 @@ def test_a_budget_applies_when_the_root_forward_is_never_called() -> None:
     from offload._live import SavedBytes
 
     torch.manual_seed(0)
-    model = _Wrapper()
+    model = Wrapper()
     x = torch.randn(64, 32)
 
     def loss() -> torch.Tensor:
