@@ -31,7 +31,7 @@ def version_root(t: torch.Tensor) -> torch.Tensor:
     place) reach equal versions holding different bytes. (``detach()`` shares its source's counter
     without being a view: such pairs count as apart, which costs a copy, never a wrong byte.)
     """
-    base = t._base if t._is_view() else None
+    base = t._base  # set exactly when ``t._is_view()``
     return t if base is None else base
 
 
@@ -138,7 +138,8 @@ class ParameterStorages:
 
     def holds(self, t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``t`` (a plain or local tensor whose storage is ``storage``) is a weight."""
-        if self._has(storage):
+        ref = self._refs.get(id(storage))  # _has, inline: once per saved tensor
+        if ref is not None and ref() is storage:
             return True
         base = t._base
         return is_parameter(t) or (base is not None and is_parameter(base))
@@ -155,6 +156,9 @@ ACTIVATION_NODES = {
     "NativeLayerNormBackward0": "layer_norm",
     "FusedRmsNormBackward0": "rms_norm",
 }
+# Every node whose output :func:`parameter_cast` or :func:`activation_output` can recognise
+# (a plain tensor made by another node is neither: a pack asks this first, once per tensor).
+RECIPE_NODES = frozenset({"ToCopyBackward0", *ACTIVATION_NODES})
 # The name each node keeps its saved input under (read raw: as its pack hook returned it).
 _SAVED_INPUT = {
     "gelu": "_raw_saved_self",

@@ -150,6 +150,9 @@ class GraphCapture:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._simulated = 0
+        # Whether a capture can run at all (a CUDA device, or a simulated one): the hot paths
+        # ask this attribute before calling capturing() (a call per pack saved on CPU).
+        self.possible = self.cuda
         self.queries = 0  # completion queries asked while a simulated capture ran
 
     def capturing(self) -> bool:
@@ -180,10 +183,12 @@ class GraphCapture:
         if self.cuda:
             raise ValueError("simulate() is for CPU devices; on CUDA use torch.cuda.graph")
         self._simulated += 1
+        self.possible = True
         try:
             yield
         finally:
             self._simulated -= 1
+            self.possible = self.cuda or self._simulated > 0
 
 
 def clock_and_probe(device: torch.device) -> tuple[Clock, MemoryProbe | None, str]:

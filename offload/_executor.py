@@ -63,7 +63,6 @@ from offload._points import point
 from offload._stats import StepStats
 from offload._tiers import TierKind, kind_of
 from offload.lifecycle._simulate import automatic_bounds
-from offload.lifecycle._tensors import version_root
 from offload.lifecycle._trace import WHOLE_STORAGE_FACTOR
 from offload.storage._transfer import reset_in_forked_child
 
@@ -102,9 +101,9 @@ class _Member:
         self.executor = executor
         self.family = family
         self.dtype = t.dtype
-        self.size = tuple(t.shape)
-        self.stride = tuple(t.stride())
-        self.offset_bytes = int(t.storage_offset()) * t.element_size()
+        self.size = t.shape  # a torch.Size: a tuple
+        self.stride = t.stride()
+        self.offset_bytes = t.storage_offset() * t.element_size()
         # A lazy conjugate or negative view (``h.conj()``, its ``.imag``) is its bytes plus a
         # flag; copied bytes carry no flag, so the view gets its flags back at unpack.
         self.bits = (_CONJ if t.is_conj() else 0) | (_NEG if t.is_neg() else 0)
@@ -301,7 +300,8 @@ class Executor:
     def _capturing(self) -> bool:
         """Whether a CUDA graph capture runs (NOTE [ No query while capturing ]); the answer
         is kept for releases on other threads."""
-        self._in_capture = now = self.capture.capturing()
+        capture = self.capture
+        self._in_capture = now = capture.possible and capture.capturing()
         return now
 
     def count_host_allocations(self) -> None:
@@ -397,9 +397,8 @@ class Executor:
         ``stream``: the stream the op that saved ``t`` ran on, when that is not the current
         one (a deferred pack, NOTE [ Fill after pack ]); the copy is ordered after its work.
         """
-        root = version_root(t)
-        view = root is not t
-        t = t.detach()  # what is copied, and the guard: not the graph (see NOTE [ Alias handling ])
+        base = t._base  # its version root (lifecycle.version_root): a view's base, else t
+        root = t if base is None else base
         st = t.untyped_storage()
         version = t._version
         start, end = span_of(t)
@@ -432,9 +431,12 @@ class Executor:
                     # walked them.
                     same_id[:] = [f for f in same_id if f.storage_ref() is not None]
             if fam is None:
+                # What is copied, and the guard: ``t.detach()``, not the graph (see NOTE [ Alias
+                # handling ]). A member of a family stored already needs no copy of its own.
                 fam = self._new_family(
-                    step, t, st, root, view, version, start, end, module, tier, stream
-                )
+                    step, t.detach(), st, root, base is not None, version, start, end, module,
+                    tier, stream,
+                )  # fmt: skip
             else:
                 step.stats.records_deduplicated += 1
             member = _Member(self, fam, t, dtensor)
@@ -517,8 +519,10 @@ class Executor:
         ``prefer`` names a tier to try first; ``stream`` the stream that wrote the source when
         it is not the current one."""
         n = fam.nbytes
-        self._largest = max(self._largest, n)
-        _backpressure.bound_inflight(self, step, n)
+        if n > self._largest:
+            self._largest = n
+        if self._inflight or self._orphans:
+            _backpressure.bound_inflight(self, step, n)
         region = None
         event = None
         # P (rule 1) on the stream of the op that saved the tensor: the current one at its pack,
@@ -549,16 +553,17 @@ class Executor:
                 event.record(self._d2h)  # D: the host region holds the bytes
         last_error: BaseException | None = None
         failed: tuple[str, BaseException] | None = None  # the first tier that failed, not full
-        tiers = list(self.tiers)  # a copy: a failure below may quarantine one
+        tiers = tuple(self.tiers)  # a copy: a failure below may quarantine one
         if prefer is not None and prefer != tiers[0].name:
-            tiers = sorted(tiers, key=lambda t: t.name != prefer)
+            tiers = tuple(sorted(tiers, key=lambda t: t.name != prefer))
         try:
-            for i, tier in enumerate(tiers):
+            for tier in tiers:
                 kind = kind_of(tier)
-                if not self._cpu_room(kind, n):
+                charge = kind.charge(n)
+                if self.cpu_bytes + charge > self.cpu_budget_bytes:  # see cpu_charge
                     last_error = storage.StorageFullError(
                         f"cpu_budget of {self.cpu_budget_bytes} bytes is used up "
-                        f"({self.cpu_bytes} held); {kind.charge(n)} more needed",
+                        f"({self.cpu_bytes} held); {charge} more needed",
                         bytes_needed=n,
                     )
                     continue
@@ -581,7 +586,11 @@ class Executor:
                             failed = (tier.name, e)
                         _faults.tier_failed(self, tier, step, e)
                     continue
-                if i > 0 or last_error is not None or (prefer not in (None, tier.name)):
+                if (
+                    tier is not tiers[0]
+                    or last_error is not None
+                    or (prefer is not None and prefer != tier.name)
+                ):
                     step.stats.fallbacks += 1  # (a plan's tier may be quarantined)
                 if failed is not None:
                     _faults.say_write_failed(
@@ -606,7 +615,7 @@ class Executor:
         fam.tier, fam.handle = tier, handle
         fam.source, fam.source_event = source, event
         fam.to(Life.COPYING_OUT)
-        self.cpu_bytes += kind.charge(n)
+        self.cpu_bytes += charge
         kind.count(step.stats, n)
         self._inflight.append(fam)
         self._inflight_bytes += n
@@ -639,7 +648,9 @@ class Executor:
     def poll(self) -> None:
         """Retire finished copies out (drop their sources) and free what waited for events."""
         with self.lock:
-            if self._capturing():
+            # (Asked only where a capture can run, or the last answer was yes: one call less
+            # per pack on CPU.)
+            if (self.capture.possible or self._in_capture) and self._capturing():
                 return  # see NOTE [ No query while capturing ]
             # (Every pack and module boundary comes here: each step is skipped when it has
             # nothing to do.)
@@ -753,14 +764,15 @@ class Executor:
         """
         if (
             self._in_capture  # see NOTE [ No query while capturing ]: done after the capture
-            or self.capture.capturing()
+            or (self.capture.possible and self.capture.capturing())
             or not self.lock.acquire(blocking=False)
         ):
             self._deferred_releases.append((fam, unpacked_in))  # deque.append is atomic
             return
         try:
             _release.release(self, fam, unpacked_in)
-            _release.drain_releases(self)
+            if self._deferred_releases:
+                _release.drain_releases(self)
         finally:
             self.lock.release()
 

@@ -96,6 +96,7 @@ class Family:
         "storage_mod",
         "storage_ref",
         "tier",
+        "typed",
         "unpack_round",
         "unpacked",
         "unpacked_task",
@@ -160,6 +161,7 @@ class Family:
         # (see NOTE [ Stream ordering ], rule 3, in _executor.py).
         self.reload_stream: Any = None
         self.resident: torch.Tensor | None = None  # raw uint8 device buffer of a reload
+        self.typed: torch.Tensor | None = None  # ``resident`` viewed as its members' dtype
         self.resident_ref: weakref.ref | None = None
         self.ahead = False  # counted in the executor's look-ahead bytes
         self.error: BaseException | None = None
@@ -222,7 +224,12 @@ def _plain_bytes(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
         t = torch._neg_view(t)  # likewise
     if end < 0:
         end = t.untyped_storage().nbytes()
-    head = t.as_strided((0,), (1,), 0).view(torch.uint8)
+    # Its bytes as uint8 in one view where its last dimension is dense (most tensors: one view
+    # less, once per family), else from an empty view at byte 0, which any layout allows.
+    if t.dim() and t.stride(-1) == 1:
+        head = t.view(torch.uint8)
+    else:
+        head = t.as_strided((0,), (1,), 0).view(torch.uint8)
     return head.as_strided((end - start,), (1,), start)
 
 
@@ -241,7 +248,6 @@ def rebuild(
     raw: torch.Tensor,
     off: int,
     fam: Family,
-    *,
     dtype: torch.dtype,
     size: tuple[int, ...],
     stride: tuple[int, ...],
@@ -257,8 +263,13 @@ def rebuild(
             f"internal: member of family {fam.fid} starts at byte {start}, not a multiple of its "
             f"itemsize {item}"
         )
-    n = raw.numel()
-    usable = (n // item) * item
-    # (Whole when it divides: one view less per unpack.)
-    typed = raw.view(dtype) if usable == n else raw[:usable].view(dtype)
+    typed = fam.typed
+    if typed is None or typed.dtype is not dtype:
+        n = raw.numel()
+        usable = (n // item) * item
+        # (Whole when it divides: one view less per unpack.)
+        typed = raw.view(dtype) if usable == n else raw[:usable].view(dtype)
+        # The family's other members (q, k and v of one qkv output) reuse it: one view less
+        # each. It holds the buffer as ``resident`` does, and is dropped with it.
+        fam.typed = typed
     return typed.as_strided(size, stride, start // item)

@@ -210,12 +210,15 @@ class StepHooks:
         step, ex = self._step, self._executor
         if ex is None or step is None or self._paused:
             return _kept(t)
-        return self._packer.pack(t, step, ex, self._recording())
+        budget = self._budget  # _recording(), inline: these two run once per saved tensor
+        prof = budget._profiler if budget._profiling is not None else None
+        return self._packer.pack(t, step, ex, prof)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        return self._unpacker.unpack(
-            packed, self._step, self._executor, self._budget._profiler, self._recording()
-        )
+        budget = self._budget
+        profiler = budget._profiler
+        prof = profiler if budget._profiling is not None else None
+        return self._unpacker.unpack(packed, self._step, self._executor, profiler, prof)
 
     def _flush_deferred(self) -> None:
         """Store the current step's deferred packs (NOTE [ Fill after pack ] in _pack.py)."""

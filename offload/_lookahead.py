@@ -18,6 +18,8 @@ import torch
 from offload import _reload, storage
 from offload._family import ALIGN_BYTES, Family, Life
 from offload.lifecycle._calls import graph_task
+
+_graph_task = getattr(torch._C, "_current_graph_task_id", None) or graph_task  # (one call less)
 from offload.lifecycle._simulate import automatic_bounds
 
 if TYPE_CHECKING:
@@ -56,7 +58,9 @@ def prefetch(
     with ex.lock:
         if step is None:
             step = ex.step
-        if step is None or step.failed or ex._capturing():
+        if step is None or step.failed:
+            return
+        if (ex.capture.possible or ex._in_capture) and ex._capturing():
             return  # (see NOTE [ No query while capturing ])
         window = window and step.windowed
         ex.poll()
@@ -69,15 +73,16 @@ def prefetch(
                 begin_reload(ex, fam)
         if window and needed:
             latest = max(needed, key=lambda f: f.order)
-            if not (latest.unpacked and latest.unpacked_task == graph_task()):
+            if not (latest.unpacked and latest.unpacked_task == _graph_task()):
                 begin_reload(ex, latest)  # needed first: starts beyond the window too
         if not window:
-            waiting, step.revisit = step.revisit, []
-            for fam in waiting:
-                if fam.life is Life.COPYING_OUT:
-                    step.revisit.append(fam)
-                else:
-                    begin_reload(ex, fam)
+            if step.revisit:
+                waiting, step.revisit = step.revisit, []
+                for fam in waiting:
+                    if fam.life is Life.COPYING_OUT:
+                        step.revisit.append(fam)
+                    else:
+                        begin_reload(ex, fam)
             return
         if step.revisit:
             # Passed while being copied out; needed before anything below the pointer.
@@ -85,7 +90,7 @@ def prefetch(
             step.revisit = [f for f in waiting if f.life is Life.COPYING_OUT]
             for fam in waiting:
                 begin_reload(ex, fam)
-        task = graph_task()
+        task = _graph_task()
         if task != -1 and task != step.walk_task:
             if step.walk_task != -1:
                 # See NOTE [ Later backward passes ].
@@ -98,6 +103,7 @@ def prefetch(
             step.walk_task = task
         if step.wanted:
             _reload_wanted(ex, step, task)
+        bound = -1  # window_bytes(ex, step), asked once (the loop may not need it)
         while step.prefetch_next >= 0:
             fam = step.families[step.prefetch_next]
             if fam.life is Life.COPYING_OUT:
@@ -110,7 +116,9 @@ def prefetch(
                 # Not one every member of which this backward has unpacked since its
                 # reload (the unpack before the walk reached it, backward's first): reused
                 # while autograd still held that buffer, it stayed to the next backward.
-                if ex._ahead_bytes + fam.nbytes > window_bytes(ex, step):
+                if bound < 0:
+                    bound = window_bytes(ex, step)
+                if ex._ahead_bytes + fam.nbytes > bound:
                     break
                 if not begin_reload(ex, fam):
                     break  # memory is short: the window waits for unpacks to make room

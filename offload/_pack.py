@@ -27,6 +27,7 @@ from offload._warnings import (
 )
 from offload.lifecycle._calls import OUTSIDE
 from offload.lifecycle._tensors import (
+    RECIPE_NODES,
     NormOutputs,
     ParameterStorages,
     activation_output,
@@ -58,6 +59,7 @@ class Packer:
         warn: WarnOnce,
     ) -> None:
         self.device = device
+        self.on_cpu = device.type == "cpu"  # (``t.is_cpu`` makes no device object per pack)
         self.min_offload_bytes = min_offload_bytes
         self.params = params
         # Norm outputs and what they were made with (eps is not on their autograd node).
@@ -98,7 +100,8 @@ class Packer:
             step.step_keys.append(key)  # a profiling step's structure (NOTE [ Structure ])
         elif step.cursor >= 0:
             step.follow(key)
-        if ex.capture.capturing():  # see NOTE [ No query while capturing ] in _device.py
+        capture = ex.capture
+        if capture.possible and capture.capturing():  # NOTE [ No query while capturing ]
             self.warn("graphs", _GRAPHS_TEXT)
             return self.keep(t, step, prof)
         if step.deferred and _sequence_nr is not None and _sequence_nr() != step.deferred_at:
@@ -122,10 +125,11 @@ class Packer:
         top = step.top
         module, kept = (top.module, top.kept) if top is not None else (OUTSIDE, False)
         n = local.numel()
+        nbytes = n * local.element_size()
         if (
             kept
-            or local.device != self.device
-            or n * local.element_size() < self.min_offload_bytes
+            or (not local.is_cpu if self.on_cpu else local.device != self.device)
+            or nbytes < self.min_offload_bytes
             or n == 0
             or local.layout is not torch.strided  # sparse: no one storage to copy
             or local.is_nested
@@ -134,7 +138,15 @@ class Packer:
         ):
             return self.keep(t, step, prof)
         active = step.active
-        recipe = weight_cast(t, self.params)
+        if dtensor is None:
+            # Recipes only come from a few nodes' outputs: the node is asked once here, not by
+            # both recognisers (a DTensor's node is theirs to find).
+            base = t._base
+            fn = (t if base is None else base).grad_fn
+            maybe_recipe = fn is not None and type(fn).__name__ in RECIPE_NODES
+        else:
+            maybe_recipe = True
+        recipe = weight_cast(t, self.params) if maybe_recipe else None
         if recipe is not None:
             # NOTE [ Weight casts ] in _recipe.py: cast again at unpack, never stored or copied.
             stats.records_rebuilt += 1
@@ -142,7 +154,7 @@ class Packer:
             if prof is not None:
                 recipe.seq = prof.recorder.record_pack(t, parameter=True)
             return recipe
-        if active is None:
+        if active is None and maybe_recipe:
             # Min-memory mode, a budget's profiling step included (NOTE [ Activation recipes ]).
             rebuilt = self.activation_recipe(t, ex, step, prof)
             if rebuilt is not None:
@@ -161,7 +173,7 @@ class Packer:
                 # Off the plan's sequence: the rest of the step is not the plan's to place
                 # (NOTE [ Structure ]), save a storage it kept, which stays on the device anyway.
                 tier = KEEP if step.kept_by_plan(local) else None
-            elif tier is not None and _extent(local) > limit:
+            elif tier is not None and (nbytes if local.is_contiguous() else _extent(local)) > limit:
                 tier = None  # larger than planned (docs/design.md: Keys and signatures)
             if tier == REBUILD:
                 # See NOTE [ Activation recipes ] in _recipe.py; if its conditions fail, the
@@ -200,7 +212,8 @@ class Packer:
             return d
         member = self.offload(ex, step, prof, local, module, dtensor, tier, key, own, -1)
         if prof is not None:
-            member.seq = prof.recorder.record_pack(t, rebuild_from=self.rebuild_link(t, ex))
+            link = self.rebuild_link(t, ex) if maybe_recipe else -1
+            member.seq = prof.recorder.record_pack(t, rebuild_from=link)
         return member
 
     def offload(

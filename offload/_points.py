@@ -38,13 +38,36 @@ POINTS = frozenset(
 _profiling = torch._C._autograd._profiler_enabled
 
 
-@contextlib.contextmanager
-def point(name: str, detail: str = "") -> Iterator[None]:
+class _Quiet:
+    """The context of a point nobody watches (no debug log, no profiler): it does nothing, and
+    one serves every such point (a planned step's reload triggers are many)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_QUIET = _Quiet()
+
+
+def point(name: str, detail: str = "") -> contextlib.AbstractContextManager[None]:
     """Run the enclosed work as lifecycle point ``name`` (one of :data:`POINTS`)."""
     if name not in POINTS:
         raise ValueError(f"point: name must be one of {sorted(POINTS)}, got {name!r}")
+    debug = log.isEnabledFor(logging.DEBUG)
+    if not debug and not _profiling():
+        return _QUIET
+    return _watched(name, detail, debug)
+
+
+@contextlib.contextmanager
+def _watched(name: str, detail: str, debug: bool) -> Iterator[None]:
     label = "offload::" + name
-    if log.isEnabledFor(logging.DEBUG):
+    if debug:
         log.debug("%s%s", label, f" {detail}" if detail else "")
     if _profiling():
         with torch.profiler.record_function(label):

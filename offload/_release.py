@@ -81,7 +81,8 @@ def unowned(ex: Executor, fam: Family) -> None:
 
 
 def free(ex: Executor, fam: Family) -> None:
-    _reload.mark_ahead(ex, fam, False)
+    if fam.ahead:
+        _reload.mark_ahead(ex, fam, False)
     # Rule 4: GPU copies that read or write the tier's region must be complete first.
     if ex.cuda and not events_done(ex, fam):
         fam.to(Life.FREED)
@@ -106,7 +107,7 @@ def drop(ex: Executor, fam: Family) -> None:
     if fam.spill is not None and not queued_write(ex, fam):
         fam.spill.release()  # a spill still being written is released by _poll_writes
         fam.spill = None
-    fam.source = fam.resident = fam.guard = None
+    fam.source = fam.resident = fam.typed = fam.guard = None
     fam.source_event = fam.reload_event = fam.reload = None
     ex._live.pop(fam, None)
 

@@ -17,10 +17,12 @@ import torch
 
 from offload import _backpressure, _faults, _lookahead, _release, storage
 from offload._errors import OffloadError, from_storage
-from offload._family import Family, Life, aligned_buffer, aligned_offset, rebuild, step_of
+from offload._family import ALIGN_BYTES, Family, Life, aligned_buffer, aligned_offset, rebuild, step_of
 from offload._points import point
 from offload._tiers import kind_of
 from offload.lifecycle._calls import graph_task
+
+_graph_task = getattr(torch._C, "_current_graph_task_id", None) or graph_task  # (one call less)
 
 if TYPE_CHECKING:
     from offload._executor import Executor, _Member
@@ -71,7 +73,7 @@ def start_reload(ex: Executor, fam: Family) -> None:
     fam.unpack_round += 1
     mark_ahead(ex, fam, True)
     fam.reload_started_s = time.perf_counter()
-    fam.resident, fam.resident_ref = raw, weakref.ref(raw)
+    fam.resident, fam.resident_ref, fam.typed = raw, weakref.ref(raw), None
     if ex.meter is not None:
         ex.meter.watch(raw.untyped_storage(), fam.nbytes)
     dst = raw[off : off + fam.nbytes]
@@ -113,7 +115,7 @@ def undo_reload(ex: Executor, fam: Family) -> None:
         staging, fam.staging = fam.staging, None
         staging.release()
     take_reading(ex, fam)
-    fam.resident = fam.resident_ref = fam.reload = None
+    fam.resident = fam.resident_ref = fam.typed = fam.reload = None
     mark_ahead(ex, fam, False)
     fam.to(Life.OFF_DEVICE)
 
@@ -187,39 +189,29 @@ def unpack(ex: Executor, m: _Member) -> torch.Tensor:
     """The member's tensor, with the family's bytes on the device."""
     fam = m.family
     with ex.lock:
-        _release.forget_parent(ex)
+        if ex._forked:
+            _release.forget_parent(ex)
         if fam.error is not None:
             raise fam.error
-        if fam.life is Life.FREED:
+        life = fam.life
+        if life is Life.FREED:
             raise OffloadError(
                 f"saved tensor of {fam.module or '<root>'} was already released (the manager "
                 "was closed, or its step failed); run forward again"
             )
-        if fam.life is Life.COPYING_OUT:
+        if life is Life.COPYING_OUT:
             ex._check_version(fam)
             if fam.error is not None:
                 raise fam.error
-        if fam.source is not None and (fam.life is Life.COPYING_OUT or fam.tier is None):
+        if fam.source is not None and (life is Life.COPYING_OUT or fam.tier is None):
             # Rule 3: the source is still held (or storing it failed and it stayed): no copy.
             return m.wrap(m.source_view())
         # Prefetch follows the step that packed the family: with two forwards before their
         # backwards (pipelining, accumulation) the current step is another one. Counters go
         # to the current step, which is ``stats.last``.
         step = fam.step_ref() if fam.step_ref is not None else None
-        stats = ex.step.stats if ex.step is not None else None
-        prefetched = True
-        if fam.life is Life.OFF_DEVICE and not reuse(ex, fam):
-            prefetched = False
-            if stats is not None:
-                stats.stalls += 1
-            _backpressure.reload_waiting(ex, fam)
-        if fam.life is Life.COPYING_IN:
-            t0 = time.perf_counter()
-            finish_reload(ex, fam)
-            if stats is not None:
-                stats.stall_s += time.perf_counter() - t0
-                if prefetched:
-                    stats._leads.append(t0 - fam.reload_started_s)
+        if life is not Life.RESIDENT:
+            _bring_back(ex, fam)
         raw = fam.resident
         assert raw is not None
         consumer = ex.streams.current()
@@ -231,28 +223,40 @@ def unpack(ex: Executor, m: _Member) -> torch.Tensor:
             # unpack, not only the one that finished the reload: a member unpacked later, or
             # one reusing a live buffer, may run on another stream.
             _wait_reload(ex, fam.reload_event, consumer)
-        off = aligned_offset(raw, fam.storage_mod)
-        out = rebuild(
-            raw,
-            off,
-            fam,
-            dtype=m.dtype,
-            size=m.size,
-            stride=m.stride,
-            offset_bytes=m.offset_bytes,
-        )
+        off = (fam.storage_mod - raw.data_ptr()) % ALIGN_BYTES  # aligned_offset
+        out = rebuild(raw, off, fam, m.dtype, m.size, m.stride, m.offset_bytes)
         fam.unpacked += 1
         m.unpacked_in = fam.unpack_round
-        fam.unpacked_task = graph_task()
-        mark_ahead(ex, fam, False)
+        fam.unpacked_task = _graph_task()
+        if fam.ahead:
+            mark_ahead(ex, fam, False)
         if fam.unpacked >= fam.members:
             # Every live member has its view: drop the strong reference so the buffer dies
             # with autograd's use of it; a later unpack (retain_graph) reloads or reuses it.
-            fam.resident = None
+            fam.resident = fam.typed = None
             fam.to(Life.OFF_DEVICE)
         if step is not None:
             _lookahead.prefetch(ex, (), step, used=(fam,))
-        return m.wrap(out)
+        return m.wrap(out) if m.bits or m.dtensor is not None else out
+
+
+def _bring_back(ex: Executor, fam: Family) -> None:
+    """An unpack's family not resident: reuse its live buffer, reload it now, or finish the
+    reload in flight; a stall is counted (and timed) in the current step."""
+    stats = ex.step.stats if ex.step is not None else None
+    prefetched = True
+    if fam.life is Life.OFF_DEVICE and not reuse(ex, fam):
+        prefetched = False
+        if stats is not None:
+            stats.stalls += 1
+        _backpressure.reload_waiting(ex, fam)
+    if fam.life is Life.COPYING_IN:
+        t0 = time.perf_counter()
+        finish_reload(ex, fam)
+        if stats is not None:
+            stats.stall_s += time.perf_counter() - t0
+            if prefetched:
+                stats._leads.append(t0 - fam.reload_started_s)
 
 
 # NOTE [ Reload buffers used on another stream ]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from offload import _reload
 from offload._errors import modified_after_save
 from offload._executor import Executor, _Member
 from offload._pack import _check_kept, _Deferred
@@ -97,12 +98,13 @@ class Unpacker:
             # backward (NOTE [ Retained graphs ] in lifecycle's recorder).
             profiler.recorder.record_unpack(packed.seq, held=packed)
         held = prof.compute_clock if prof is not None else None
-        started = time.perf_counter() if held is not None else 0.0
+        if held is None:
+            return self.unpack_member(packed.executor, packed)
+        started = time.perf_counter()
         try:
             return self.unpack_member(packed.executor, packed)
         finally:
-            if held is not None:
-                held.held_s += time.perf_counter() - started
+            held.held_s += time.perf_counter() - started
 
     def rebuild(
         self,
@@ -149,8 +151,9 @@ class Unpacker:
         ``packed``'s key, or ``key``: the record a recipe stands for) have started."""
         ref = packed.family.step_ref
         step = ref() if ref is not None else None
-        self.start_triggered(ex, step, key if key is not None else packed.key)
-        return ex.unpack(packed)
+        if step is not None and step.triggers:
+            self.start_triggered(ex, step, key if key is not None else packed.key)
+        return _reload.unpack(ex, packed)  # Executor.unpack, one call less
 
     @staticmethod
     def start_triggered(ex: Executor | None, step: Any, key: Any) -> None:

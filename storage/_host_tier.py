@@ -8,7 +8,22 @@ import torch
 
 from offload.storage._pool import HostPool, HostRegion, shared_host_pool
 from offload.storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
-from offload.storage._transfer import CopyEngine, Transfer, check_waitable, wait_for
+from offload.storage._errors import StorageError
+from offload.storage._transfer import CopyEngine, Transfer, byte_view, check_waitable, wait_for
+
+# What a read done at once returns (NOTE [ Copies done at once ]): a transfer holds nothing
+# but its finished future and a label, so one serves them all.
+_READ_DONE = Transfer.completed("host read")
+
+# NOTE [ Copies done at once ]
+#     With an engine that is not deferred (the default) every copy runs on the calling thread
+#     before the call returns, so a write of a CPU tensor (no ``after``) and a read of a record
+#     whose write completed, into a CPU tensor, copy in the call itself: the same steps as
+#     ``Tier._run`` (the record counted pending while the copy runs, so ``free`` and ``close``
+#     wait for it; an error freeing a write's record and carried by its transfer), without the
+#     closure, the future chain and the transfer each copy cost there. On a CPU "device" the
+#     executor takes these paths once per saved tensor. A region source, an ``after``, and a
+#     deferred engine (the ordering tests) take ``_run``.
 
 
 class HostTier(Tier):
@@ -40,6 +55,10 @@ class HostTier(Tier):
         self._pool = pool if pool is not None else shared_host_pool()
         self._own_engine = copy_engine is None
         self._engine = copy_engine if copy_engine is not None else CopyEngine()
+        # NOTE [ Copies done at once ]: an engine that is not deferred copies on the calling
+        # thread, so a tensor write and a read of a stored record copy here, without a closure,
+        # a future chain or a transfer of their own (once per saved tensor: the hot path).
+        self._now = not self._engine.deferred
 
     @property
     def pool(self) -> HostPool:
@@ -52,6 +71,9 @@ class HostTier(Tier):
     def write(
         self, source: HostRegion | torch.Tensor, nbytes: int | None = None, *, after: object = None
     ) -> StoredHandle:
+        if after is None and self._now and type(source) is torch.Tensor:
+            if source.is_cpu:
+                return self._write_now(source, nbytes)
         check_waitable(after)
         self._check_open()
         start: Any
@@ -87,8 +109,60 @@ class HostTier(Tier):
             handle._write = self._run(handle, "host write", None, start, failure_frees=True)
         return handle
 
+    def _write_now(self, source: torch.Tensor, nbytes: int | None) -> StoredHandle:
+        """``write(source)`` with the copy done here (NOTE [ Copies done at once ])."""
+        data = byte_view(source)  # (source_bytes, for a tensor)
+        size = data.numel()
+        n = size if nbytes is None else check_nbytes(nbytes, size, "source")
+        region = self._pool.allocate(n)
+        handle = StoredHandle(self, n, charge=region.capacity_bytes, region=region)
+        try:
+            self._register(handle)
+        except BaseException:
+            region.release()
+            raise
+        error = _copy(region.tensor, data if n == size else data[:n])
+        if error is not None:
+            # As a failed write of the engine: the record is freed, its space back, and its
+            # ``written`` re-raises the error.
+            with self._lock:
+                handle._freed = True
+                release = self._take_for_release(handle)
+            if release:
+                self._release(handle)
+            handle._write = Transfer.failed(error, "host write")
+        return handle
+
+    def _read_now(self, handle: StoredHandle, dst: torch.Tensor) -> Transfer:
+        """``read`` of a stored record with the copy done here (NOTE [ Copies done at once ])."""
+        with self._lock:
+            self._check_open()
+            if handle._freed:
+                raise StorageError(f"{handle!r} was freed (or its write failed); it has no bytes")
+            # As _run's: free() waits for this read, close() for this call.
+            handle._pending += 1
+            self._starting += 1
+        try:
+            region = handle._region
+            assert region is not None  # every host record has one
+            src = region.tensor
+            error = _copy(dst, src if src.numel() == handle.nbytes else src[: handle.nbytes])
+        finally:
+            with self._lock:
+                handle._pending -= 1
+                self._starting -= 1
+                if self._closed:
+                    self._started.notify_all()
+                release = handle._freed and self._take_for_release(handle)
+            if release:
+                self._release(handle)
+        return _READ_DONE if error is None else Transfer.failed(error, "host read")
+
     def read(self, handle: StoredHandle, into: HostRegion | torch.Tensor) -> Transfer:
         self._check_own(handle)
+        if self._now and handle._write.done() and type(into) is torch.Tensor:
+            if into.is_cpu:
+                return self._read_now(handle, destination_bytes(into, handle.nbytes))
         n = handle.nbytes
         if isinstance(into, HostRegion):
             check_nbytes(n, into.nbytes, "into")
@@ -117,9 +191,19 @@ class HostTier(Tier):
     def _release(self, handle: StoredHandle) -> None:
         region = handle._region
         if region is not None and not region.released:
-            self._engine.poison(region.span)
+            if not self._now:  # (a deferred engine's poisoning; the span is made for it only)
+                self._engine.poison(region.span)
             region.release()
 
     def _stop(self) -> None:
         if self._own_engine:
             self._engine.close()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> BaseException | None:
+    """``dst.copy_(src)``; its error returned, not raised (it belongs to whoever waits)."""
+    try:
+        dst.copy_(src)
+    except BaseException as e:
+        return e
+    return None

@@ -70,16 +70,40 @@ class HostRegion:
         >>> pool.close()
     """
 
-    __slots__ = ("_nbytes", "_offset", "_pool", "_released", "_slab", "_span", "_tensor")
+    __slots__ = (
+        "_capacity",
+        "_memory",
+        "_nbytes",
+        "_offset",
+        "_pool",
+        "_released",
+        "_slab",
+        "_span",
+        "_start",
+        "_tensor",
+    )
 
     def __init__(
-        self, pool: HostPool, slab: _Slab | None, offset: int, span: torch.Tensor, nbytes: int
+        self,
+        pool: HostPool,
+        slab: _Slab | None,
+        offset: int,
+        memory: torch.Tensor,
+        start: int,
+        capacity: int,
+        nbytes: int,
     ) -> None:
         self._pool = pool
         self._slab = slab
         self._offset = offset
-        self._span = span
-        self._tensor = span[:nbytes]
+        # The region is ``memory[start : start + capacity]``; that view (``span``) is made
+        # when first asked for (file I/O, poisoning): a copy needs only ``tensor``, and one
+        # view less per region counts once per saved tensor.
+        self._memory = memory
+        self._start = start
+        self._capacity = capacity
+        self._span: torch.Tensor | None = None
+        self._tensor = memory[start : start + nbytes]
         self._nbytes = nbytes
         self._released = False
 
@@ -91,7 +115,7 @@ class HostRegion:
     @property
     def capacity_bytes(self) -> int:
         """The bytes reserved: ``nbytes`` rounded up to 4 KiB."""
-        return self._span.numel()
+        return self._capacity
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -107,7 +131,17 @@ class HostRegion:
     def span(self) -> torch.Tensor:
         """A 1-D uint8 view of all ``capacity_bytes`` bytes (4 KiB-aligned start and length)."""
         self._check_live()
-        return self._span
+        return self._whole()
+
+    def _whole(self) -> torch.Tensor:
+        span = self._span
+        if span is None:
+            if self._capacity == self._nbytes:
+                span = self._tensor
+            else:
+                span = self._memory[self._start : self._start + self._capacity]
+            self._span = span
+        return span
 
     @property
     def pinned(self) -> bool:
@@ -120,7 +154,7 @@ class HostRegion:
 
     def data_ptr(self) -> int:
         """Address of the first byte (a multiple of 4096)."""
-        return self._span.data_ptr()
+        return self._memory.data_ptr() + self._start
 
     def release(self) -> None:
         """Give the bytes back to the pool; calling it again does nothing.
@@ -266,10 +300,11 @@ class HostPool:
             StorageError: the pool is closed.
             ValueError: ``nbytes`` is negative.
         """
-        _check_bytes("nbytes", nbytes)
+        if type(nbytes) is not int or nbytes <= 0:  # (a positive int needs no more checks)
+            _check_bytes("nbytes", nbytes)
         if nbytes == 0:
             self._check_open()
-            return HostRegion(self, None, 0, torch.empty(0, dtype=torch.uint8), 0)
+            return HostRegion(self, None, 0, torch.empty(0, dtype=torch.uint8), 0, 0, 0)
         capacity = round_up(nbytes)
         with self._lock:
             self._check_open()
@@ -282,7 +317,7 @@ class HostPool:
             slab, offset = placed
             self._used += capacity
         start = slab.base + offset
-        return HostRegion(self, slab, offset, slab.memory[start : start + capacity], nbytes)
+        return HostRegion(self, slab, offset, slab.memory, start, capacity, nbytes)
 
     def reserve(self, nbytes: int) -> None:
         """Grow now (not at the first allocation) until at least ``nbytes`` are held in slabs
@@ -312,6 +347,10 @@ class HostPool:
                 self._grow(want, reason=f"a reservation of {format_bytes(nbytes)}")
 
     def _place(self, capacity: int) -> tuple[_Slab, int] | None:
+        if len(self._slabs) == 1:  # the best fit of one slab is its own (None if it is full)
+            slab = self._slabs[0]
+            offset = slab.allocator.allocate(capacity)
+            return (slab, offset) if offset is not None else None
         best: _Slab | None = None
         for slab in self._slabs:
             largest = slab.allocator.largest_free()
@@ -431,15 +470,15 @@ class HostPool:
         if region._released:
             return
         if self._poison and region._slab is not None and not self._closed:
-            region._span.fill_(0xFF)  # before the range can be handed out again
+            region._whole().fill_(0xFF)  # before the range can be handed out again
         with self._lock:
             if region._released:
                 return
             region._released = True
             if region._slab is None or self._closed:
                 return
-            region._slab.allocator.free(region._offset, region._span.numel())
-            self._used -= region._span.numel()
+            region._slab.allocator.free(region._offset, region._capacity)
+            self._used -= region._capacity
 
     # -- lifetime ---------------------------------------------------------------------------------
 

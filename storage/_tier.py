@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from offload.storage._pool import HostRegion
 
 
+# A handle's write until one is started (transfers are immutable: one serves every handle).
+_WRITTEN = Transfer.completed("write")
+
+
 class StoredHandle:
     """Where one record's bytes live in a tier, and the write that put them there.
 
@@ -75,7 +79,7 @@ class StoredHandle:
         self._offset = offset
         self._crcs = crcs
         self._on_device = on_device
-        self._write: Transfer = Transfer.completed("write")
+        self._write: Transfer = _WRITTEN
         self._pending = 0  # transfers in flight that touch this record's bytes
         self._freed = False  # the owner called free() (or the write failed)
         self._released = False  # the space went back to the tier
@@ -401,6 +405,7 @@ def destination_bytes(into: object, nbytes: int) -> torch.Tensor:
     if not isinstance(into, torch.Tensor):
         raise TypeError(f"into must be a HostRegion or a torch.Tensor; got {type(into).__name__}")
     data = byte_view(into)
-    if data.numel() < nbytes:
-        raise ValueError(f"into has {data.numel()} bytes; the record needs {nbytes}")
-    return data[:nbytes]
+    n = data.numel()
+    if n < nbytes:
+        raise ValueError(f"into has {n} bytes; the record needs {nbytes}")
+    return data if n == nbytes else data[:nbytes]

@@ -557,3 +557,27 @@ def test_storage_bytes_is_every_byte_of_the_storage_for_any_layout() -> None:
     # every dtype was drawn, and conjugate and negative views of several
     assert {k[0] for k in kinds} == {str(d) for d in _LAYOUT_DTYPES}
     assert sum(k[1] for k in kinds) >= 2 and sum(k[2] for k in kinds) >= 4
+
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_members_of_other_dtypes_come_back_as_saved(engine: str) -> None:
+    """One family, members of two dtypes (a complex tensor and its ``view_as_real``): each
+    comes back in its own dtype over the one reloaded buffer (whose view in one dtype the
+    members of that dtype share)."""
+    x0 = torch.randn(2048, dtype=torch.complex64, generator=torch.Generator().manual_seed(5))
+
+    def run(mgr: Any) -> torch.Tensor:
+        x = x0.clone().requires_grad_()
+        with mgr if mgr is not None else contextlib.nullcontext():
+            y = x * 1.0
+            r = torch.view_as_real(y)  # float32, a view of y: one family with y
+            loss = (r * r).sum() + (y * y).real.sum() + (r[1:] * y[1:].real.unsqueeze(-1)).sum()
+        loss.backward()
+        return x.grad
+
+    want = run(None)
+    with manager(nn.Identity(), engine) as mgr:
+        assert torch.equal(run(mgr), want)
+        last = mgr.stats.last
+        assert last.records_offloaded_cpu == 1 and last.records_deduplicated >= 3

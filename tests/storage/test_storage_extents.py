@@ -78,3 +78,44 @@ def test_random_workload_returns_to_one_range():
     for off, n in live:
         a.free(off, n)
     assert a.extents() == [(0, 256 * PAGE)]
+
+
+def _best_fit(free: dict[int, int], n: int) -> int | None:
+    """The reference: the smallest free range that holds ``n``, the lowest of equal ones."""
+    fits = [(length, off) for off, length in free.items() if length >= n]
+    return min(fits)[1] if fits else None
+
+
+def _merged(free: dict[int, int]) -> dict[int, int]:
+    out: list[tuple[int, int]] = []
+    for off, length in sorted(free.items()):
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((off, length))
+    return dict(out)
+
+
+def test_best_fit_matches_a_walk_over_every_free_range():
+    # The size index (a binary search) picks what walking the free list picked.
+    rng = random.Random(7)
+    for _ in range(40):
+        a = ExtentAllocator(alignment=PAGE)
+        a.add(0, 200 * PAGE)
+        free, live = {0: 200 * PAGE}, []
+        for _ in range(300):
+            if live and rng.random() < 0.45:
+                off, n = live.pop(rng.randrange(len(live)))
+                a.free(off, n)
+                free = _merged({**free, off: n})
+            else:
+                n = rng.randint(1, 8) * PAGE
+                want = _best_fit(free, n)
+                assert a.allocate(n) == want
+                if want is not None:
+                    length = free.pop(want)
+                    if length > n:
+                        free[want + n] = length - n
+                    live.append((want, n))
+            assert a.extents() == sorted(free.items())
+            assert a.largest_free() == max(free.values(), default=0)
