@@ -3,6 +3,7 @@ saved-tensor hook pair.
 
 Run:
     python benchmarks/bench_hooks.py [--tensors 2000] [--repeats 31] [--out benchmarks/results]
+        [--baseline-rev REV] [--rounds 5]
 
 Both variants run in the same process on the same workload: a chain of ``torch.mul`` ops on small
 CPU tensors, each of which saves its two inputs (so packs dominate and compute is tiny). The figure
@@ -25,16 +26,25 @@ With tensors this small the copies cost little, so the figures are the hooks' Py
 a step pays on the compute thread when copies overlap compute (a GPU). The manager's own cost is
 its figure less the identity pair's (and less the copies' for its Python alone). Writes
 ``hooks.json`` and ``hooks.md``.
+
+``--baseline-rev REV`` then compares this tree with git revision ``REV`` (its own
+``bench_hooks.py`` and package, from ``git archive``): ``--rounds`` rounds, each running both in
+fresh processes, in ABBA order, and reports the median of each figure above the identity pair
+and the ratio this/REV per round (a machine whose speed drifts moves both sides of a round).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 
 import torch
@@ -116,7 +126,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tensors", type=int, default=2000, help="saved tensors per forward (even)")
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--baseline-rev", default=None, help="also compare with this git revision")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the comparison")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1; got {args.rounds}")
     torch.set_num_threads(1)
     muls = args.tensors // 2
     model = MulChain(blocks=max(1, muls // 20), per_block=20)
@@ -268,10 +282,89 @@ def main(argv: list[str] | None = None) -> dict:
         "kept).",
         "",
     ]
+    if args.baseline_rev:
+        result["baseline"] = compare(args)
+        md += baseline_markdown(result["baseline"])
+        with open(os.path.join(args.out, "hooks.json"), "w") as f:
+            json.dump(result, f, indent=2)
     with open(os.path.join(args.out, "hooks.md"), "w") as f:
         f.write("\n".join(md))
     print("\n".join(md))
     return result
+
+
+_COMPARED = ("offload_min_memory_minus_identity", "offload_budget_minus_identity")
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """This tree against ``args.baseline_rev``: each round runs both, ABBA, in new processes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", args.baseline_rev],
+        cwd=root, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    here = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="bench_hooks-") as tmp:
+        old = os.path.join(tmp, rev)
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", rev], cwd=root, capture_output=True, check=True
+        ).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(old, filter="tar")
+        trees = {"this": root, "baseline": old}
+        runs: dict[str, list[dict]] = {"this": [], "baseline": []}
+        for r in range(args.rounds):
+            order = ("this", "baseline") if r % 2 == 0 else ("baseline", "this")
+            for side in order:
+                out = os.path.join(tmp, f"{side}-{r}")
+                env = dict(os.environ, PYTHONPATH=trees[side])
+                cmd = [sys.executable, os.path.join(trees[side], "benchmarks", "bench_hooks.py")]
+                cmd += ["--tensors", str(args.tensors), "--repeats", str(args.repeats)]
+                subprocess.run(
+                    [*cmd, "--out", out], cwd=trees[side], env=env, check=True, capture_output=True
+                )
+                with open(os.path.join(out, "hooks.json")) as f:
+                    runs[side].append(json.load(f)["us_per_tensor"])
+            print(f"  comparison round {r + 1}/{args.rounds} done", flush=True)
+    out: dict = {"rev": rev, "this_rev": here, "rounds": args.rounds, "figures": {}}
+    for key in ("identity_hooks", *_COMPARED):
+        this = [run[key] for run in runs["this"]]
+        base = [run[key] for run in runs["baseline"]]
+        out["figures"][key] = {
+            "this_median_us": statistics.median(this),
+            "baseline_median_us": statistics.median(base),
+            "ratio_median": statistics.median(a / b for a, b in zip(this, base, strict=True)),
+            "this_us": this,
+            "baseline_us": base,
+        }
+    return out
+
+
+def baseline_markdown(cmp: dict) -> list[str]:
+    names = {
+        "identity_hooks": "identity pair (above no hooks)",
+        "offload_min_memory_minus_identity": "offload, min-memory",
+        "offload_budget_minus_identity": "offload, budget (planned)",
+    }
+    lines = [
+        f"## Against {cmp['rev']}",
+        "",
+        f"This tree ({cmp['this_rev']}, with its working-tree changes) and {cmp['rev']}, each "
+        f"{cmp['rounds']} times in fresh processes, ABBA; us per saved tensor above the "
+        "identity pair (the identity pair: above no hooks), medians, and the median of the "
+        f"rounds' ratios this / {cmp['rev']}.",
+        "",
+        f"| figure | {cmp['rev']} (us) | this (us) | this / {cmp['rev']} |",
+        "|---|---|---|---|",
+    ]
+    for key, row in cmp["figures"].items():
+        lines.append(
+            f"| {names[key]} | {row['baseline_median_us']:.2f} | {row['this_median_us']:.2f} "
+            f"| {row['ratio_median']:.2f} |"
+        )
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_hooks  # noqa: E402  (the workload and the CPU hardware model of the timings)
+import bench_hooks
 
-import offload  # noqa: E402
+import offload
 
 
 def _label(func: tuple[str, int, str]) -> str:
@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{share * 100:5.1f}%  {label} (inclusive)")
     print(f"{'share':>6}  {'calls/tensor':>12}  function")
     for row in out["functions"]:
-        print(f"{row['share'] * 100:5.1f}%  {row['calls_per_saved_tensor']:12.2f}  {row['function']}")
+        print(
+            f"{row['share'] * 100:5.1f}%  {row['calls_per_saved_tensor']:12.2f}  {row['function']}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

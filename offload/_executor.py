@@ -103,7 +103,7 @@ class _Member:
         self.dtype = t.dtype
         self.size = t.shape  # a torch.Size: a tuple
         self.stride = t.stride()
-        self.offset_bytes = t.storage_offset() * t.element_size()
+        self.offset_bytes = int(t.storage_offset()) * t.element_size()
         # A lazy conjugate or negative view (``h.conj()``, its ``.imag``) is its bytes plus a
         # flag; copied bytes carry no flag, so the view gets its flags back at unpack.
         self.bits = (_CONJ if t.is_conj() else 0) | (_NEG if t.is_neg() else 0)

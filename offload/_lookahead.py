@@ -18,12 +18,12 @@ import torch
 from offload import _reload, storage
 from offload._family import ALIGN_BYTES, Family, Life
 from offload.lifecycle._calls import graph_task
-
-_graph_task = getattr(torch._C, "_current_graph_task_id", None) or graph_task  # (one call less)
 from offload.lifecycle._simulate import automatic_bounds
 
 if TYPE_CHECKING:
     from offload._executor import Executor, _StepState
+
+_graph_task = getattr(torch._C, "_current_graph_task_id", None) or graph_task  # (one call less)
 
 
 def window_bytes(ex: Executor, step: _StepState) -> int:

@@ -17,7 +17,15 @@ import torch
 
 from offload import _backpressure, _faults, _lookahead, _release, storage
 from offload._errors import OffloadError, from_storage
-from offload._family import ALIGN_BYTES, Family, Life, aligned_buffer, aligned_offset, rebuild, step_of
+from offload._family import (
+    ALIGN_BYTES,
+    Family,
+    Life,
+    aligned_buffer,
+    aligned_offset,
+    rebuild,
+    step_of,
+)
 from offload._points import point
 from offload._tiers import kind_of
 from offload.lifecycle._calls import graph_task

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
+from offload.storage._errors import StorageError
 from offload.storage._pool import HostPool, HostRegion, shared_host_pool
 from offload.storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
-from offload.storage._errors import StorageError
 from offload.storage._transfer import CopyEngine, Transfer, byte_view, check_waitable, wait_for
 
 # What a read done at once returns (NOTE [ Copies done at once ]): a transfer holds nothing
@@ -71,9 +71,8 @@ class HostTier(Tier):
     def write(
         self, source: HostRegion | torch.Tensor, nbytes: int | None = None, *, after: object = None
     ) -> StoredHandle:
-        if after is None and self._now and type(source) is torch.Tensor:
-            if source.is_cpu:
-                return self._write_now(source, nbytes)
+        if after is None and self._now and type(source) is torch.Tensor and source.is_cpu:
+            return self._write_now(source, nbytes)
         check_waitable(after)
         self._check_open()
         start: Any
@@ -160,9 +159,8 @@ class HostTier(Tier):
 
     def read(self, handle: StoredHandle, into: HostRegion | torch.Tensor) -> Transfer:
         self._check_own(handle)
-        if self._now and handle._write.done() and type(into) is torch.Tensor:
-            if into.is_cpu:
-                return self._read_now(handle, destination_bytes(into, handle.nbytes))
+        if self._now and handle._write.done() and type(into) is torch.Tensor and into.is_cpu:
+            return self._read_now(handle, destination_bytes(into, handle.nbytes))
         n = handle.nbytes
         if isinstance(into, HostRegion):
             check_nbytes(n, into.nbytes, "into")

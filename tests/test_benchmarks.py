@@ -94,3 +94,34 @@ def test_gpu_check_starts_only_what_can_finish_and_returns_this_calls_files(
         packed = sorted(Path(n).name for n in tar.getnames())
     assert packed == ["hardware.txt", "info.err", "info.json", "sections.txt"], packed
     assert (results / "budget-h2048.md").read_text() == "an earlier run's\n"  # left as it was
+
+
+def test_bench_hooks_compares_with_a_revision(tmp_path: Path) -> None:
+    """``--baseline-rev``: both trees run in fresh processes each round, and the report gains
+    one row per figure with both medians and the ratio of the rounds (no timing asserted)."""
+    import bench_hooks
+
+    out = tmp_path / "out"
+    result = bench_hooks.main(
+        ["--tensors", "40", "--repeats", "1", "--rounds", "1", "--baseline-rev", "HEAD",
+         "--out", str(out)]
+    )  # fmt: skip
+    cmp = result["baseline"]
+    assert cmp["rounds"] == 1 and set(cmp["figures"]) == {
+        "identity_hooks",
+        "offload_min_memory_minus_identity",
+        "offload_budget_minus_identity",
+    }
+    for row in cmp["figures"].values():
+        assert len(row["this_us"]) == len(row["baseline_us"]) == 1
+    report = (out / "hooks.md").read_text()
+    assert f"## Against {cmp['rev']}" in report and "| offload, min-memory |" in report
+    assert json.loads((out / "hooks.json").read_text())["baseline"]["rev"] == cmp["rev"]
+
+
+def test_profile_hooks_counts_calls_per_saved_tensor() -> None:
+    import profile_hooks
+
+    out = profile_hooks.main(["--steps", "1", "--top", "5"])
+    assert out["saved_tensors_per_step"] == 2000 and out["python_calls_per_saved_tensor"] > 10
+    assert len(out["functions"]) == 5 and 0 < out["stages"]["pack hook"] < 1

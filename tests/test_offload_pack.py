@@ -559,7 +559,6 @@ def test_storage_bytes_is_every_byte_of_the_storage_for_any_layout() -> None:
     assert sum(k[1] for k in kinds) >= 2 and sum(k[2] for k in kinds) >= 4
 
 
-
 @pytest.mark.parametrize("engine", ENGINES)
 def test_members_of_other_dtypes_come_back_as_saved(engine: str) -> None:
     """One family, members of two dtypes (a complex tensor and its ``view_as_real``): each
