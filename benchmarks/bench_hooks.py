@@ -281,6 +281,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"{bd_last.records_offloaded_cpu} families offloaded, {bd_last.records_kept} saved tensors "
         "kept).",
         "",
+        "Targets above the identity pair: min-memory <= 20 us "
+        f"({_verdict(us['offload_min_memory_minus_identity'], 20.0)}), budget <= 15 us "
+        f"({_verdict(us['offload_budget_minus_identity'], 15.0)}).",
+        "",
     ]
     if args.baseline_rev:
         result["baseline"] = compare(args)
@@ -291,6 +295,10 @@ def main(argv: list[str] | None = None) -> dict:
         f.write("\n".join(md))
     print("\n".join(md))
     return result
+
+
+def _verdict(value: float, target: float) -> str:
+    return "met" if value <= target else f"not met: {value / target:.1f} x the target"
 
 
 _COMPARED = ("offload_min_memory_minus_identity", "offload_budget_minus_identity")
