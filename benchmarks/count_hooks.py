@@ -35,21 +35,13 @@ def _workload(mode: str, steps: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_hooks
 
-    import offload
-
     torch.set_num_threads(1)
-    model = bench_hooks.MulChain(blocks=50, per_block=20)
-    x0 = torch.full((16,), 0.999, requires_grad=True)
-    mgr = None
-    warm = 1
-    if mode == "min-memory":
-        mgr = offload.ActivationOffloader(model, tiers=("cpu",), min_offload_bytes=0)
-    elif mode == "budget":
-        mgr = offload.ActivationOffloader(
-            model, tiers=("cpu",), min_offload_bytes=0, gpu_budget=1000 * 64 // 2,
-            hardware=bench_hooks._CPU_HARDWARE,
-        )  # fmt: skip
-        warm = 4  # profile, first planned step, refinement, refined plan
+    if mode == "identity":
+        model = bench_hooks.MulChain(blocks=50, per_block=20)
+        x0 = torch.full((16,), 0.999, requires_grad=True)
+        mgr, warm = None, 1
+    else:
+        model, x0, mgr, warm = bench_hooks.workload(mode)
     for _ in range(warm + steps):
         if mgr is None:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):

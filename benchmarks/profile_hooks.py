@@ -27,8 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_hooks
 
-import offload
-
 
 def _label(func: tuple[str, int, str]) -> str:
     path, line, name = func
@@ -63,12 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model = bench_hooks.MulChain(blocks=50, per_block=20)
-    x0 = torch.full((16,), 0.999, requires_grad=True)
-    kwargs: dict = {"tiers": ("cpu",), "min_offload_bytes": 0}
-    if args.mode == "budget":
-        kwargs.update(gpu_budget=1000 * 64 // 2, hardware=bench_hooks._CPU_HARDWARE)
-    mgr = offload.ActivationOffloader(model, **kwargs)
+    model, x0, mgr, _ = bench_hooks.workload(args.mode)
     for _ in range(5):  # profile, refinement (budget), then steady steps
         bench_hooks._manager_step(mgr, model, x0)
     packs = mgr.stats.last.records

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +27,13 @@ def in_backward() -> bool:
     return _current_graph_task_id is not None and _current_graph_task_id() != -1
 
 
-def graph_task() -> int:
-    """The id of the autograd backward (graph task) running in this thread, -1 outside one."""
-    return _current_graph_task_id() if _current_graph_task_id is not None else -1
+def _no_graph_task() -> int:
+    return -1
+
+
+# The id of the autograd backward (graph task) running in this thread, -1 outside one: torch's
+# own function where it has one (asked per unpack, so no wrapper around it).
+graph_task: Callable[[], int] = _current_graph_task_id or _no_graph_task
 
 
 def foreign_call(thread: int | None) -> bool:

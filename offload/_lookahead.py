@@ -23,8 +23,6 @@ from offload.lifecycle._simulate import automatic_bounds
 if TYPE_CHECKING:
     from offload._executor import Executor, _StepState
 
-_graph_task = getattr(torch._C, "_current_graph_task_id", None) or graph_task  # (one call less)
-
 
 def window_bytes(ex: Executor, step: _StepState) -> int:
     """The look-ahead window for ``step``'s reloads: the given bound, else a quarter of
@@ -73,7 +71,7 @@ def prefetch(
                 begin_reload(ex, fam)
         if window and needed:
             latest = max(needed, key=lambda f: f.order)
-            if not (latest.unpacked and latest.unpacked_task == _graph_task()):
+            if not (latest.unpacked and latest.unpacked_task == graph_task()):
                 begin_reload(ex, latest)  # needed first: starts beyond the window too
         if not window:
             if step.revisit:
@@ -90,7 +88,7 @@ def prefetch(
             step.revisit = [f for f in waiting if f.life is Life.COPYING_OUT]
             for fam in waiting:
                 begin_reload(ex, fam)
-        task = _graph_task()
+        task = graph_task()
         if task != -1 and task != step.walk_task:
             if step.walk_task != -1:
                 # See NOTE [ Later backward passes ].

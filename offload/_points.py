@@ -38,20 +38,9 @@ POINTS = frozenset(
 _profiling = torch._C._autograd._profiler_enabled
 
 
-class _Quiet:
-    """The context of a point nobody watches (no debug log, no profiler): it does nothing, and
-    one serves every such point (a planned step's reload triggers are many)."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_QUIET = _Quiet()
+# The context of a point nobody watches (no debug log, no profiler): it does nothing, and one
+# serves every such point (a planned step's reload triggers are many).
+_QUIET = contextlib.nullcontext()
 
 
 def point(name: str, detail: str = "") -> contextlib.AbstractContextManager[None]:

@@ -30,8 +30,6 @@ from offload._points import point
 from offload._tiers import kind_of
 from offload.lifecycle._calls import graph_task
 
-_graph_task = getattr(torch._C, "_current_graph_task_id", None) or graph_task  # (one call less)
-
 if TYPE_CHECKING:
     from offload._executor import Executor, _Member
 
@@ -235,7 +233,7 @@ def unpack(ex: Executor, m: _Member) -> torch.Tensor:
         out = rebuild(raw, off, fam, m.dtype, m.size, m.stride, m.offset_bytes)
         fam.unpacked += 1
         m.unpacked_in = fam.unpack_round
-        fam.unpacked_task = _graph_task()
+        fam.unpacked_task = graph_task()
         if fam.ahead:
             mark_ahead(ex, fam, False)
         if fam.unpacked >= fam.members:

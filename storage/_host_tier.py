@@ -124,11 +124,7 @@ class HostTier(Tier):
         if error is not None:
             # As a failed write of the engine: the record is freed, its space back, and its
             # ``written`` re-raises the error.
-            with self._lock:
-                handle._freed = True
-                release = self._take_for_release(handle)
-            if release:
-                self._release(handle)
+            self.free(handle)
             handle._write = Transfer.failed(error, "host write")
         return handle
 
