@@ -54,6 +54,8 @@ from offload import _backpressure, _faults, _lookahead, _release, _reload, stora
 from offload._device import DeviceStreams, GraphCapture, copy_streams
 from offload._errors import from_storage, modified_after_save
 from offload._family import (
+    CONJ,
+    NEG,
     Family,
     Life,
     span_of,
@@ -67,9 +69,6 @@ from offload.lifecycle._trace import WHOLE_STORAGE_FACTOR
 from offload.storage._transfer import reset_in_forked_child
 
 log = logging.getLogger("offload")
-
-
-_CONJ, _NEG = 1, 2  # _Member.bits
 
 
 class _Member:
@@ -94,19 +93,31 @@ class _Member:
         "unpacked_in",
     )
 
-    def __init__(self, executor: Executor, family: Family, t: torch.Tensor, dtensor: Any) -> None:
-        self.key: Any = None  # (module, call index, ordinal) under a plan: unpack triggers
+    def __init__(
+        self,
+        executor: Executor,
+        family: Family,
+        dtype: torch.dtype,
+        size: torch.Size,
+        stride: tuple[int, ...],
+        offset_bytes: int,
+        bits: int,
+        dtensor: Any,
+        key: Any = None,
+    ) -> None:
+        # (The saved tensor's facts, read once by Executor.offload.)
+        self.key = key  # (module, call index, ordinal) under a plan: unpack triggers
         self.seq = -1  # the recorder's record number during a profiling step
         self.unpacked_in = -1  # the family's unpack round it was last unpacked in
         self.executor = executor
         self.family = family
-        self.dtype = t.dtype
-        self.size = t.shape  # a torch.Size: a tuple
-        self.stride = t.stride()
-        self.offset_bytes = int(t.storage_offset()) * t.element_size()
-        # A lazy conjugate or negative view (``h.conj()``, its ``.imag``) is its bytes plus a
-        # flag; copied bytes carry no flag, so the view gets its flags back at unpack.
-        self.bits = (_CONJ if t.is_conj() else 0) | (_NEG if t.is_neg() else 0)
+        self.dtype = dtype
+        self.size = size  # a torch.Size: a tuple
+        self.stride = stride
+        self.offset_bytes = offset_bytes  # of element 0 in the storage
+        # Copied bytes carry no CONJ / NEG flag (NOTE in _family.py), so the view gets its
+        # flags back at unpack.
+        self.bits = bits
         self.dtensor = dtensor  # (mesh, placements, shape, stride) of a DTensor, else None
 
     def __del__(self) -> None:
@@ -139,9 +150,9 @@ class _Member:
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (the rebuilt view) as the saved tensor was: its lazy flags, a DTensor."""
         if self.bits:
-            if self.bits & _CONJ:
+            if self.bits & CONJ:
                 local = local.conj()
-            if self.bits & _NEG:
+            if self.bits & NEG:
                 local = torch._neg_view(local)
         if self.dtensor is None:
             return local
@@ -389,6 +400,10 @@ class Executor:
         dtensor: Any,
         tier: str | None = None,
         stream: Any = None,
+        key: Any = None,
+        st: torch.UntypedStorage | None = None,
+        n: int = -1,
+        item: int = 0,
     ) -> _Member:
         """Store ``t``'s family (once per family) and return the member handle.
 
@@ -396,12 +411,26 @@ class Executor:
         follow in their order (a fallback, counted). ``None``: the tiers in order.
         ``stream``: the stream the op that saved ``t`` ran on, when that is not the current
         one (a deferred pack, NOTE [ Fill after pack ]); the copy is ordered after its work.
+        ``key``: the pack's record key, kept by the member (its unpack's triggers). ``st``,
+        ``n``, ``item``: ``t.untyped_storage()``, ``t.numel()`` and ``t.element_size()``, when
+        the caller read them already (a pack: each fact of a tensor is read once).
         """
         base = t._base  # its version root (lifecycle.version_root): a view's base, else t
         root = t if base is None else base
-        st = t.untyped_storage()
+        if st is None:
+            st, n, item = t.untyped_storage(), t.numel(), t.element_size()
         version = t._version
-        start, end = span_of(t)
+        stride = t.stride()
+        bits = (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
+        # span_of(t), inline (once per saved tensor); the member keeps ``start``.
+        # (An int, not a SymInt: packs run eagerly.)
+        start: int = t.storage_offset() * item  # type: ignore[assignment]
+        if n == 0:
+            end = start
+        elif t.is_contiguous():  # the common case: its elements are one dense run
+            end = start + n * item
+        else:
+            end = span_of(t)[1]
         with self.lock:
             step = self.step
             assert step is not None, "offload outside a step"
@@ -435,11 +464,11 @@ class Executor:
                 # handling ]). A member of a family stored already needs no copy of its own.
                 fam = self._new_family(
                     step, t.detach(), st, root, base is not None, version, start, end, module,
-                    tier, stream,
+                    tier, stream, bits, stride,
                 )  # fmt: skip
             else:
                 step.stats.records_deduplicated += 1
-            member = _Member(self, fam, t, dtensor)
+            member = _Member(self, fam, t.dtype, t.shape, stride, start, bits, dtensor, key)
             fam.members += 1
             fam.member_refs.append(weakref.ref(member))
             return member
@@ -474,6 +503,8 @@ class Executor:
         module: str,
         tier: str | None = None,
         stream: Any = None,
+        bits: int = -1,
+        stride: tuple[int, ...] | None = None,
     ) -> Family:
         # See NOTE [ Alias handling ]: a view spanning at least a quarter of its storage brings
         # the whole storage along (WHOLE_STORAGE_FACTOR, which a trace's family spans follow
@@ -484,20 +515,11 @@ class Executor:
         if view and whole <= WHOLE_STORAGE_FACTOR * (end - start):
             start, end = 0, whole
         fam = Family(
-            fid=self._next_fid,
-            storage=st,
-            root=root,
-            version=version,
-            span_start=start,
-            nbytes=end - start,
-            storage_ptr=st.data_ptr(),
-            device=t.device,
-            module=module,
-            order=len(step.families),
-            step=step,
-        )
+            self._next_fid, st, root, version, start, end - start, st.data_ptr(), module,
+            len(step.families), step,
+        )  # fmt: skip
         self._next_fid += 1
-        source = storage_bytes(t, start, end)
+        source = storage_bytes(t, start, end, bits, stride)
         self._store(step, fam, source, tier, stream)
         fam.guard = t
         step.families.append(fam)
@@ -617,6 +639,9 @@ class Executor:
         fam.to(Life.COPYING_OUT)
         self.cpu_bytes += charge
         kind.count(step.stats, n)
+        # In flight until a poll sees it done, a copy done in the call (a CPU device's) too:
+        # the version check at its retirement (_retire) sees an in-place change that the ops
+        # after the pack made, as autograd would.
         self._inflight.append(fam)
         self._inflight_bytes += n
 
@@ -647,13 +672,26 @@ class Executor:
 
     def poll(self) -> None:
         """Retire finished copies out (drop their sources) and free what waited for events."""
+        # (The lock first: dynamo cannot trace it, so a module hook it traces, of a model
+        # compiled after its manager, breaks the graph here, and fullgraph=True fails with a
+        # note saying why: see _warn_traced in _warnings.py.)
         with self.lock:
+            if not (
+                self._inflight
+                or self._deferred_releases
+                or self._orphans
+                or self._writing
+                or self._reading
+                or self._pending_regions
+                or self._pending_free
+                or self._stall_marks
+                or self._forked
+            ):
+                return  # nothing waits (every pack and module boundary asks)
             # (Asked only where a capture can run, or the last answer was yes: one call less
             # per pack on CPU.)
             if (self.capture.possible or self._in_capture) and self._capturing():
                 return  # see NOTE [ No query while capturing ]
-            # (Every pack and module boundary comes here: each step is skipped when it has
-            # nothing to do.)
             if self._forked:
                 _release.forget_parent(self)
             if self._deferred_releases:

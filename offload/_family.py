@@ -32,6 +32,9 @@ import torch
 from offload._errors import OffloadError
 
 ALIGN_BYTES = 4096
+# A lazy view's flags (``_Member.bits``): a conjugate or negative view (``h.conj()``, its
+# ``.imag``) is its plain bytes plus a flag.
+CONJ, NEG = 1, 2
 
 
 class Life(enum.Enum):
@@ -69,7 +72,6 @@ class Family:
     __slots__ = (
         "__weakref__",
         "ahead",
-        "device",
         "error",
         "fid",
         "guard",
@@ -105,7 +107,6 @@ class Family:
 
     def __init__(
         self,
-        *,
         fid: int,
         storage: torch.UntypedStorage,
         root: torch.Tensor,
@@ -113,11 +114,12 @@ class Family:
         span_start: int,
         nbytes: int,
         storage_ptr: int,
-        device: torch.device,
         module: str,
         order: int,
         step: Any = None,
     ) -> None:
+        # (Positional at the executor's one call, once per family: binding eleven keywords
+        # cost more than the rest of the call.)
         self.fid = fid
         self.storage_ref = weakref.ref(storage)
         # The tensor whose version counter ``version`` is read from (lifecycle.version_root).
@@ -127,7 +129,6 @@ class Family:
         self.nbytes = nbytes  # bytes of the copied span
         # Address of the span's first byte modulo ALIGN_BYTES; see NOTE [ Alias handling ].
         self.storage_mod = (storage_ptr + span_start) % ALIGN_BYTES
-        self.device = device
         self.module = module  # module path of the first member (for prefetch order and stats)
         self.order = order  # position among the step's offloaded families (pack order)
         # The executor's state of the step that packed it (for prefetch), held weakly: the step
@@ -198,9 +199,16 @@ def span_of(t: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * item
 
 
-def storage_bytes(t: torch.Tensor, start: int = 0, end: int = -1) -> torch.Tensor:
+def storage_bytes(
+    t: torch.Tensor,
+    start: int = 0,
+    end: int = -1,
+    bits: int = -1,
+    stride: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """A uint8 tensor over the bytes ``[start, end)`` of ``t``'s storage (``end`` -1: to its
-    end), as one view (keeps the storage alive).
+    end), as one view (keeps the storage alive). ``bits`` (its ``CONJ`` / ``NEG`` flags) and
+    ``stride`` (``t.stride()``): what the caller read of ``t`` already, else read here.
 
     Views of ``t`` only, never ``t.new_empty(0).set_(storage)``: ``set_`` returns ``Tensor(a!)``,
     which torch's CUDA sanitizer counts as a write to the storage on the current stream
@@ -213,20 +221,26 @@ def storage_bytes(t: torch.Tensor, start: int = 0, end: int = -1) -> torch.Tenso
     if type(t) is not torch.Tensor:
         # A tensor subclass with bytes of its own is viewed as the plain tensor it is.
         with torch._C.DisableTorchFunctionSubclass():
-            return _plain_bytes(t, start, end)
-    return _plain_bytes(t, start, end)
+            return _plain_bytes(t, start, end, bits, stride)
+    return _plain_bytes(t, start, end, bits, stride)
 
 
-def _plain_bytes(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    if t.is_conj():
+def _plain_bytes(
+    t: torch.Tensor, start: int, end: int, bits: int, stride: tuple[int, ...] | None
+) -> torch.Tensor:
+    if bits < 0:
+        bits = (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
+    if bits & CONJ:
         t = t.conj()  # clears the flag: a view
-    if t.is_neg():
+    if bits & NEG:
         t = torch._neg_view(t)  # likewise
     if end < 0:
         end = t.untyped_storage().nbytes()
+    if stride is None:
+        stride = t.stride()  # (a flag's view keeps the strides)
     # Its bytes as uint8 in one view where its last dimension is dense (most tensors: one view
     # less, once per family), else from an empty view at byte 0, which any layout allows.
-    if t.dim() and t.stride(-1) == 1:
+    if stride and stride[-1] == 1:
         head = t.view(torch.uint8)
     else:
         head = t.as_strided((0,), (1,), 0).view(torch.uint8)

@@ -92,6 +92,8 @@ class Packer:
         """The pack hook of a step (not paused) that has an executor; ``prof``: the profiler
         while this step is recorded (a profiling or timing step), else None."""
         stats = step.stats
+        frames = step.calls.frames
+        top = frames[-1] if frames else None  # step.top, inline (the innermost module call)
         key = step.calls.next_key()
         stats.records += 1
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
@@ -122,10 +124,13 @@ class Packer:
                     _subclass_text(type(local).__name__),
                 )
                 return self.keep(t, step, prof)
-        top = step.top
-        module, kept = (top.module, top.kept) if top is not None else (OUTSIDE, False)
+        if top is not None:
+            module, kept = top.module, top.kept
+        else:
+            module, kept = OUTSIDE, False
         n = local.numel()
-        nbytes = n * local.element_size()
+        item = local.element_size()
+        nbytes = n * item
         if (
             kept
             or (not local.is_cpu if self.on_cpu else local.device != self.device)
@@ -133,10 +138,11 @@ class Packer:
             or n == 0
             or local.layout is not torch.strided  # sparse: no one storage to copy
             or local.is_nested
-            or self.params.holds(local, local.untyped_storage())
+            or self.params.holds(local, (st := local.untyped_storage()))
             or (dtensor is not None and wraps_parameter(t))
         ):
             return self.keep(t, step, prof)
+        facts = (st, n, item)  # read once: the executor's too
         active = step.active
         if dtensor is None:
             # Recipes only come from a few nodes' outputs: the node is asked once here, not by
@@ -190,7 +196,6 @@ class Packer:
                 stats.unplanned_records += 1  # to the first tier with room
             elif tier == KEEP:
                 if step.cursor >= 0:
-                    st = local.untyped_storage()
                     step.plan_kept[st._cdata] = weakref.ref(st)
                 return self.keep(t, step, prof)
         # Reloaded when the backward of the module that saved it starts (and the look-ahead
@@ -210,7 +215,9 @@ class Packer:
             if prof is not None:
                 d.seq = prof.recorder.record_pack(t)
             return d
-        member = self.offload(ex, step, prof, local, module, dtensor, tier, key, own, -1)
+        member = self.offload(
+            ex, step, prof, local, module, dtensor, tier, key, own, -1, None, facts
+        )
         if prof is not None:
             link = self.rebuild_link(t, ex) if maybe_recipe else -1
             member.seq = prof.recorder.record_pack(t, rebuild_from=link)
@@ -229,15 +236,20 @@ class Packer:
         own: list[Any] | None,
         seq: int,
         stream: Any = None,
+        facts: tuple[Any, int, int] | None = None,
     ) -> _Member:
         """Store ``local`` (a pack's tensor, or its DTensor's shard) and return its handle;
-        ``stream``: the stream its op ran on, when not the current one (a deferred pack)."""
+        ``stream``: the stream its op ran on, when not the current one (a deferred pack);
+        ``facts``: its ``(untyped_storage(), numel(), element_size())`` read by the pack."""
         held = prof.compute_clock if prof is not None else None
         started = time.perf_counter() if held is not None else 0.0
-        member = ex.offload(local, module, dtensor, tier, stream)
+        if facts is None:
+            member = ex.offload(local, module, dtensor, tier, stream, key)
+        else:
+            member = ex.offload(local, module, dtensor, tier, stream, key, *facts)
         if held is not None:
             held.held_s += time.perf_counter() - started
-        member.key, member.seq = key, seq
+        member.seq = seq
         fam = member.family
         active = step.active
         if active is not None and fam.members == 1:

@@ -127,7 +127,10 @@ class Step:
         """A pack of a planned step: is it the next key of its plan's sequence? (NOTE
         [ Structure ])"""
         active = self.active
-        if active is None or (key[0], key[1]) in active.recompute_calls:
+        if active is None:
+            return
+        recomputed = active.recompute_calls
+        if recomputed and (key[0], key[1]) in recomputed:  # (a tuple only when there are some)
             return
         seq, at = active.sequence, self.cursor
         if at < len(seq) and seq[at] == key:

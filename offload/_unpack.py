@@ -97,7 +97,9 @@ class Unpacker:
             # What autograd holds: the recorder learns from it whether the graph outlives this
             # backward (NOTE [ Retained graphs ] in lifecycle's recorder).
             profiler.recorder.record_unpack(packed.seq, held=packed)
-        held = prof.compute_clock if prof is not None else None
+        if prof is None:
+            return self.unpack_member(packed.executor, packed)
+        held = prof.compute_clock
         if held is None:
             return self.unpack_member(packed.executor, packed)
         started = time.perf_counter()

@@ -68,7 +68,8 @@ class ExtentAllocator:
 
     def allocate(self, length: int) -> int | None:
         """Best fit: the offset of a free range of ``length`` bytes, or ``None`` if none fits."""
-        self._check(0, length)
+        if length <= 0 or length % self._alignment:  # _check, inline (once per record)
+            self._check(0, length)
         by_size = self._by_size
         k = bisect.bisect_left(by_size, (length, -1))
         if k == len(by_size):
@@ -85,7 +86,9 @@ class ExtentAllocator:
 
     def free(self, offset: int, length: int) -> None:
         """Return a range handed out by :meth:`allocate`; raises on a double or overlapping free."""
-        self._check(offset, length)
+        alignment = self._alignment
+        if length <= 0 or offset % alignment or length % alignment:  # _check, inline
+            self._check(offset, length)
         if offset + length > self._end:
             raise ValueError(f"range [{offset}, {offset + length}) is past the end {self._end}")
         self._insert(offset, length)

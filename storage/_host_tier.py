@@ -8,7 +8,14 @@ import torch
 
 from offload.storage._errors import StorageError
 from offload.storage._pool import HostPool, HostRegion, shared_host_pool
-from offload.storage._tier import StoredHandle, Tier, check_nbytes, destination_bytes, source_bytes
+from offload.storage._tier import (
+    _WRITTEN,
+    StoredHandle,
+    Tier,
+    check_nbytes,
+    destination_bytes,
+    source_bytes,
+)
 from offload.storage._transfer import CopyEngine, Transfer, byte_view, check_waitable, wait_for
 
 # What a read done at once returns (NOTE [ Copies done at once ]): a transfer holds nothing
@@ -110,11 +117,14 @@ class HostTier(Tier):
 
     def _write_now(self, source: torch.Tensor, nbytes: int | None) -> StoredHandle:
         """``write(source)`` with the copy done here (NOTE [ Copies done at once ])."""
-        data = byte_view(source)  # (source_bytes, for a tensor)
+        if source.dtype is torch.uint8 and source.dim() == 1 and source.is_contiguous():
+            data = source  # its bytes already (the executor's sources): byte_view's first case
+        else:
+            data = byte_view(source)  # (source_bytes, for a tensor)
         size = data.numel()
         n = size if nbytes is None else check_nbytes(nbytes, size, "source")
         region = self._pool.allocate(n)
-        handle = StoredHandle(self, n, charge=region.capacity_bytes, region=region)
+        handle = StoredHandle(self, n, region.capacity_bytes, region)
         try:
             self._register(handle)
         except BaseException:
@@ -141,7 +151,8 @@ class HostTier(Tier):
             region = handle._region
             assert region is not None  # every host record has one
             src = region.tensor
-            error = _copy(dst, src if src.numel() == handle.nbytes else src[: handle.nbytes])
+            n = handle.nbytes
+            error = _copy(dst, src if region._nbytes == n else src[:n])
         finally:
             with self._lock:
                 handle._pending -= 1
@@ -154,9 +165,26 @@ class HostTier(Tier):
         return _READ_DONE if error is None else Transfer.failed(error, "host read")
 
     def read(self, handle: StoredHandle, into: HostRegion | torch.Tensor) -> Transfer:
-        self._check_own(handle)
-        if self._now and handle._write.done() and type(into) is torch.Tensor and into.is_cpu:
-            return self._read_now(handle, destination_bytes(into, handle.nbytes))
+        if type(handle) is not StoredHandle or handle._tier is not self:  # (once per reload)
+            self._check_own(handle)
+        written = handle._write
+        if (
+            self._now
+            and (written is _WRITTEN or written.done())
+            and type(into) is torch.Tensor
+            and into.is_cpu
+        ):
+            n = handle.nbytes
+            if (
+                into.dtype is torch.uint8
+                and into.dim() == 1
+                and into.numel() == n
+                and into.is_contiguous()
+            ):
+                dst = into  # already the bytes to fill (the executor's reloads)
+            else:
+                dst = destination_bytes(into, n)
+            return self._read_now(handle, dst)
         n = handle.nbytes
         if isinstance(into, HostRegion):
             check_nbytes(n, into.nbytes, "into")

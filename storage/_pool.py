@@ -124,7 +124,8 @@ class HostRegion:
         Raises:
             StorageError: the region was released (its bytes may already belong to someone else).
         """
-        self._check_live()
+        if self._released:  # _check_live, inline: read once per copy
+            self._check_live()
         return self._tensor
 
     @property
@@ -307,8 +308,15 @@ class HostPool:
             return HostRegion(self, None, 0, torch.empty(0, dtype=torch.uint8), 0, 0, 0)
         capacity = round_up(nbytes)
         with self._lock:
-            self._check_open()
-            placed = self._place(capacity)
+            if self._closed:
+                self._check_open()
+            slabs = self._slabs
+            if len(slabs) == 1:  # _place's first case, inline (once per record)
+                # (No local holds the slab: _grow may drop it, and its memory must go then.)
+                offset = slabs[0].allocator.allocate(capacity)
+                placed = None if offset is None else (slabs[0], offset)
+            else:
+                placed = self._place(capacity)
             if placed is None:
                 self._grow(capacity, reason=f"a {format_bytes(nbytes)} region", make_room=True)
                 placed = self._place(capacity)

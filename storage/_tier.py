@@ -65,7 +65,6 @@ class StoredHandle:
         self,
         tier: Tier,
         nbytes: int,
-        *,
         charge: int,
         region: HostRegion | None = None,
         offset: int | None = None,
@@ -239,7 +238,8 @@ class Tier(ABC):
         Raises:
             ValueError: the handle belongs to another tier.
         """
-        self._check_own(handle)
+        if type(handle) is not StoredHandle or handle._tier is not self:  # (once per record)
+            self._check_own(handle)
         with self._lock:
             if handle._freed:
                 return

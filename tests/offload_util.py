@@ -154,7 +154,6 @@ def hand_family(data: torch.Tensor) -> Any:
         span_start=0,
         nbytes=data.nbytes,
         storage_ptr=data.data_ptr(),
-        device=torch.device("cpu"),
         module="m",
         order=0,
     )

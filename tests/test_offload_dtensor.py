@@ -80,11 +80,9 @@ def test_tensor_parallel_dtensors_bitwise(cpu_mesh, engine: str) -> None:
             ex = mgr._executor
             original = ex.offload
 
-            def spy(
-                t: torch.Tensor, module: str, dtensor: Any, tier: Any = None, stream: Any = None
-            ) -> Any:
+            def spy(t: torch.Tensor, module: str, dtensor: Any, *args: Any) -> Any:
                 wrapped.append(dtensor is not None)
-                return original(t, module, dtensor, tier, stream)
+                return original(t, module, dtensor, *args)
 
             ex.offload = spy
             loss = model(x).pow(2).sum()

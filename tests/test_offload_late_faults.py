@@ -338,7 +338,7 @@ def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
         ex._writing.append((fam, fam.handle))  # as _retire queues it on CUDA
         ex._writing_bytes += 4096
         ex._live[fam] = None
-        member = _Member(ex, fam, data, None)
+        member = _Member(ex, fam, data.dtype, data.shape, data.stride(), 0, 0, None)
         fam.members = 1
         fam.member_refs.append(weakref.ref(member))
         garbage(member)

@@ -207,11 +207,9 @@ def spy_offloads(probe: Callable[[torch.Tensor], bool] | None = None) -> Iterato
     calls: list[Offload] = []
     original = Executor.offload
 
-    def spy(
-        self: Any, t: torch.Tensor, module: str, dtensor: Any, tier: Any = None, stream: Any = None
-    ) -> Any:
+    def spy(self: Any, t: torch.Tensor, module: str, dtensor: Any, *args: Any) -> Any:
         calls.append(Offload(module, dtensor is not None, probe is not None and probe(t)))
-        return original(self, t, module, dtensor, tier, stream)
+        return original(self, t, module, dtensor, *args)
 
     Executor.offload = spy  # type: ignore[method-assign]
     try:
