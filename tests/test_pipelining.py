@@ -568,20 +568,23 @@ def test_close_gives_an_attached_stage_its_own_methods_back() -> None:
 
 
 @pytest.mark.parametrize("value", ["abc%", "150%", "7zz"])
-def test_pipeline_example_rejects_a_bad_budget(value: str) -> None:
-    """A bad --gpu-budget is a usage error naming the option, before any process starts."""
-    import subprocess
-    import sys
+def test_pipeline_example_rejects_a_bad_budget(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad --gpu-budget is a usage error naming the option, before any process starts (the
+    example's ``main``, run here: test_pipeline_example_with_a_stage_budget_runs runs it whole)."""
+    import importlib.util
     from pathlib import Path
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "pipeline_offload.py"
-    done = subprocess.run(
-        [sys.executable, str(example), "--gpu-budget", value],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert done.returncode == 2 and "--gpu-budget" in done.stderr, done.stderr
+    path = Path(__file__).resolve().parents[1] / "examples" / "pipeline_offload.py"
+    spec = importlib.util.spec_from_file_location("pipeline_offload_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with pytest.raises(SystemExit) as exited:
+        example.main(["--gpu-budget", value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--gpu-budget" in err, err
 
 
 @pytest.fixture(scope="module")

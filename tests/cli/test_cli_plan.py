@@ -58,10 +58,11 @@ def run_main(*args: str, capsys: pytest.CaptureFixture[str]) -> subprocess.Compl
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory with trace.json (one profiled step of the example) and hardware.json (H200)."""
     d = tmp_path_factory.mktemp("cli_plan")
-    r = run_cli(
-        "profile", "--quiet", "--out", str(d), str(TRAIN), "--steps", "3", cache_dir=d / "cache"
-    )
-    assert r.returncode == 0, r.stderr
+    # In this process (``main``, as run_main): a second interpreter importing torch took 3 s.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OFFLOAD_CACHE_DIR", str(d / "cache"))  # no test touches the user's cache
+        code = main(["profile", "--quiet", "--out", str(d), str(TRAIN), "--steps", "3"])
+    assert code == 0
     HardwareModel.h200().save(d / "hardware.json")
     return d
 
@@ -83,10 +84,12 @@ def plan_cli(work: Path, *args: str, trace: Path | None = None) -> subprocess.Co
     )
 
 
-def test_plan_fits_budget_and_writes_json_and_png(work: Path, peak: int, tmp_path: Path) -> None:
+def test_plan_fits_budget_and_writes_json_and_png(
+    work: Path, peak: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     budget = peak // 2
     out = tmp_path / "p.json"
-    r = plan_cli(work, "--gpu-budget", str(budget), *SMALL, "--out", str(out))
+    r = plan_main(work, "--gpu-budget", str(budget), *SMALL, "--out", str(out), capsys=capsys)
     assert r.returncode == 0, r.stderr
     plan = Plan.load(out)
     assert plan.gpu_budget_bytes == budget and plan.margin_bytes == 0
@@ -117,12 +120,12 @@ def assert_anchors_printed(stdout: str, plan: Plan, trace: Trace) -> None:
 
 
 def test_default_outputs_beside_the_trace_and_size_strings(
-    work: Path, peak: int, tmp_path: Path
+    work: Path, peak: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     trace = tmp_path / "trace.json"
     shutil.copy(work / "trace.json", trace)
     budget_kib = peak * 3 // 4 // 1024
-    r = plan_cli(work, "--gpu-budget", f"{budget_kib}KiB", *SMALL, trace=trace)
+    r = plan_main(work, "--gpu-budget", f"{budget_kib}KiB", *SMALL, trace=trace, capsys=capsys)
     assert r.returncode == 0, r.stderr
     plan = Plan.load(tmp_path / "plan.json")
     assert plan.gpu_budget_bytes == budget_kib * 1024
@@ -222,9 +225,9 @@ def test_default_margin_and_min_offload_bytes(
     assert plan.predicted_peak_bytes <= plan.target_bytes
 
 
-def test_infeasible_budget(work: Path, tmp_path: Path) -> None:
+def test_infeasible_budget(work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    r = plan_cli(work, "--gpu-budget", "1KiB", *SMALL, "--out", str(out))
+    r = plan_main(work, "--gpu-budget", "1KiB", *SMALL, "--out", str(out), capsys=capsys)
     assert r.returncode == 3, r.stderr
     assert "cannot be met" in r.stderr
     assert "smallest budget that can be planned" in r.stderr and "try --gpu-budget" in r.stderr
@@ -440,9 +443,16 @@ def test_unwritable_output(work: Path, tmp_path: Path, capsys: pytest.CaptureFix
     assert r.returncode == 2 and "--png" in r.stderr
 
 
-def test_probes_this_machine_without_hardware(work: Path, peak: int, tmp_path: Path) -> None:
+def test_probes_this_machine_without_hardware(
+    work: Path,
+    peak: int,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cache = tmp_path / "cache"
-    r = run_cli(
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(cache))  # run_cli's private cache, in-process
+    r = run_main(
         "plan",
         str(work / "trace.json"),
         "--gpu-budget",
@@ -450,7 +460,7 @@ def test_probes_this_machine_without_hardware(work: Path, peak: int, tmp_path: P
         "--out",
         str(tmp_path / "plan.json"),
         "--no-png",
-        cache_dir=cache,
+        capsys=capsys,
     )
     assert r.returncode == 0, r.stderr
     assert "measuring this machine" in r.stderr
@@ -458,7 +468,7 @@ def test_probes_this_machine_without_hardware(work: Path, peak: int, tmp_path: P
     assert list(cache.glob("hardware-*.json"))  # cached for the next run
     # The next run reads the cache: it measures nothing, and says nothing of measuring (it
     # said "measuring this machine's copy links" whether it measured or not).
-    again = run_cli(
+    again = run_main(
         "plan",
         str(work / "trace.json"),
         "--gpu-budget",
@@ -466,7 +476,7 @@ def test_probes_this_machine_without_hardware(work: Path, peak: int, tmp_path: P
         "--out",
         str(tmp_path / "again.json"),
         "--no-png",
-        cache_dir=cache,
+        capsys=capsys,
     )
     assert again.returncode == 0, again.stderr
     assert "measuring" not in again.stderr, again.stderr

@@ -1,4 +1,7 @@
-"""``offload profile`` end to end, in a subprocess, on the example training script."""
+"""``offload profile`` end to end on the example training script and small scripts: in a
+subprocess where the process itself is what a test is about (the entry points, exit statuses,
+tracebacks, standard output, file size limits), else through ``main(argv)`` in this process
+(the same command, without a second interpreter importing torch: about 3 s a test)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,18 @@ def offload_cli(
         env=env,
         timeout=timeout,
     )
+
+
+def offload_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``offload ARGS`` run by ``main`` in this process: its exit status, stdout and stderr."""
+    from offload.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's errors
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def test_profile_example_script(tmp_path: Path) -> None:
@@ -76,19 +91,21 @@ def test_the_profile_command_in_the_script_docstring(tmp_path: Path) -> None:
     assert Trace.load(tmp_path / args.out / "trace.json").steps == args.steps
 
 
-def test_script_args_after_double_dash(tmp_path: Path) -> None:
-    r = offload_cli(
-        "profile", "--warmup", "0", "--out", str(tmp_path), str(TRAIN), "--", "--steps", "1"
+def test_script_args_after_double_dash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = offload_main(
+        capsys, "profile", "--warmup", "0", "--out", str(tmp_path), str(TRAIN), "--", "--steps", "1"
     )
-    assert r.returncode == 0, r.stderr
+    assert code == 0, err
     assert Trace.load(tmp_path / "trace.json").steps == 1
 
 
-def test_missing_script(tmp_path: Path) -> None:
-    r = offload_cli("profile", "--out", str(tmp_path), str(tmp_path / "nope.py"))
-    assert r.returncode == 2
-    assert "nope.py" in r.stderr and "not found" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_missing_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = offload_main(
+        capsys, "profile", "--out", str(tmp_path), str(tmp_path / "nope.py")
+    )
+    assert code == 2
+    assert "nope.py" in err and "not found" in err
+    assert "Traceback" not in err
 
 
 def test_no_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,19 +118,23 @@ def test_no_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "the following arguments are required: script\n" in err  # not "script, script_args"
 
 
-def test_unwritable_output_dir(tmp_path: Path) -> None:
+def test_unwritable_output_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    r = offload_cli("profile", "--out", str(blocker / "sub"), str(TRAIN))
-    assert r.returncode == 2
-    assert "output directory" in r.stderr and str(blocker) in r.stderr
+    code, _, err = offload_main(capsys, "profile", "--out", str(blocker / "sub"), str(TRAIN))
+    assert code == 2
+    assert "output directory" in err and str(blocker) in err
 
 
-def test_bad_step_counts(tmp_path: Path) -> None:
-    r = offload_cli("profile", "--steps", "0", "--out", str(tmp_path), str(TRAIN))
-    assert r.returncode == 2 and "--steps" in r.stderr
-    r = offload_cli("profile", "--warmup", "-1", "--out", str(tmp_path), str(TRAIN))
-    assert r.returncode == 2 and "--warmup" in r.stderr
+def test_bad_step_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = offload_main(
+        capsys, "profile", "--steps", "0", "--out", str(tmp_path), str(TRAIN)
+    )
+    assert code == 2 and "--steps" in err
+    code, _, err = offload_main(
+        capsys, "profile", "--warmup", "-1", "--out", str(tmp_path), str(TRAIN)
+    )
+    assert code == 2 and "--warmup" in err
 
 
 def _script(tmp_path: Path, body: str) -> Path:
@@ -122,7 +143,9 @@ def _script(tmp_path: Path, body: str) -> Path:
     return p
 
 
-def test_script_that_raises_keeps_completed_steps(tmp_path: Path) -> None:
+def test_script_that_raises_keeps_completed_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     script = _script(
         tmp_path,
         """
@@ -136,16 +159,18 @@ def test_script_that_raises_keeps_completed_steps(tmp_path: Path) -> None:
         """,
     )
     out = tmp_path / "out"
-    r = offload_cli("profile", "--warmup", "1", "--steps", "5", "--out", str(out), str(script))
-    assert r.returncode == 1
-    assert "broken batch" in r.stderr and "2 completed step" in r.stderr
+    code, _, err = offload_main(
+        capsys, "profile", "--warmup", "1", "--steps", "5", "--out", str(out), str(script)
+    )
+    assert code == 1
+    assert "broken batch" in err and "2 completed step" in err
     trace = Trace.load(out / "trace.json")
     assert trace.steps == 2
     # The broken step's forward was thrown away.
     assert {r.step for r in trace.records} == {0, 1}
 
 
-def test_script_without_backward(tmp_path: Path) -> None:
+def test_script_without_backward(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = _script(
         tmp_path,
         """
@@ -156,13 +181,15 @@ def test_script_without_backward(tmp_path: Path) -> None:
         print("inference done")
         """,
     )
-    r = offload_cli("profile", "--out", str(tmp_path / "o"), str(script))
-    assert r.returncode == 1
-    assert "no backward pass ran" in r.stderr
+    code, _, err = offload_main(capsys, "profile", "--out", str(tmp_path / "o"), str(script))
+    assert code == 1
+    assert "no backward pass ran" in err
     assert not (tmp_path / "o" / "trace.json").exists()
 
 
-def test_script_sys_exit_zero_is_success(tmp_path: Path) -> None:
+def test_script_sys_exit_zero_is_success(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     script = _script(
         tmp_path,
         """
@@ -173,11 +200,13 @@ def test_script_sys_exit_zero_is_success(tmp_path: Path) -> None:
         sys.exit(0)
         """,
     )
-    r = offload_cli("profile", "--steps", "5", "--out", str(tmp_path / "o"), str(script))
-    assert r.returncode == 0, r.stderr
+    code, _, err = offload_main(
+        capsys, "profile", "--steps", "5", "--out", str(tmp_path / "o"), str(script)
+    )
+    assert code == 0, err
     assert Trace.load(tmp_path / "o" / "trace.json").steps == 2  # 3 backward passes, 1 warm-up
     # Fewer steps than --steps asked for: said, not silent.
-    assert "ended after 2 of the 5 step(s)" in r.stderr
+    assert "ended after 2 of the 5 step(s)" in err
 
 
 @pytest.mark.parametrize(
