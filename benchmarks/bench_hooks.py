@@ -2,7 +2,7 @@
 saved-tensor hook pair.
 
 Run:
-    python benchmarks/bench_hooks.py [--tensors 2000] [--repeats 31] [--out benchmarks/results]
+    python benchmarks/bench_hooks.py [--tensors 2000] [--repeats 31] [--out benchmarks/results/cpu]
         [--baseline-rev REV] [--rounds 5]
 
 Both variants run in the same process on the same workload: a chain of ``torch.mul`` ops on small
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tensors", type=int, default=2000, help="saved tensors per forward (even)")
     ap.add_argument("--repeats", type=int, default=31)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu"))
     ap.add_argument("--baseline-rev", default=None, help="also compare with this git revision")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the comparison")
     args = ap.parse_args(argv)

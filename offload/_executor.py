@@ -58,6 +58,7 @@ from offload._family import (
     NEG,
     Family,
     Life,
+    _Member,
     span_of,
     storage_bytes,
 )
@@ -69,99 +70,6 @@ from offload.lifecycle._trace import WHOLE_STORAGE_FACTOR
 from offload.storage._transfer import reset_in_forked_child
 
 log = logging.getLogger("offload")
-
-
-class _Member:
-    """What pack returns for an offloaded tensor: its family and how to rebuild the view.
-
-    Dropping it (autograd freed the saved variable, or the graph died) releases the family's bytes
-    once no member is left. Its family holds it weakly: see ``_release.release_lost``.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "bits",
-        "dtensor",
-        "dtype",
-        "executor",
-        "family",
-        "key",
-        "offset_bytes",
-        "seq",
-        "size",
-        "stride",
-        "unpacked_in",
-    )
-
-    def __init__(
-        self,
-        executor: Executor,
-        family: Family,
-        dtype: torch.dtype,
-        size: torch.Size,
-        stride: tuple[int, ...],
-        offset_bytes: int,
-        bits: int,
-        dtensor: Any,
-        key: Any = None,
-    ) -> None:
-        # (The saved tensor's facts, read once by Executor.offload.)
-        self.key = key  # (module, call index, ordinal) under a plan: unpack triggers
-        self.seq = -1  # the recorder's record number during a profiling step
-        self.unpacked_in = -1  # the family's unpack round it was last unpacked in
-        self.executor = executor
-        self.family = family
-        self.dtype = dtype
-        self.size = size  # a torch.Size: a tuple
-        self.stride = stride
-        self.offset_bytes = offset_bytes  # of element 0 in the storage
-        # Copied bytes carry no CONJ / NEG flag (NOTE in _family.py), so the view gets its
-        # flags back at unpack.
-        self.bits = bits
-        self.dtensor = dtensor  # (mesh, placements, shape, stride) of a DTensor, else None
-
-    def __del__(self) -> None:
-        # Once per saved tensor: try/except, not contextlib.suppress (an object per call).
-        try:  # noqa: SIM105
-            self.executor.release(self.family, self.unpacked_in)
-        except Exception:  # in a finalizer: nothing to raise to
-            pass
-
-    def source_view(self) -> torch.Tensor:
-        """A view of the family's source, held until its copy out completed (rule 3)."""
-        # Views of the source only (slice, dtype view, as_strided), no ``set_``: on CUDA the D2H
-        # stream may still read these bytes, and torch's CUDA sanitizer counts ``set_``'s return
-        # (``Tensor(a!)``) as a write on the compute stream, unordered with that read: a data race
-        # reported where there is none (torch/cuda/_sanitizer.py, ArgumentHandler.parse_outputs).
-        fam = self.family
-        item = self.dtype.itemsize
-        src = fam.source  # uint8: the storage's bytes [span_start, span_start + nbytes)
-        assert src is not None
-        lo = -fam.span_start % item  # the first byte at a multiple of the item size
-        n = src.numel()
-        usable = (n - lo) // item * item
-        typed = (
-            src.view(self.dtype)
-            if lo == 0 and usable == n
-            else src[lo : lo + usable].view(self.dtype)
-        )
-        return typed.as_strided(self.size, self.stride, self.offset_bytes // item)
-
-    def wrap(self, local: torch.Tensor) -> torch.Tensor:
-        """``local`` (the rebuilt view) as the saved tensor was: its lazy flags, a DTensor."""
-        if self.bits:
-            if self.bits & CONJ:
-                local = local.conj()
-            if self.bits & NEG:
-                local = torch._neg_view(local)
-        if self.dtensor is None:
-            return local
-        from torch.distributed.tensor import DTensor
-
-        mesh, placements, shape, stride = self.dtensor
-        return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=shape, stride=stride
-        )
 
 
 class _StepState:

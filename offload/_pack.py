@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offload._errors import modified_after_save
-from offload._executor import Executor, _Member
-from offload._family import span_of
+from offload._executor import Executor
+from offload._family import _Member, span_of
 from offload._planned import KEEP, REBUILD
 from offload._recipe import ActivationRecipe, SharedRebuild, weight_cast
 from offload._warnings import (

@@ -31,7 +31,8 @@ from offload._tiers import kind_of
 from offload.lifecycle._calls import graph_task
 
 if TYPE_CHECKING:
-    from offload._executor import Executor, _Member
+    from offload._executor import Executor
+    from offload._family import _Member
 
 
 def mark_ahead(ex: Executor, fam: Family, ahead: bool) -> None:

@@ -16,7 +16,8 @@ import torch
 
 from offload import _reload
 from offload._errors import modified_after_save
-from offload._executor import Executor, _Member
+from offload._executor import Executor
+from offload._family import _Member
 from offload._pack import _check_kept, _Deferred
 from offload._recipe import ActivationRecipe, WeightCast
 

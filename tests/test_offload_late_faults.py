@@ -309,7 +309,8 @@ def test_a_release_while_a_failed_nvme_write_goes_elsewhere_frees_its_copy(
     the host tier, counted in ``cpu_bytes``; or the pinned region). It is freed with its
     family."""
     from offload import _faults
-    from offload._executor import Executor, _Member
+    from offload._executor import Executor
+    from offload._family import _Member
 
     pool = storage.HostPool(1 << 22, slab_bytes=1 << 20)
     engine = storage.CopyEngine(deferred=True, max_delay_s=0.0)
