@@ -71,18 +71,34 @@ from offload.storage._transfer import reset_in_forked_child
 
 log = logging.getLogger("offload")
 
+# NOTE [ Objects per saved tensor ]
+#     What a pack makes and holds until backward outlives the collector's young generations:
+#     each such object goes to the oldest one, and CPython (3.11 to 3.13) runs a full
+#     collection, a walk over every object of the process, once the objects moved there since
+#     the last one outnumber a quarter of those there then. So each held object per saved
+#     tensor costs about four objects' walk of a full collection, whatever the process's size
+#     (bench_hooks' min-memory step at f40f3d8: collections took 20.7 us per saved tensor, 16.3
+#     of it in full ones, against 0.2 us for the identity pair). An object that can be shared
+#     is: the families of a step hold one weak reference to it (``_StepState.ref``), and a host
+#     range comes back with its byte view (NOTE [ Recent regions ] in storage/_pool.py).
+
 
 class _StepState:
     """The families of one step, in pack order, and what is in flight."""
 
     def __init__(self, index: int, host_allocations: int = 0) -> None:
         self.index = index
+        self.ref = weakref.ref(self)  # its families' ``step_ref``
         self.host_allocations = host_allocations  # the pool's count of slabs when it began
         self.families: list[Family] = []
-        self.by_storage: dict[int, list[Family]] = {}
+        # Families by ``id()`` of their storage: one family, or a list of them.
+        self.by_storage: dict[int, Family | list[Family]] = {}
         self.prefetch_next = -1  # highest family order the look-ahead has not passed yet
         self.walk_task = -1  # the backward (graph task) the look-ahead last walked in
         self.stored_bytes = 0  # bytes of its families (the automatic look-ahead's measure)
+        # The automatic look-ahead window, and the (largest family, stored bytes) it is for.
+        self.window = 0
+        self.window_of = (-1, -1)
         self.revisit: list[Family] = []  # passed while their copy out was still in flight
         # Named by a backward trigger, by order: reloaded under the window (NOTE [ Module
         # triggers under the window ]).
@@ -342,10 +358,12 @@ class Executor:
         with self.lock:
             step = self.step
             assert step is not None, "offload outside a step"
-            self.poll()
+            self._poll()
             fam = None
-            same_id = step.by_storage.get(id(st))
-            if same_id:
+            got = step.by_storage.get(id(st))
+            if got is not None:
+                # (A storage's one family itself, else a list: NOTE [ Objects per saved tensor ].)
+                same_id = (got,) if isinstance(got, Family) else got
                 dead = False
                 for f in same_id:
                     # See NOTE [ Alias handling ].
@@ -366,7 +384,11 @@ class Executor:
                     # they can match no pack again. Kept, the lists grew all step long (the
                     # allocator hands a freed object's address out again soon), and each pack
                     # walked them.
-                    same_id[:] = [f for f in same_id if f.storage_ref() is not None]
+                    live = [f for f in same_id if f.storage_ref() is not None]
+                    if not live:
+                        del step.by_storage[id(st)]
+                    else:
+                        step.by_storage[id(st)] = live[0] if len(live) == 1 else live
             if fam is None:
                 # What is copied, and the guard: ``t.detach()``, not the graph (see NOTE [ Alias
                 # handling ]). A member of a family stored already needs no copy of its own.
@@ -376,7 +398,9 @@ class Executor:
                 )  # fmt: skip
             else:
                 step.stats.records_deduplicated += 1
-            member = _Member(self, fam, t.dtype, t.shape, stride, start, bits, dtensor, key)
+            # ``tuple(t.shape)``: a plain tuple of ints, which the collector stops tracking (a
+            # torch.Size it tracks for good: NOTE [ Objects per saved tensor ]).
+            member = _Member(self, fam, t.dtype, tuple(t.shape), stride, start, bits, dtensor, key)
             fam.members += 1
             fam.member_refs.append(weakref.ref(member))
             return member
@@ -424,7 +448,7 @@ class Executor:
             start, end = 0, whole
         fam = Family(
             self._next_fid, st, root, version, start, end - start, st.data_ptr(), module,
-            len(step.families), step,
+            len(step.families), step.ref,
         )  # fmt: skip
         self._next_fid += 1
         source = storage_bytes(t, start, end, bits, stride)
@@ -432,7 +456,13 @@ class Executor:
         fam.guard = t
         step.families.append(fam)
         step.stored_bytes += fam.nbytes
-        step.by_storage.setdefault(id(st), []).append(fam)
+        got = step.by_storage.get(id(st))  # (one family, or a list of several)
+        if got is None:
+            step.by_storage[id(st)] = fam
+        elif isinstance(got, Family):
+            step.by_storage[id(st)] = [got, fam]
+        else:
+            got.append(fam)
         step.prefetch_next = fam.order
         self._live[fam] = None
         return fam
@@ -584,48 +614,53 @@ class Executor:
         # compiled after its manager, breaks the graph here, and fullgraph=True fails with a
         # note saying why: see _warn_traced in _warnings.py.)
         with self.lock:
-            if not (
-                self._inflight
-                or self._deferred_releases
-                or self._orphans
-                or self._writing
-                or self._reading
-                or self._pending_regions
-                or self._pending_free
-                or self._stall_marks
-                or self._forked
-            ):
-                return  # nothing waits (every pack and module boundary asks)
-            # (Asked only where a capture can run, or the last answer was yes: one call less
-            # per pack on CPU.)
-            if (self.capture.possible or self._in_capture) and self._capturing():
-                return  # see NOTE [ No query while capturing ]
-            if self._forked:
-                _release.forget_parent(self)
-            if self._deferred_releases:
-                _release.drain_releases(self)
-            inflight = self._inflight
-            while inflight:
-                fam = inflight[0]
-                if not self._copy_out_done(fam):
-                    break
-                if not inflight or inflight[0] is not fam:
-                    continue  # released while it was asked: see NOTE [ Re-entrant release ]
-                inflight.popleft()
-                self._inflight_bytes -= fam.nbytes
-                self._retire(fam)
-            while self._orphans and self.capture.done(self._orphans[0][0]):
-                written, fam, tier = self._orphans.popleft()
-                self._orphan_bytes -= fam.nbytes
-                _faults.forget_failed_write(self, fam, written, tier)
-            if self._writing:
-                self._poll_writes()
-            if self._reading:
-                _reload.land_reads(self)
-            if self._pending_regions or self._pending_free:
-                _release.collect_pending(self)
-            if self._stall_marks:
-                _reload.gather_stalls(self)
+            self._poll()
+
+    def _poll(self) -> None:
+        """``poll`` for a caller that holds the lock (a pack, an unpack's look-ahead: once per
+        saved tensor, where taking the lock again cost more than the check)."""
+        if not (
+            self._inflight
+            or self._deferred_releases
+            or self._orphans
+            or self._writing
+            or self._reading
+            or self._pending_regions
+            or self._pending_free
+            or self._stall_marks
+            or self._forked
+        ):
+            return  # nothing waits (every pack and module boundary asks)
+        # (Asked only where a capture can run, or the last answer was yes: one call less per
+        # pack on CPU.)
+        if (self.capture.possible or self._in_capture) and self._capturing():
+            return  # see NOTE [ No query while capturing ]
+        if self._forked:
+            _release.forget_parent(self)
+        if self._deferred_releases:
+            _release.drain_releases(self)
+        inflight = self._inflight
+        while inflight:
+            fam = inflight[0]
+            if not self._copy_out_done(fam):
+                break
+            if not inflight or inflight[0] is not fam:
+                continue  # released while it was asked: see NOTE [ Re-entrant release ]
+            inflight.popleft()
+            self._inflight_bytes -= fam.nbytes
+            self._retire(fam)
+        while self._orphans and self.capture.done(self._orphans[0][0]):
+            written, fam, tier = self._orphans.popleft()
+            self._orphan_bytes -= fam.nbytes
+            _faults.forget_failed_write(self, fam, written, tier)
+        if self._writing:
+            self._poll_writes()
+        if self._reading:
+            _reload.land_reads(self)
+        if self._pending_regions or self._pending_free:
+            _release.collect_pending(self)
+        if self._stall_marks:
+            _reload.gather_stalls(self)
 
     def _poll_writes(self) -> None:
         """GPU + NVMe: release the pinned copy of records whose file write completed; adopt it

@@ -60,9 +60,12 @@ _NEXT: dict[Life, frozenset[Life]] = {
     Life.RESIDENT: frozenset({Life.OFF_DEVICE, Life.FREED}),
     Life.FREED: frozenset(),
 }
-# The same table keyed and searched by identity, for Family.to (several moves per saved tensor):
-# a dict or set lookup of an Enum member calls Enum.__hash__, which is Python code.
-_NEXT_BY_ID: dict[int, tuple[Life, ...]] = {id(k): tuple(v) for k, v in _NEXT.items()}
+# The same table on the states themselves, searched by identity, for Family.to (several moves
+# per saved tensor): a dict or set lookup of an Enum member calls Enum.__hash__, which is Python
+# code, and an attribute of the state is one lookup less than a table keyed by ``id()``.
+for _state, _allowed in _NEXT.items():
+    _state._next = tuple(_allowed)  # type: ignore[attr-defined]
+del _state, _allowed
 
 
 class IllegalTransition(OffloadError):
@@ -120,7 +123,7 @@ class Family:
         storage_ptr: int,
         module: str,
         order: int,
-        step: Any = None,
+        step_ref: Any = None,
     ) -> None:
         # (Positional at the executor's one call, once per family: binding eleven keywords
         # cost more than the rest of the call.)
@@ -136,8 +139,10 @@ class Family:
         self.module = module  # module path of the first member (for prefetch order and stats)
         self.order = order  # position among the step's offloaded families (pack order)
         # The executor's state of the step that packed it (for prefetch), held weakly: the step
-        # holds its families, and a cycle would keep freed families until a gc pass.
-        self.step_ref: Any = None if step is None else weakref.ref(step)
+        # holds its families, and a cycle would keep freed families until a gc pass. The step's
+        # own reference (``_StepState.ref``), one for all its families: see NOTE [ Objects
+        # per saved tensor ] in _executor.py.
+        self.step_ref: Any = step_ref
         self.life = Life.ON_DEVICE
         self.members = 0  # live packed handles
         # Weak references to them: the truth when a release was cut short (see
@@ -173,7 +178,7 @@ class Family:
 
     def to(self, new: Life) -> None:
         """Move to ``new``; an illegal move raises naming the family, its state and the legal ones."""
-        if new not in _NEXT_BY_ID[id(self.life)]:
+        if new not in self.life._next:  # type: ignore[attr-defined]
             allowed = ", ".join(sorted(s.value for s in _NEXT[self.life])) or "none"
             raise IllegalTransition(
                 f"alias family {self.fid} ({self.module or '<root>'}, {self.nbytes} bytes) cannot go "
@@ -212,7 +217,7 @@ class _Member:
         executor: Executor,
         family: Family,
         dtype: torch.dtype,
-        size: torch.Size,
+        size: tuple[int, ...],
         stride: tuple[int, ...],
         offset_bytes: int,
         bits: int,
@@ -226,7 +231,7 @@ class _Member:
         self.executor = executor
         self.family = family
         self.dtype = dtype
-        self.size = size  # a torch.Size: a tuple
+        self.size = size  # a plain tuple (NOTE [ Objects per saved tensor ] in _executor.py)
         self.stride = stride
         self.offset_bytes = offset_bytes  # of element 0 in the storage
         # Copied bytes carry no CONJ / NEG flag (NOTE in _family.py), so the view gets its

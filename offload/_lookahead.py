@@ -33,7 +33,11 @@ def window_bytes(ex: Executor, step: _StepState) -> int:
     76,669,892 saved bytes held at once, as many as without offloading)."""
     if ex._prefetch_bytes:
         return ex._prefetch_bytes
-    return automatic_bounds(ex._largest, step.stored_bytes)[1]  # as the simulator assumes
+    largest, stored = ex._largest, step.stored_bytes
+    if largest != step.window_of[0] or stored != step.window_of[1]:  # (asked at most unpacks)
+        step.window_of = (largest, stored)
+        step.window = automatic_bounds(largest, stored)[1]  # as the simulator assumes
+    return step.window
 
 
 def prefetch(
@@ -61,7 +65,7 @@ def prefetch(
         if (ex.capture.possible or ex._in_capture) and ex._capturing():
             return  # (see NOTE [ No query while capturing ])
         window = window and step.windowed
-        ex.poll()
+        ex._poll()
         for fam in needed:
             if window:
                 step.wanted[fam.order] = fam  # see NOTE [ Module triggers under the window ]
@@ -73,54 +77,77 @@ def prefetch(
             latest = max(needed, key=lambda f: f.order)
             if not (latest.unpacked and latest.unpacked_task == graph_task()):
                 begin_reload(ex, latest)  # needed first: starts beyond the window too
-        if not window:
-            if step.revisit:
-                waiting, step.revisit = step.revisit, []
-                for fam in waiting:
-                    if fam.life is Life.COPYING_OUT:
-                        step.revisit.append(fam)
-                    else:
-                        begin_reload(ex, fam)
-            return
-        if step.revisit:
-            # Passed while being copied out; needed before anything below the pointer.
-            waiting = step.revisit
-            step.revisit = [f for f in waiting if f.life is Life.COPYING_OUT]
-            for fam in waiting:
-                begin_reload(ex, fam)
-        task = graph_task()
-        if task != -1 and task != step.walk_task:
-            if step.walk_task != -1:
-                # See NOTE [ Later backward passes ].
-                named = [
-                    f.order
-                    for f in (*needed, *used)
-                    if f.step_ref is not None and f.step_ref() is step
-                ]
-                step.prefetch_next = max(named, default=len(step.families) - 1)
-            step.walk_task = task
-        if step.wanted:
-            _reload_wanted(ex, step, task)
-        bound = -1  # window_bytes(ex, step), asked once (the loop may not need it)
-        while step.prefetch_next >= 0:
-            fam = step.families[step.prefetch_next]
-            if fam.life is Life.COPYING_OUT:
-                step.revisit.append(fam)
-            elif (
-                fam.life is Life.OFF_DEVICE
-                and fam.members > 0
-                and not (fam.unpacked and fam.unpacked_task == task)
-            ):
-                # Not one every member of which this backward has unpacked since its
-                # reload (the unpack before the walk reached it, backward's first): reused
-                # while autograd still held that buffer, it stayed to the next backward.
-                if bound < 0:
-                    bound = window_bytes(ex, step)
-                if ex._ahead_bytes + fam.nbytes > bound:
-                    break
-                if not begin_reload(ex, fam):
-                    break  # memory is short: the window waits for unpacks to make room
-            step.prefetch_next -= 1
+        if window:
+            _walk(ex, step, needed, used)
+        elif step.revisit:
+            _revisit_planned(ex, step)
+
+
+def after_unpack(ex: Executor, step: _StepState, used: Family) -> None:
+    """``prefetch(ex, (), step, used=(used,))`` from an unpack, which holds the lock already
+    (once per saved tensor: the call's own preamble cost as much as the walk)."""
+    if step.failed:
+        return
+    if (ex.capture.possible or ex._in_capture) and ex._capturing():
+        return  # (see NOTE [ No query while capturing ])
+    ex._poll()
+    if step.windowed:
+        _walk(ex, step, (), (used,))
+    elif step.revisit:
+        _revisit_planned(ex, step)
+
+
+def _revisit_planned(ex: Executor, step: _StepState) -> None:
+    """Under a plan: start the reloads of the named families whose copy out has completed
+    since (the others wait for the next prefetch)."""
+    waiting, step.revisit = step.revisit, []
+    for fam in waiting:
+        if fam.life is Life.COPYING_OUT:
+            step.revisit.append(fam)
+        else:
+            begin_reload(ex, fam)
+
+
+def _walk(ex: Executor, step: _StepState, needed: Sequence[Family], used: Sequence[Family]) -> None:
+    """The windowed part of ``prefetch``: the families passed while copying out, those the
+    triggers named, then those below the look-ahead pointer, while they fit the window."""
+    if step.revisit:
+        # Passed while being copied out; needed before anything below the pointer.
+        waiting = step.revisit
+        step.revisit = [f for f in waiting if f.life is Life.COPYING_OUT]
+        for fam in waiting:
+            begin_reload(ex, fam)
+    task = graph_task()
+    if task != -1 and task != step.walk_task:
+        if step.walk_task != -1:
+            # See NOTE [ Later backward passes ].
+            named = [
+                f.order for f in (*needed, *used) if f.step_ref is not None and f.step_ref() is step
+            ]
+            step.prefetch_next = max(named, default=len(step.families) - 1)
+        step.walk_task = task
+    if step.wanted:
+        _reload_wanted(ex, step, task)
+    bound = -1  # window_bytes(ex, step), asked once (the loop may not need it)
+    while step.prefetch_next >= 0:
+        fam = step.families[step.prefetch_next]
+        if fam.life is Life.COPYING_OUT:
+            step.revisit.append(fam)
+        elif (
+            fam.life is Life.OFF_DEVICE
+            and fam.members > 0
+            and not (fam.unpacked and fam.unpacked_task == task)
+        ):
+            # Not one every member of which this backward has unpacked since its reload (the
+            # unpack before the walk reached it, backward's first): reused while autograd
+            # still held that buffer, it stayed to the next backward.
+            if bound < 0:
+                bound = window_bytes(ex, step)
+            if ex._ahead_bytes + fam.nbytes > bound:
+                break
+            if not begin_reload(ex, fam):
+                break  # memory is short: the window waits for unpacks to make room
+        step.prefetch_next -= 1
 
 
 # NOTE [ Module triggers under the window ]

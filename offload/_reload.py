@@ -243,7 +243,7 @@ def unpack(ex: Executor, m: _Member) -> torch.Tensor:
             fam.resident = fam.typed = None
             fam.to(Life.OFF_DEVICE)
         if step is not None:
-            _lookahead.prefetch(ex, (), step, used=(fam,))
+            _lookahead.after_unpack(ex, step, fam)
         return m.wrap(out) if m.bits or m.dtensor is not None else out
 
 

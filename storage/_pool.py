@@ -33,6 +33,17 @@ _DEFAULT_SLAB_BYTES = 256 << 20
 #     step allocates nothing from the host (``host_allocations`` stays constant). The one
 #     exception: at the cap, unused slabs make way for a region larger than any of them.
 
+# NOTE [ Recent regions ]
+# Training repeats itself: every step stores records of the sizes the step before stored. So a
+# released range goes first to a list of recent ranges of its exact size, with its byte view,
+# and the next request of that size takes it back from there: no best-fit search, no merge with
+# its neighbours, and no new view of the slab (three of a record's costs, once per saved tensor
+# on the cpu tier). The recent ranges are free space the free list does not see yet: they count
+# as free in ``used_bytes``, and are handed to the free list (merged with their neighbours)
+# before anything asks it: a request the free list cannot place (so a recent range never makes
+# the pool grow or refuse), ``largest_free_bytes``, ``trim`` and making room at the cap. A
+# range is still handed out again only after its region was released.
+
 # NOTE [ Slab sizes ]
 # Slabs are powers of two because torch's pinned host allocator rounds every request up to one
 # (768 MiB pinned 1 GiB); asking for powers of two means the cap is what is really pinned. A cap
@@ -92,6 +103,7 @@ class HostRegion:
         start: int,
         capacity: int,
         nbytes: int,
+        tensor: torch.Tensor | None = None,
     ) -> None:
         self._pool = pool
         self._slab = slab
@@ -103,7 +115,8 @@ class HostRegion:
         self._start = start
         self._capacity = capacity
         self._span: torch.Tensor | None = None
-        self._tensor = memory[start : start + nbytes]
+        # ``tensor``: that view already made (a recent range's, NOTE [ Recent regions ]).
+        self._tensor = memory[start : start + nbytes] if tensor is None else tensor
         self._nbytes = nbytes
         self._released = False
 
@@ -236,6 +249,9 @@ class HostPool:
         self._poison = bool(poison_on_release)
         self._lock = threading.Lock()
         self._slabs: list[_Slab] = []
+        # Released ranges by their regions' ``nbytes``: (slab, offset, capacity, byte view) each,
+        # not yet in their slab's free list (NOTE [ Recent regions ]).
+        self._recent: dict[int, list[tuple[_Slab, int, int, torch.Tensor]]] = {}
         self._reserved = 0
         self._used = 0
         self._host_allocations = 0
@@ -289,6 +305,7 @@ class HostPool:
     def largest_free_bytes(self) -> int:
         """The largest region that fits without growing."""
         with self._lock:
+            self._free_recent()
             return max((s.allocator.largest_free() for s in self._slabs), default=0)
 
     # -- allocation -------------------------------------------------------------------------------
@@ -306,6 +323,14 @@ class HostPool:
         if nbytes == 0:
             self._check_open()
             return HostRegion(self, None, 0, torch.empty(0, dtype=torch.uint8), 0, 0, 0)
+        with self._lock:
+            if self._closed:
+                self._check_open()
+            recent = self._recent.get(nbytes)
+            if recent:  # NOTE [ Recent regions ]: the common case once a step has run
+                at, where, room, view = recent.pop()  # (slab, offset, capacity, byte view)
+                self._used += room
+                return HostRegion(self, at, where, at.memory, at.base + where, room, nbytes, view)
         capacity = round_up(nbytes)
         with self._lock:
             if self._closed:
@@ -316,6 +341,9 @@ class HostPool:
                 offset = slabs[0].allocator.allocate(capacity)
                 placed = None if offset is None else (slabs[0], offset)
             else:
+                placed = self._place(capacity)
+            if placed is None and self._recent:
+                self._free_recent()
                 placed = self._place(capacity)
             if placed is None:
                 self._grow(capacity, reason=f"a {format_bytes(nbytes)} region", make_room=True)
@@ -466,6 +494,7 @@ class HostPool:
     def _drop_unused_slabs(self, nbytes: int) -> None:
         """Give back unused slabs, smallest first, totalling at least ``nbytes``; none when they
         cannot make that much room. Caller holds the lock."""
+        self._free_recent()
         unused = sorted((s for s in self._slabs if self._unused(s)), key=lambda s: s.memory.numel())
         if sum(s.memory.numel() for s in unused) < nbytes:
             return
@@ -485,8 +514,22 @@ class HostPool:
             region._released = True
             if region._slab is None or self._closed:
                 return
-            region._slab.allocator.free(region._offset, region._capacity)
+            # To the free list later (NOTE [ Recent regions ]).
+            entry = (region._slab, region._offset, region._capacity, region._tensor)
+            recent = self._recent.get(region._nbytes)
+            if recent is None:
+                self._recent[region._nbytes] = [entry]
+            else:
+                recent.append(entry)
             self._used -= region._capacity
+
+    def _free_recent(self) -> None:
+        """Hand the recent ranges to their slabs' free lists (NOTE [ Recent regions ]). Caller
+        holds the lock."""
+        recent, self._recent = self._recent, {}
+        for entries in recent.values():
+            for slab, offset, capacity, _ in entries:
+                slab.allocator.free(offset, capacity)
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -495,6 +538,7 @@ class HostPool:
         no free slab is left); returns the bytes given back."""
         _check_bytes("keep_bytes", keep_bytes)
         with self._lock:
+            self._free_recent()
             unused = [s for s in self._slabs if self._unused(s)]
             freed = 0
             while unused and self._reserved > keep_bytes:
@@ -511,6 +555,7 @@ class HostPool:
                 return
             self._closed = True
             self._slabs.clear()
+            self._recent.clear()
             self._reserved = 0
             self._used = 0
             ever_pinned = self._ever_pinned

@@ -580,3 +580,24 @@ def test_members_of_other_dtypes_come_back_as_saved(engine: str) -> None:
         assert torch.equal(run(mgr), want)
         last = mgr.stats.last
         assert last.records_offloaded_cpu == 1 and last.records_deduplicated >= 3
+
+
+def test_the_storage_index_forgets_families_whose_storage_died() -> None:
+    """Families are found by ``id()`` of their storage, which the next storage often gets once
+    one dies. A pack that finds families of dead storages under its id drops them: kept, the
+    index grew all step long (here: one entry of 200 families) and every pack walked it."""
+    x = torch.randn(64, 64, requires_grad=True)
+    mgr = offload.ActivationOffloader(nn.Linear(4, 4), min_offload_bytes=0)
+    try:
+        with mgr:
+            for i in range(200):
+                u = (x * (i + 1)).exp()  # saves its output; its graph dies with ``u``
+                del u
+            step = mgr._executor.step
+            assert len(step.families) == 200
+            # Under one id: the family of its live storage and at most one dead one not looked
+            # up since (whether ids are reused at all is CPython's allocator's business).
+            sizes = [len(v) if type(v) is list else 1 for v in step.by_storage.values()]
+            assert max(sizes) <= 2
+    finally:
+        mgr.close()

@@ -76,6 +76,46 @@ def test_fragmented_slab_coalesces_into_one_large_region():
         assert pool.host_allocations == 1
 
 
+def test_a_released_range_serves_the_next_request_of_its_size():
+    """NOTE [ Recent regions ]: a step's records come back at the sizes of the step before."""
+    with HostPool(1 * MiB, slab_bytes=1 * MiB, poison_on_release=True) as pool:
+        first = [pool.allocate(n) for n in (5000, 100, 5000)]
+        addresses = {r.data_ptr() for r in first}
+        first[0].tensor.fill_(7)
+        for r in first:
+            r.release()
+        assert pool.used_bytes == 0  # a recent range is free space
+        again = [pool.allocate(n) for n in (100, 5000, 5000)]
+        assert {r.data_ptr() for r in again} == addresses
+        assert [r.tensor.numel() for r in again] == [100, 5000, 5000]
+        assert all(not r.released for r in again) and all(r.released for r in first)
+        assert pool.used_bytes == sum(r.capacity_bytes for r in again)
+        # The old handle of a reused range stays released: releasing it again, or asking for
+        # its bytes, touches nothing of the new owner's.
+        first[0].release()
+        assert not again[1].released and again[1].tensor.numel() == 5000
+        with pytest.raises(StorageError, match="released"):
+            first[0].tensor  # noqa: B018
+        assert pool.host_allocations == 1
+
+
+def test_recent_ranges_merge_before_a_request_that_they_would_refuse():
+    """A request the free list cannot place first gets the recent ranges back, merged: they
+    never make the pool grow, refuse, or hide room from largest_free_bytes and trim."""
+    with HostPool(1 * MiB, slab_bytes=1 * MiB) as pool:
+        small = [pool.allocate(4 * KiB) for _ in range(256)]  # the whole slab
+        for r in small:
+            r.release()
+        assert pool.largest_free_bytes() == 1 * MiB
+        small = [pool.allocate(4 * KiB) for _ in range(256)]
+        for r in small:
+            r.release()
+        big = pool.allocate(1 * MiB)  # the cap allows no second slab
+        assert big.capacity_bytes == 1 * MiB and pool.host_allocations == 1
+        big.release()
+        assert pool.trim() == 1 * MiB and pool.reserved_bytes == 0
+
+
 def test_cap_raises_storage_full_with_bytes_needed():
     with HostPool(2 * MiB, slab_bytes=1 * MiB) as pool:
         a = pool.allocate(1 * MiB)
