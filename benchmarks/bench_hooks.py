@@ -330,6 +330,8 @@ def compare(args: argparse.Namespace) -> dict:
     here = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
     ).stdout.strip()
+    # Whether the tracked files differ from HEAD (the report says so only then).
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root).returncode != 0
     with tempfile.TemporaryDirectory(prefix="bench_hooks-") as tmp:
         old = os.path.join(tmp, rev)
         archive = subprocess.run(
@@ -352,7 +354,7 @@ def compare(args: argparse.Namespace) -> dict:
                 with open(os.path.join(out, "hooks.json")) as f:
                     runs[side].append(json.load(f)["us_per_tensor"])
             print(f"  comparison round {r + 1}/{args.rounds} done", flush=True)
-    out: dict = {"rev": rev, "this_rev": here, "rounds": args.rounds, "figures": {}}
+    out: dict = {"rev": rev, "this_rev": here, "dirty": dirty, "rounds": args.rounds, "figures": {}}
     for key in ("identity_hooks", *_COMPARED):
         this = [run[key] for run in runs["this"]]
         base = [run[key] for run in runs["baseline"]]
@@ -372,10 +374,11 @@ def baseline_markdown(cmp: dict) -> list[str]:
         "offload_min_memory_minus_identity": "offload, min-memory",
         "offload_budget_minus_identity": "offload, budget (planned)",
     }
+    changes = ", with its working-tree changes" if cmp.get("dirty", True) else ""
     lines = [
         f"## Against {cmp['rev']}",
         "",
-        f"This tree ({cmp['this_rev']}, with its working-tree changes) and {cmp['rev']}, each "
+        f"This tree ({cmp['this_rev']}{changes}) and {cmp['rev']}, each "
         f"{cmp['rounds']} times in fresh processes, ABBA; us per saved tensor above the "
         "identity pair (the identity pair: above no hooks), medians, and the median of the "
         f"rounds' ratios this / {cmp['rev']}.",

@@ -200,11 +200,12 @@ class HostPool:
     """A capped pool of host memory carved into 4 KiB-aligned regions.
 
     Memory comes in power-of-two slabs allocated at first use (one log line per slab, with bytes
-    and seconds) and kept until :meth:`close`; regions are carved from them best-fit, and released
-    regions merge with free neighbours, so fragmentation does not force new slabs. The pool grows
-    slab by slab up to ``capacity_bytes`` (there, unused slabs make way for a larger one) and
-    then raises :class:`StorageFullError`, so the caller can fall back to another tier.
-    Thread-safe.
+    and seconds) and kept until :meth:`close`; regions are carved from them best-fit, a released
+    region's range serves the next request of its exact size first (NOTE [ Recent regions ]),
+    and released ranges merge with free neighbours before any request could be refused, so
+    fragmentation does not force new slabs. The pool grows slab by slab up to
+    ``capacity_bytes`` (there, unused slabs make way for a larger one) and then raises
+    :class:`StorageFullError`, so the caller can fall back to another tier. Thread-safe.
 
     Args:
         capacity_bytes: the most host memory the pool may hold (slabs included in full).
