@@ -75,12 +75,19 @@ log = logging.getLogger("offload")
 #     What a pack makes and holds until backward outlives the collector's young generations:
 #     each such object goes to the oldest one, and CPython (3.11 to 3.13) runs a full
 #     collection, a walk over every object of the process, once the objects moved there since
-#     the last one outnumber a quarter of those there then. So each held object per saved
-#     tensor costs about four objects' walk of a full collection, whatever the process's size
-#     (bench_hooks' min-memory step at f40f3d8: collections took 20.7 us per saved tensor, 16.3
-#     of it in full ones, against 0.2 us for the identity pair). An object that can be shared
-#     is: the families of a step hold one weak reference to it (``_StepState.ref``), and a host
-#     range comes back with its byte view (NOTE [ Recent regions ] in storage/_pool.py).
+#     the last one outnumber a quarter of those there then. So each object held per saved
+#     tensor costs about four objects' walk of a full collection, whatever the process's size.
+#     bench_hooks' min-memory step at da2bc86 held 7.1 objects per saved tensor (the identity
+#     pair: 0.5), and the collector took 20.7 us per saved tensor, 16.3 of it in full
+#     collections (the identity pair: 0.2). So a pack holds nothing it can do without: a
+#     member's size is a plain tuple (one of ints, which the collector stops tracking at its
+#     first pass; a torch.Size it tracks for good), a storage with one family maps to that
+#     family rather than to a list, and a host range comes back with its byte view (NOTE
+#     [ Recent regions ] in storage/_pool.py). Left, 5.6 per saved tensor: the member and the
+#     weak reference to it that finds a release cut short (_release.release_lost), the family
+#     with the weak references to its storage and root and its list of members, the tier's
+#     handle and host region, and the node object torch keeps once a pack asked for
+#     ``grad_fn``.
 
 
 class _StepState:

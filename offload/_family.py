@@ -140,8 +140,7 @@ class Family:
         self.order = order  # position among the step's offloaded families (pack order)
         # The executor's state of the step that packed it (for prefetch), held weakly: the step
         # holds its families, and a cycle would keep freed families until a gc pass. The step's
-        # own reference (``_StepState.ref``), one for all its families: see NOTE [ Objects
-        # per saved tensor ] in _executor.py.
+        # own reference (``_StepState.ref``): one call less per family.
         self.step_ref: Any = step_ref
         self.life = Life.ON_DEVICE
         self.members = 0  # live packed handles
