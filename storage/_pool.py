@@ -332,10 +332,7 @@ class HostPool:
                 at, where, room, view = recent.pop()  # (slab, offset, capacity, byte view)
                 self._used += room
                 return HostRegion(self, at, where, at.memory, at.base + where, room, nbytes, view)
-        capacity = round_up(nbytes)
-        with self._lock:
-            if self._closed:
-                self._check_open()
+            capacity = round_up(nbytes)
             slabs = self._slabs
             if len(slabs) == 1:  # _place's first case, inline (once per record)
                 # (No local holds the slab: _grow may drop it, and its memory must go then.)
@@ -494,8 +491,8 @@ class HostPool:
 
     def _drop_unused_slabs(self, nbytes: int) -> None:
         """Give back unused slabs, smallest first, totalling at least ``nbytes``; none when they
-        cannot make that much room. Caller holds the lock."""
-        self._free_recent()
+        cannot make that much room. Caller holds the lock, and has handed the recent ranges to
+        the free lists (``allocate`` does before it grows: NOTE [ Recent regions ])."""
         unused = sorted((s for s in self._slabs if self._unused(s)), key=lambda s: s.memory.numel())
         if sum(s.memory.numel() for s in unused) < nbytes:
             return
