@@ -110,8 +110,9 @@ class _StepState:
         # Named by a backward trigger, by order: reloaded under the window (NOTE [ Module
         # triggers under the window ]).
         self.wanted: dict[int, Family] = {}
-        # Under a plan: trigger key -> families whose reload it starts (filled at pack).
-        self.triggers: dict[tuple[str, str, int, int], list[Family]] = {}
+        # Under a plan: trigger key -> families whose reload it starts (filled at pack): an
+        # unpack's, one family or a list; a backward trigger's, a list.
+        self.triggers: dict[tuple[str, str, int, int], Family | list[Family]] = {}
         # False under a plan: reloads start at their planned triggers only, never through the
         # look-ahead window (which would bring back more than the plan's budget allows).
         self.windowed = True
@@ -409,7 +410,6 @@ class Executor:
             # torch.Size it tracks for good: NOTE [ Objects per saved tensor ]).
             member = _Member(self, fam, t.dtype, tuple(t.shape), stride, start, bits, dtensor, key)
             fam.members += 1
-            fam.member_refs.append(weakref.ref(member))
             return member
 
     def share(self, m: _Member) -> _Member | None:
@@ -426,7 +426,6 @@ class Executor:
                     setattr(twin, name, getattr(m, name))
             twin.key, twin.seq = None, -1
             fam.members += 1
-            fam.member_refs.append(weakref.ref(twin))
             return twin
 
     def _new_family(

@@ -25,6 +25,7 @@ NOTE [ Alias handling ]
 from __future__ import annotations
 
 import enum
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -84,7 +85,6 @@ class Family:
         "guard",
         "handle",
         "life",
-        "member_refs",
         "members",
         "module",
         "nbytes",
@@ -105,6 +105,7 @@ class Family:
         "storage_mod",
         "storage_ref",
         "tier",
+        "token",
         "typed",
         "unpack_round",
         "unpacked",
@@ -144,9 +145,9 @@ class Family:
         self.step_ref: Any = step_ref
         self.life = Life.ON_DEVICE
         self.members = 0  # live packed handles
-        # Weak references to them: the truth when a release was cut short (see
-        # _release.release_lost).
-        self.member_refs: list[weakref.ref[Any]] = []
+        # Held by each of them too: the truth when a release was cut short (NOTE [ Member
+        # tokens ]).
+        self.token = object()
         self.unpacked = 0  # unpacks since the last reload, of members still alive
         # Counts the times ``unpacked`` started over: a member unpacked in the current round
         # takes its unpack with it when it dies (see _release.release).
@@ -189,11 +190,30 @@ class Family:
         return self.span_start <= start and end <= self.span_start + self.nbytes
 
 
+# NOTE [ Member tokens ]
+#     A member's ``__del__`` releases its family, and an exception raised inside it (a
+#     KeyboardInterrupt arriving there, even at its first line) is printed and dropped by
+#     Python: the release stops where it was, and ``members`` still counts a member that is
+#     gone. ``_release.release_lost`` then needs the truth: whether any member of the family
+#     is still alive. Each family makes one plain ``object()``, its token, and each member
+#     holds it: the token's reference count is the family's one plus one per live member, and
+#     CPython drops a dying member's references in C after its ``__del__``, where nothing can
+#     cut it short. A weak reference per member told the same, but it was an object the
+#     collector tracks per saved tensor, and a list of them per family (NOTE [ Objects per
+#     saved tensor ] in _executor.py); the token is not tracked, and one per family.
+
+
+def live_members(fam: Family) -> int:
+    """How many member handles of ``fam`` are alive (NOTE [ Member tokens ])."""
+    # getrefcount counts its own argument and the family's reference.
+    return sys.getrefcount(fam.token) - 2
+
+
 class _Member:
     """What pack returns for an offloaded tensor: its family and how to rebuild the view.
 
     Dropping it (autograd freed the saved variable, or the graph died) releases the family's bytes
-    once no member is left. Its family holds it weakly: see ``_release.release_lost``.
+    once no member is left. Its family counts it by its token (NOTE [ Member tokens ]).
     """
 
     __slots__ = (
@@ -208,6 +228,7 @@ class _Member:
         "seq",
         "size",
         "stride",
+        "token",
         "unpacked_in",
     )
 
@@ -229,6 +250,7 @@ class _Member:
         self.unpacked_in = -1  # the family's unpack round it was last unpacked in
         self.executor = executor
         self.family = family
+        self.token = family.token  # (NOTE [ Member tokens ])
         self.dtype = dtype
         self.size = size  # a plain tuple (NOTE [ Objects per saved tensor ] in _executor.py)
         self.stride = stride

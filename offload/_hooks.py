@@ -369,7 +369,9 @@ class StepHooks:
         active = step.active
         planned: list[Any] | None = None
         if active is not None and (name, call) in active.backward_triggers:
-            planned = ex.step.triggers.setdefault(("backward", name, call, -1), [])
+            got = ex.step.triggers.setdefault(("backward", name, call, -1), [])
+            assert isinstance(got, list)  # (a backward trigger's families: a list, shared)
+            planned = got
         if not own and planned is None:
             return
         # Backward of this module needs the families it packed itself (not its children's:

@@ -202,6 +202,7 @@ class ActivationOffloader(StepHooks):
         self._packer = Packer(
             self.device, self.config.min_offload_bytes, self._params, self._norms, self._warn
         )
+        self._packer.keyed = self._budget_bytes is not None or user_plan is not None
         self._unpacker = Unpacker(self._task_ends, self._on_backward_begin)
         # Budget mode (NOTE [ Budget mode ] in _planned.py): per signature, how its steps run.
         self._budget = Budget(

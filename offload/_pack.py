@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _UNPLANNED = (None, 0)  # a key the plan does not name: no decision (and no limit)
+_NO_KEY: Any = None  # a pack's key where none is looked up (Packer.keyed)
 # The number the next autograd node of this thread will get (see NOTE [ Fill after pack ]).
 _sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
@@ -66,6 +67,9 @@ class Packer:
         self.norms = norms
         self.warn = warn
         self.meter: Any = None  # offload._live.SavedBytes while one counts (tests, benchmarks)
+        # Whether packs need their record keys: a plan's or a profile's (a budget, or a plan
+        # given). A min-memory manager's packs look nothing up by key, and skip counting it.
+        self.keyed = True
         self.saw_dtensor = False  # a DTensor was saved: tensor parallel, no block recompute
 
     def keep(self, t: torch.Tensor, step: Step, prof: Profiler | None) -> torch.Tensor:
@@ -94,7 +98,7 @@ class Packer:
         stats = step.stats
         frames = step.calls.frames
         top = frames[-1] if frames else None  # step.top, inline (the innermost module call)
-        key = step.calls.next_key()
+        key: tuple[str, int, int] = step.calls.next_key() if self.keyed else _NO_KEY
         stats.records += 1
         if _current_graph_task_id is not None and _current_graph_task_id() != -1:
             return self.keep(t, step, prof)  # packed by a backward (recomputation, double backward)
@@ -142,7 +146,6 @@ class Packer:
             or (dtensor is not None and wraps_parameter(t))
         ):
             return self.keep(t, step, prof)
-        facts = (st, n, item)  # read once: the executor's too
         active = step.active
         if dtensor is None:
             # Recipes only come from a few nodes' outputs: the node is asked once here, not by
@@ -215,8 +218,17 @@ class Packer:
             if prof is not None:
                 d.seq = prof.recorder.record_pack(t)
             return d
+        if prof is None:
+            # self.offload, inline (the common case: nothing is recorded or timed).
+            member = ex.offload(local, module, dtensor, tier, None, key, st, n, item)
+            fam = member.family
+            if active is not None and fam.members == 1 and ex.step is not None:
+                _planned_trigger(ex.step.triggers, active.trigger.get(key), fam)
+            if own is not None and (not own or own[-1] is not fam):
+                own.append(fam)
+            return member
         member = self.offload(
-            ex, step, prof, local, module, dtensor, tier, key, own, -1, None, facts
+            ex, step, prof, local, module, dtensor, tier, key, own, -1, None, (st, n, item)
         )
         if prof is not None:
             link = self.rebuild_link(t, ex) if maybe_recipe else -1
@@ -252,10 +264,8 @@ class Packer:
         member.seq = seq
         fam = member.family
         active = step.active
-        if active is not None and fam.members == 1:
-            trigger = active.trigger.get(key)
-            if trigger is not None and ex.step is not None:
-                ex.step.triggers.setdefault(trigger, []).append(fam)
+        if active is not None and fam.members == 1 and ex.step is not None:
+            _planned_trigger(ex.step.triggers, active.trigger.get(key), fam)
         if own is not None and (not own or own[-1] is not fam):
             own.append(fam)
         return member
@@ -393,6 +403,22 @@ class Packer:
         ):
             return -1
         return parent.seq
+
+
+def _planned_trigger(triggers: dict[Any, Any], trigger: Any, fam: Any) -> None:
+    """``fam``'s reload starts at ``trigger`` (its plan's, or None: none). An unpack's trigger
+    names one family, itself; a backward trigger a list, which the module's post-hook shares
+    (NOTE [ Objects per saved tensor ] in _executor.py: a list per family was one more object
+    held per saved tensor)."""
+    if trigger is None:
+        return
+    got = triggers.get(trigger)
+    if got is None:
+        triggers[trigger] = fam if trigger[0] == "unpack" else [fam]
+    elif type(got) is list:
+        got.append(fam)
+    else:
+        triggers[trigger] = [got, fam]
 
 
 def _same_layout(parent: _Member, out: torch.Tensor) -> bool:

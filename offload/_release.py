@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from offload import _faults, _reload, storage
 from offload._errors import OffloadError
-from offload._family import Family, Life
+from offload._family import Family, Life, live_members
 from offload._points import point
 from offload._tiers import kind_of
 
@@ -119,14 +119,14 @@ def release_lost(ex: Executor) -> None:
     graph; an exception raised there (a KeyboardInterrupt arriving, a signal handler's) is
     printed and dropped by Python, and the release stops where it was: the family kept its
     bytes, counted in ``cpu_bytes``, until ``close()``. Its member handles are gone,
-    though (the family holds them weakly), so here, at the next step and whenever live
+    though (its token says so: NOTE [ Member tokens ] in _family.py), so here, at the next step and whenever live
     families are counted, it is released; a family whose drop was cut short is dropped
     again. Caller holds the lock.
     """
     waiting = {id(f) for f in ex._pending_free}
     for fam in list(ex._live):
         if fam.life is not Life.FREED:
-            if not any(ref() is not None for ref in fam.member_refs):
+            if not live_members(fam):
                 fam.members = 0
                 unowned(ex, fam)
         elif id(fam) not in waiting:

@@ -17,7 +17,7 @@ import torch
 from offload import _reload
 from offload._errors import modified_after_save
 from offload._executor import Executor
-from offload._family import _Member
+from offload._family import Family, _Member
 from offload._pack import _check_kept, _Deferred
 from offload._recipe import ActivationRecipe, WeightCast
 
@@ -161,9 +161,9 @@ class Unpacker:
     @staticmethod
     def start_triggered(ex: Executor | None, step: Any, key: Any) -> None:
         if ex is not None and step is not None and step.triggers and key is not None:
-            waiting = step.triggers.get(("unpack", *key))
+            waiting = step.triggers.get(("unpack", *key))  # a family, or a list of them
             if waiting:
-                ex.prefetch(waiting, step, window=False)
+                ex.prefetch((waiting,) if type(waiting) is Family else waiting, step, window=False)
 
 
 def keep_deferred(step: Step) -> None:

@@ -38,7 +38,7 @@ def _step_keys(trace: offload.Trace, step: int = 0) -> list[tuple[str, int, int]
 @pytest.mark.parametrize("name", MODELS)
 def test_the_recorder_and_the_manager_key_a_steps_packs_alike(name, monkeypatch) -> None:
     """One step with its backward (checkpoint recomputation included), recorded by a Recorder
-    alone, then run by a manager in min-memory mode: the keys the manager's stack numbered,
+    alone, then run by a manager in min-memory mode, keyed: the keys the manager's stack numbered,
     pack by pack, are the recorder's."""
     case = ALL_MODELS[name](seed=0)
     rec = Recorder()
@@ -49,6 +49,10 @@ def test_the_recorder_and_the_manager_key_a_steps_packs_alike(name, monkeypatch)
     recorded = _step_keys(rec.trace())
     keys = _spy(monkeypatch)
     mgr = offload.ActivationOffloader(case.model, min_offload_bytes=0)
+    # A min-memory manager looks up no key, so it counts none (Packer.keyed); counted as a
+    # budget's manager counts them:
+    assert not mgr._packer.keyed
+    mgr._packer.keyed = True
     try:
         case.model.zero_grad(set_to_none=True)
         with mgr:
