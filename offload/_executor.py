@@ -67,6 +67,7 @@ from offload._stats import StepStats
 from offload._tiers import TierKind, kind_of
 from offload.lifecycle._simulate import automatic_bounds
 from offload.lifecycle._trace import WHOLE_STORAGE_FACTOR
+from offload.storage._tier import written_at_once
 from offload.storage._transfer import reset_in_forked_child
 
 log = logging.getLogger("offload")
@@ -612,6 +613,8 @@ class Executor:
             # The device copy may go once D completed: the bytes are in pinned memory (the host
             # tier's region, or NVMe staging whose file write goes on without it).
             return fam.source_event is None or self.capture.query(fam.source_event)
+        if written_at_once(fam.handle) and not self.capture.possible:
+            return True  # (a copy done in its call: no transfer to ask)
         return self.capture.done(fam.handle)
 
     def poll(self) -> None:
@@ -701,7 +704,8 @@ class Executor:
                 self._writing.append((fam, fam.handle))
                 self._writing_bytes += fam.nbytes
             return
-        error = fam.handle.written.exception(timeout=0)
+        handle = fam.handle
+        error = None if written_at_once(handle) else handle.written.exception(timeout=0)
         if error is None:
             fam.source = None  # the device bytes may go now
             fam.source_event = None

@@ -30,6 +30,14 @@ if TYPE_CHECKING:
 _WRITTEN = Transfer.completed("write")
 
 
+def written_at_once(handle: StoredHandle) -> bool:
+    """Whether ``handle``'s write completed in its call, without error (NOTE [ Copies done at
+    once ] in _host_tier.py), known without a lock or a wait; False says nothing more. (Its
+    executor asks once per record, where ``written.done()`` and ``written.exception()`` each
+    took the future's lock.)"""
+    return handle._write is _WRITTEN
+
+
 class StoredHandle:
     """Where one record's bytes live in a tier, and the write that put them there.
 
