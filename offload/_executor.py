@@ -84,11 +84,15 @@ log = logging.getLogger("offload")
 #     member's size is a plain tuple (one of ints, which the collector stops tracking at its
 #     first pass; a torch.Size it tracks for good), a storage with one family maps to that
 #     family rather than to a list, and a host range comes back with its byte view (NOTE
-#     [ Recent regions ] in storage/_pool.py). Left, 5.6 per saved tensor: the member and the
-#     weak reference to it that finds a release cut short (_release.release_lost), the family
-#     with the weak references to its storage and root and its list of members, the tier's
-#     handle and host region, and the node object torch keeps once a pack asked for
-#     ``grad_fn``.
+#     [ Recent regions ] in storage/_pool.py), 5.6 per saved tensor at 9aecf2a. A member is
+#     then counted by its family's token, not by a weak reference in a list per family (NOTE
+#     [ Member tokens ] in _family.py), and an unpack trigger names its one family without a
+#     list: 4.1 per saved tensor in min-memory mode, 3.3 under the plan (bench_hooks' steps).
+#     Left: the member; the family with the weak references to its storage and its root
+#     (both needed: NOTE [ Alias handling ]); the tier's handle and host region; and the node
+#     object torch keeps once a pack asked for ``grad_fn``. Under a plan a kept tensor holds
+#     its detached tensor, and its storage object with the weak reference that
+#     ``Step.kept_by_plan`` asks.
 
 
 class _StepState:
