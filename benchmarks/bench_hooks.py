@@ -330,8 +330,15 @@ def compare(args: argparse.Namespace) -> dict:
     here = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
     ).stdout.strip()
-    # Whether the tracked files differ from HEAD (the report says so only then).
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root).returncode != 0
+    # Whether the tracked files differ from HEAD (the report says so only then); the reports
+    # this run wrote already before the comparison do not count.
+    dirty = (
+        subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", ".", ":(exclude)benchmarks/results"],
+            cwd=root,
+        ).returncode
+        != 0
+    )
     with tempfile.TemporaryDirectory(prefix="bench_hooks-") as tmp:
         old = os.path.join(tmp, rev)
         archive = subprocess.run(
