@@ -219,13 +219,10 @@ class Packer:
                 d.seq = prof.recorder.record_pack(t)
             return d
         if prof is None:
-            # self.offload, inline (the common case: nothing is recorded or timed).
+            # self.offload without its clock and record number (the common case: nothing is
+            # recorded or timed).
             member = ex.offload(local, module, dtensor, tier, None, key, st, n, item)
-            fam = member.family
-            if active is not None and fam.members == 1 and ex.step is not None:
-                _planned_trigger(ex.step.triggers, active.trigger.get(key), fam)
-            if own is not None and (not own or own[-1] is not fam):
-                own.append(fam)
+            _joined(ex, active, key, own, member.family)
             return member
         member = self.offload(
             ex, step, prof, local, module, dtensor, tier, key, own, -1, None, (st, n, item)
@@ -262,12 +259,7 @@ class Packer:
         if held is not None:
             held.held_s += time.perf_counter() - started
         member.seq = seq
-        fam = member.family
-        active = step.active
-        if active is not None and fam.members == 1 and ex.step is not None:
-            _planned_trigger(ex.step.triggers, active.trigger.get(key), fam)
-        if own is not None and (not own or own[-1] is not fam):
-            own.append(fam)
+        _joined(ex, step.active, key, own, member.family)
         return member
 
     def flush_deferred(self, step: Step, ex: Executor | None, prof: Profiler | None) -> None:
@@ -403,6 +395,16 @@ class Packer:
         ):
             return -1
         return parent.seq
+
+
+def _joined(ex: Executor, active: Any, key: Any, own: list[Any] | None, fam: Any) -> None:
+    """A pack's ``fam`` (new, or joined by this member) goes where its reload starts: the
+    trigger its plan names (``active``, None in min-memory mode), and its module's backward
+    (``own``)."""
+    if active is not None and fam.members == 1 and ex.step is not None:
+        _planned_trigger(ex.step.triggers, active.trigger.get(key), fam)
+    if own is not None and (not own or own[-1] is not fam):
+        own.append(fam)
 
 
 def _planned_trigger(triggers: dict[Any, Any], trigger: Any, fam: Any) -> None:

@@ -119,9 +119,9 @@ def release_lost(ex: Executor) -> None:
     graph; an exception raised there (a KeyboardInterrupt arriving, a signal handler's) is
     printed and dropped by Python, and the release stops where it was: the family kept its
     bytes, counted in ``cpu_bytes``, until ``close()``. Its member handles are gone,
-    though (its token says so: NOTE [ Member tokens ] in _family.py), so here, at the next step and whenever live
-    families are counted, it is released; a family whose drop was cut short is dropped
-    again. Caller holds the lock.
+    though (its token says so: NOTE [ Member tokens ] in _family.py), so here, at the next
+    step and whenever live families are counted, it is released; a family whose drop was
+    cut short is dropped again. Caller holds the lock.
     """
     waiting = {id(f) for f in ex._pending_free}
     for fam in list(ex._live):

@@ -334,10 +334,6 @@ def finish_reload(ex: Executor, fam: Family) -> None:
         raise from_storage(e, f"reloading a saved tensor of {fam.module or '<root>'}") from e
     # NVMe: the bytes reached pinned staging (unless a poll already landed them); now
     # staging -> device on the H2D stream. (A cpu tier's read, the common case, has no entry
-    # among the reads and nothing to land.)
-    allocated = take_reading(ex, fam) if ex._reading else None
-    if ex.cuda and fam.staging is not None:
-        land(ex, fam, allocated)
-    else:
-        fam.reload = None
+    # among the reads.)
+    land(ex, fam, take_reading(ex, fam) if ex._reading else None)
     fam.to(Life.RESIDENT)

@@ -99,13 +99,7 @@ class Unpacker:
             # backward (NOTE [ Retained graphs ] in lifecycle's recorder).
             profiler.recorder.record_unpack(packed.seq, held=packed)
         if prof is None:
-            # self.unpack_member, inline (the common case: nothing is recorded or timed).
-            owner = packed.executor
-            ref = packed.family.step_ref
-            packed_by = ref() if ref is not None else None
-            if packed_by is not None and packed_by.triggers:
-                self.start_triggered(owner, packed_by, packed.key)
-            return _reload.unpack(owner, packed)
+            return self.unpack_member(packed.executor, packed)
         held = prof.compute_clock
         if held is None:
             return self.unpack_member(packed.executor, packed)
