@@ -107,6 +107,9 @@ class _StepState:
         self.by_storage: dict[int, Family | list[Family]] = {}
         self.prefetch_next = -1  # highest family order the look-ahead has not passed yet
         self.walk_task = -1  # the backward (graph task) the look-ahead last walked in
+        # Where the last walk stopped for the window, if it did (NOTE [ A walk that stops
+        # again ] in _lookahead.py): (family, bytes ahead, largest family).
+        self.stopped: tuple[Family, int, int] | None = None
         self.stored_bytes = 0  # bytes of its families (the automatic look-ahead's measure)
         # The automatic look-ahead window, and the (largest family, stored bytes) it is for.
         self.window = 0
@@ -414,6 +417,22 @@ class Executor:
             # ``tuple(t.shape)``: a plain tuple of ints, which the collector stops tracking (a
             # torch.Size it tracks for good: NOTE [ Objects per saved tensor ]).
             member = _Member(self, fam, t.dtype, tuple(t.shape), stride, start, bits, dtensor, key)
+            fam.members += 1
+            return member
+
+    def again(self, facts: tuple[Any, ...], key: Any) -> _Member | None:
+        """A member of the family the op packing a tensor joined when it packed it before
+        (NOTE [ Packed again ] in _pack.py); ``facts``: ``Step.again``, that pack's. None when
+        that family is gone."""
+        fam = facts[5]
+        with self.lock:
+            step = self.step
+            if fam.life is Life.FREED or step is None:
+                return None
+            step.stats.records_deduplicated += 1
+            member = _Member(
+                self, fam, facts[6], facts[7], facts[8], facts[9], facts[10], None, key
+            )
             fam.members += 1
             return member
 

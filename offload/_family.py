@@ -111,6 +111,7 @@ class Family:
         "unpacked",
         "unpacked_task",
         "version",
+        "view",
     )
 
     def __init__(
@@ -172,6 +173,9 @@ class Family:
         self.reload_stream: Any = None
         self.resident: torch.Tensor | None = None  # raw uint8 device buffer of a reload
         self.typed: torch.Tensor | None = None  # ``resident`` viewed as its members' dtype
+        # The last member view rebuilt over ``resident``, with its facts: ``(dtype, size,
+        # stride, offset_bytes, view)`` (see rebuild).
+        self.view: tuple[Any, ...] | None = None
         self.resident_ref: weakref.ref | None = None
         self.ahead = False  # counted in the executor's look-ahead bytes
         self.error: BaseException | None = None
@@ -391,6 +395,18 @@ def rebuild(
     offset_bytes: int,
 ) -> torch.Tensor:
     """One member as a view over a reloaded buffer; see NOTE [ Alias handling ]."""
+    last = fam.view
+    if (
+        last is not None
+        and last[0] is dtype
+        and last[3] == offset_bytes
+        and last[1] == size
+        and last[2] == stride
+    ):
+        # A member just like the last one unpacked (one tensor saved twice by one op, NOTE
+        # [ Packed again ] in _pack.py): its view again. Autograd makes a variable of its own
+        # from each view an unpack returns, so one serves both.
+        return last[4]
     item = dtype.itemsize
     start = off + offset_bytes - fam.span_start  # byte position of the member's element 0
     # ``raw`` is uint8 with storage offset 0; view it whole as ``dtype`` when lengths allow,
@@ -409,4 +425,6 @@ def rebuild(
         # The family's other members (q, k and v of one qkv output) reuse it: one view less
         # each. It holds the buffer as ``resident`` does, and is dropped with it.
         fam.typed = typed
-    return typed.as_strided(size, stride, start // item)
+    out = typed.as_strided(size, stride, start // item)
+    fam.view = (dtype, size, stride, offset_bytes, out)  # held as ``typed`` is, and dropped with it
+    return out

@@ -83,18 +83,42 @@ def prefetch(
             _revisit_planned(ex, step)
 
 
-def after_unpack(ex: Executor, step: _StepState, used: Family) -> None:
-    """``prefetch(ex, (), step, used=(used,))`` from an unpack, which holds the lock already
-    (once per saved tensor: the call's own preamble cost as much as the walk)."""
+def after_unpack(ex: Executor, step: _StepState, used: Family, task: int) -> None:
+    """``prefetch(ex, (), step, used=(used,))`` from an unpack in backward ``task``, which
+    holds the lock already (once per saved tensor: the call's own preamble cost as much as the
+    walk)."""
     if step.failed:
         return
     if (ex.capture.possible or ex._in_capture) and ex._capturing():
         return  # (see NOTE [ No query while capturing ])
     ex._poll()
     if step.windowed:
-        _walk(ex, step, (), (used,))
+        stop = step.stopped
+        if (
+            stop is not None
+            and stop[1] == ex._ahead_bytes
+            and stop[0] is not used
+            and stop[0].life is Life.OFF_DEVICE
+            and stop[2] == ex._largest
+            and task == step.walk_task
+            and not step.revisit
+            and not step.wanted
+        ):
+            return  # NOTE [ A walk that stops again ]
+        _walk(ex, step, (), (used,), task)
     elif step.revisit:
         _revisit_planned(ex, step)
+
+
+# NOTE [ A walk that stops again ]
+#     Most unpacks leave the window as it was: the second member of a family (``x * x`` saves
+#     x twice) uses bytes its first member's unpack took out of the window already. A walk
+#     that stopped because the next family did not fit (``_StepState.stopped``: that family,
+#     the bytes ahead then and the largest family then) stops there again while those are
+#     unchanged, the family is still off the device and not the one just used, the same
+#     backward runs and nothing waits to be revisited or was named by a trigger: the unpack
+#     skips it. Any reload started, finished or used since changes the bytes ahead, and a
+#     larger family the window's bound.
 
 
 def _revisit_planned(ex: Executor, step: _StepState) -> None:
@@ -108,16 +132,25 @@ def _revisit_planned(ex: Executor, step: _StepState) -> None:
             begin_reload(ex, fam)
 
 
-def _walk(ex: Executor, step: _StepState, needed: Sequence[Family], used: Sequence[Family]) -> None:
+def _walk(
+    ex: Executor,
+    step: _StepState,
+    needed: Sequence[Family],
+    used: Sequence[Family],
+    task: int | None = None,
+) -> None:
     """The windowed part of ``prefetch``: the families passed while copying out, those the
-    triggers named, then those below the look-ahead pointer, while they fit the window."""
+    triggers named, then those below the look-ahead pointer, while they fit the window.
+    ``task``: the running backward's graph task, when the caller read it."""
+    step.stopped = None
     if step.revisit:
         # Passed while being copied out; needed before anything below the pointer.
         waiting = step.revisit
         step.revisit = [f for f in waiting if f.life is Life.COPYING_OUT]
         for fam in waiting:
             begin_reload(ex, fam)
-    task = graph_task()
+    if task is None:
+        task = graph_task()
     if task != -1 and task != step.walk_task:
         if step.walk_task != -1:
             # See NOTE [ Later backward passes ].
@@ -144,6 +177,7 @@ def _walk(ex: Executor, step: _StepState, needed: Sequence[Family], used: Sequen
             if bound < 0:
                 bound = window_bytes(ex, step)
             if ex._ahead_bytes + fam.nbytes > bound:
+                step.stopped = (fam, ex._ahead_bytes, ex._largest)
                 break
             if not begin_reload(ex, fam):
                 break  # memory is short: the window waits for unpacks to make room

@@ -110,64 +110,81 @@ class Packer:
         if capture.possible and capture.capturing():  # NOTE [ No query while capturing ]
             self.warn("graphs", _GRAPHS_TEXT)
             return self.keep(t, step, prof)
-        if step.deferred and _sequence_nr is not None and _sequence_nr() != step.deferred_at:
+        nr = _sequence_nr() if _sequence_nr is not None else -1
+        if step.deferred and nr != step.deferred_at:
             self.flush_deferred(step, ex, prof)  # an op that made a node since: theirs has returned
-        dtensor = None
-        local = t
-        if type(t) is not torch.Tensor:  # a plain tensor, the common case, skips this
-            if hasattr(t, "_local_tensor"):  # a DTensor: its shard
-                dtensor = (t.device_mesh, t.placements, t.shape, t.stride())  # type: ignore[attr-defined]
-                self.saw_dtensor = True
-            local = local_tensor(t)
-            if type(local) is not torch.Tensor and not _has_storage(local):
-                # A wrapper subclass without bytes of its own: nothing to copy. (One with bytes
-                # comes back as a plain tensor: so it does through any saved-tensor hooks,
-                # torch's save_on_cpu or an identity pair included.)
-                self.warn(
-                    f"subclass:{type(local).__name__}",
-                    _subclass_text(type(local).__name__),
-                )
-                return self.keep(t, step, prof)
-        if top is not None:
-            module, kept = top.module, top.kept
-        else:
-            module, kept = OUTSIDE, False
-        n = local.numel()
-        item = local.element_size()
-        nbytes = n * item
+        module = top.module if top is not None else OUTSIDE
+        again = step.again
         if (
-            kept
-            or (not local.is_cpu if self.on_cpu else local.device != self.device)
-            or nbytes < self.min_offload_bytes
-            or n == 0
-            or local.layout is not torch.strided  # sparse: no one storage to copy
-            or local.is_nested
-            or self.params.holds(local, (st := local.untyped_storage()))
-            or (dtensor is not None and wraps_parameter(t))
+            again is not None
+            and again[0] == nr
+            and again[1] == id(t)
+            and prof is None
+            and t._version == again[2]
         ):
-            return self.keep(t, step, prof)
-        active = step.active
-        if dtensor is None:
-            # Recipes only come from a few nodes' outputs: the node is asked once here, not by
-            # both recognisers (a DTensor's node is theirs to find).
-            base = t._base
-            fn = (t if base is None else base).grad_fn
-            maybe_recipe = fn is not None and type(fn).__name__ in RECIPE_NODES
+            # The op packing ``t`` packed it already (``x * x``): NOTE [ Packed again ].
+            dtensor = None
+            local = t
+            n, item = again[3], again[4]
+            nbytes = n * item
+            st = t.untyped_storage()
+            maybe_recipe = False
         else:
-            maybe_recipe = True
-        recipe = weight_cast(t, self.params) if maybe_recipe else None
-        if recipe is not None:
-            # NOTE [ Weight casts ] in _recipe.py: cast again at unpack, never stored or copied.
-            stats.records_rebuilt += 1
-            stats.bytes_rebuilt += recipe.nbytes
-            if prof is not None:
-                recipe.seq = prof.recorder.record_pack(t, parameter=True)
-            return recipe
-        if active is None and maybe_recipe:
-            # Min-memory mode, a budget's profiling step included (NOTE [ Activation recipes ]).
-            rebuilt = self.activation_recipe(t, ex, step, prof)
-            if rebuilt is not None:
-                return rebuilt
+            again = None
+            dtensor = None
+            local = t
+            if type(t) is not torch.Tensor:  # a plain tensor, the common case, skips this
+                if hasattr(t, "_local_tensor"):  # a DTensor: its shard
+                    dtensor = (t.device_mesh, t.placements, t.shape, t.stride())  # type: ignore[attr-defined]
+                    self.saw_dtensor = True
+                local = local_tensor(t)
+                if type(local) is not torch.Tensor and not _has_storage(local):
+                    # A wrapper subclass without bytes of its own: nothing to copy. (One with
+                    # bytes comes back as a plain tensor: so it does through any saved-tensor
+                    # hooks, torch's save_on_cpu or an identity pair included.)
+                    self.warn(
+                        f"subclass:{type(local).__name__}",
+                        _subclass_text(type(local).__name__),
+                    )
+                    return self.keep(t, step, prof)
+            n = local.numel()
+            item = local.element_size()
+            nbytes = n * item
+            if (
+                (top is not None and top.kept)
+                or (not local.is_cpu if self.on_cpu else local.device != self.device)
+                or nbytes < self.min_offload_bytes
+                or n == 0
+                or local.layout is not torch.strided  # sparse: no one storage to copy
+                or local.is_nested
+                or self.params.holds(local, (st := local.untyped_storage()))
+                or (dtensor is not None and wraps_parameter(t))
+            ):
+                return self.keep(t, step, prof)
+            if dtensor is None:
+                # Recipes only come from a few nodes' outputs: the node is asked once here, not
+                # by both recognisers (a DTensor's node is theirs to find).
+                base = t._base
+                fn = (t if base is None else base).grad_fn
+                maybe_recipe = fn is not None and type(fn).__name__ in RECIPE_NODES
+            else:
+                maybe_recipe = True
+            recipe = weight_cast(t, self.params) if maybe_recipe else None
+            if recipe is not None:
+                # NOTE [ Weight casts ] in _recipe.py: cast again at unpack, never stored or
+                # copied.
+                stats.records_rebuilt += 1
+                stats.bytes_rebuilt += recipe.nbytes
+                if prof is not None:
+                    recipe.seq = prof.recorder.record_pack(t, parameter=True)
+                return recipe
+            if step.active is None and maybe_recipe:
+                # Min-memory mode, a budget's profiling step included (NOTE [ Activation
+                # recipes ]).
+                rebuilt = self.activation_recipe(t, ex, step, prof)
+                if rebuilt is not None:
+                    return rebuilt
+        active = step.active
         tier = None
         if active is not None:
             # The plan's decision and its size limit in one lookup; the recomputed calls are
@@ -186,8 +203,11 @@ class Packer:
                 tier = None  # larger than planned (docs/design.md: Keys and signatures)
             if tier == REBUILD:
                 # See NOTE [ Activation recipes ] in _recipe.py; if its conditions fail, the
-                # record is not the plan's to place: to the first tier with room.
-                rebuilt = self.activation_recipe(t, ex, step, prof, key)
+                # record is not the plan's to place: to the first tier with room. (Packed
+                # again, ``t`` is no output a recipe rebuilds: its first pack asked.)
+                rebuilt = (
+                    None if again is not None else self.activation_recipe(t, ex, step, prof, key)
+                )
                 if rebuilt is not None:
                     return rebuilt
                 tier = None
@@ -200,6 +220,8 @@ class Packer:
             elif tier == KEEP:
                 if step.cursor >= 0:
                     step.plan_kept[st._cdata] = weakref.ref(st)
+                if prof is None and not maybe_recipe and dtensor is None:
+                    step.again = (nr, id(t), t._version, n, item, None, None)
                 return self.keep(t, step, prof)
         # Reloaded when the backward of the module that saved it starts (and the look-ahead
         # window). Not a record the plan placed: that one reloads at its planned trigger, or at
@@ -208,20 +230,46 @@ class Packer:
         # plan's kept tensors are freed. An unplanned record has no trigger.
         own = top.own if top is not None and (active is None or tier is None) else None
         if not t.requires_grad:
+            # NOTE [ Packed again ]
+            #     One op may save one tensor twice (``x * x`` saves both of its inputs; so does a custom
+            #     Function's ``save_for_backward(a, a)``). The second pack would find what the first one
+            #     found: the same eligibility, the same family (a member of it, deduplicated). So a pack
+            #     remembers what it decided (``Step.again``: the thread's autograd sequence number, the
+            #     tensor's id and version, its numel and element size, and the member's family and view
+            #     facts, or None where the plan kept it), and a pack of the same tensor at the same
+            #     version under the same sequence number takes it from there. The sequence number moves
+            #     whenever an autograd node is made, and every op that saves makes its node first, so an
+            #     equal number means the same op's saves, with no user code between them that could have
+            #     changed what the tensor is (``t.data = ...`` keeps the version): the id then names the
+            #     same live tensor, which the op holds. Only the checks that depend on the record key
+            #     (the plan's decision for it, its trigger) run again. What is remembered holds no tensor
+            #     and no member: the family's bytes still go when autograd drops its members. A recorded
+            #     step (a profile, a timing step) and a DTensor or a possible recipe always take the
+            #     full path. At unpack the second member's view is the first one's again (``rebuild``).
+
             # NOTE [ Fill after pack ]: no gradient, so possibly an op's buffer that the op
             # itself fills after saving it: copied once the op has returned.
             d = _Deferred(t, local, module, dtensor, tier, key, own)
             d.stream = ex.streams.current()  # the op's stream: its fill is queued there
             step.deferred.append(weakref.ref(d))
             if _sequence_nr is not None:
-                step.deferred_at = _sequence_nr()
+                step.deferred_at = nr
             if prof is not None:
                 d.seq = prof.recorder.record_pack(t)
             return d
         if prof is None:
             # self.offload without its clock and record number (the common case: nothing is
             # recorded or timed).
-            member = ex.offload(local, module, dtensor, tier, None, key, st, n, item)
+            member = None if again is None or again[6] is None else ex.again(again, key)
+            if member is None:
+                member = ex.offload(local, module, dtensor, tier, None, key, st, n, item)
+                if not maybe_recipe and dtensor is None:
+                    m = member
+                    # (Facts, not the member: held here, it would outlive autograd's use.)
+                    step.again = (
+                        nr, id(t), t._version, n, item, m.family, m.dtype, m.size, m.stride,
+                        m.offset_bytes, m.bits,
+                    )  # fmt: skip
             _joined(ex, active, key, own, member.family)
             return member
         member = self.offload(

@@ -107,7 +107,7 @@ def drop(ex: Executor, fam: Family) -> None:
     if fam.spill is not None and not queued_write(ex, fam):
         fam.spill.release()  # a spill still being written is released by _poll_writes
         fam.spill = None
-    fam.source = fam.resident = fam.typed = fam.guard = None
+    fam.source = fam.resident = fam.typed = fam.view = fam.guard = None
     fam.source_event = fam.reload_event = fam.reload = None
     ex._live.pop(fam, None)
 

@@ -80,7 +80,7 @@ def start_reload(ex: Executor, fam: Family) -> None:
     fam.unpack_round += 1
     mark_ahead(ex, fam, True)
     fam.reload_started_s = time.perf_counter()
-    fam.resident, fam.resident_ref, fam.typed = raw, weakref.ref(raw), None
+    fam.resident, fam.resident_ref, fam.typed, fam.view = raw, weakref.ref(raw), None, None
     if ex.meter is not None:
         ex.meter.watch(raw.untyped_storage(), fam.nbytes)
     dst = raw[off : off + fam.nbytes]
@@ -122,7 +122,7 @@ def undo_reload(ex: Executor, fam: Family) -> None:
         staging, fam.staging = fam.staging, None
         staging.release()
     take_reading(ex, fam)
-    fam.resident = fam.resident_ref = fam.typed = fam.reload = None
+    fam.resident = fam.resident_ref = fam.typed = fam.view = fam.reload = None
     mark_ahead(ex, fam, False)
     fam.to(Life.OFF_DEVICE)
 
@@ -234,16 +234,16 @@ def unpack(ex: Executor, m: _Member) -> torch.Tensor:
         out = rebuild(raw, off, fam, m.dtype, m.size, m.stride, m.offset_bytes)
         fam.unpacked += 1
         m.unpacked_in = fam.unpack_round
-        fam.unpacked_task = graph_task()
+        task = fam.unpacked_task = graph_task()
         if fam.ahead:
             mark_ahead(ex, fam, False)
         if fam.unpacked >= fam.members:
             # Every live member has its view: drop the strong reference so the buffer dies
             # with autograd's use of it; a later unpack (retain_graph) reloads or reuses it.
-            fam.resident = fam.typed = None
+            fam.resident = fam.typed = fam.view = None
             fam.to(Life.OFF_DEVICE)
         if step is not None:
-            _lookahead.after_unpack(ex, step, fam)
+            _lookahead.after_unpack(ex, step, fam, task)
         return m.wrap(out) if m.bits or m.dtensor is not None else out
 
 
