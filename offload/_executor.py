@@ -189,7 +189,7 @@ class Executor:
         # backwards), and they must still be retired (their sources dropped) and counted by
         # back-pressure.
         self._inflight: deque[Family] = deque()
-        self._deferred_releases: deque[tuple[Family, int]] = deque()  # see release()
+        self._deferred_releases: deque[tuple[Family, int, int, int]] = deque()  # see release()
         self._inflight_bytes = 0
         # CPU device: writes whose family was freed first (backward ran ahead of a slow tier),
         # each with its bytes. They still read their sources and count toward the in-flight
@@ -420,21 +420,21 @@ class Executor:
             fam.members += 1
             return member
 
-    def again(self, facts: tuple[Any, ...], key: Any) -> _Member | None:
-        """A member of the family the op packing a tensor joined when it packed it before
-        (NOTE [ Packed again ] in _pack.py); ``facts``: ``Step.again``, that pack's. None when
-        that family is gone."""
-        fam = facts[5]
+    def again(self, m: _Member, key: Any) -> _Member | None:
+        """The handle for a second pack of the tensor the same op packed as ``m`` just now (NOTE
+        [ Packed again ] in _pack.py): ``m`` itself where no record key tells the two apart (a
+        min-memory step), else a handle of its own for ``key``. None when the family is gone."""
+        fam = m.family
         with self.lock:
             step = self.step
             if fam.life is Life.FREED or step is None:
                 return None
             step.stats.records_deduplicated += 1
-            member = _Member(
-                self, fam, facts[6], facts[7], facts[8], facts[9], facts[10], None, key
-            )
             fam.members += 1
-            return member
+            if key is None and m.key is None:
+                m.holders += 1
+                return m
+            return _Member(self, fam, m.dtype, m.size, m.stride, m.offset_bytes, m.bits, None, key)
 
     def share(self, m: _Member) -> _Member | None:
         """Another handle on ``m``'s family, rebuilding the same view (a recipe's use of its
@@ -448,7 +448,7 @@ class Executor:
             for name in _Member.__slots__:
                 if name != "__weakref__":
                     setattr(twin, name, getattr(m, name))
-            twin.key, twin.seq = None, -1
+            twin.key, twin.seq, twin.holders = None, -1, 1
             fam.members += 1
             return twin
 
@@ -768,8 +768,11 @@ class Executor:
 
     # -- release -----------------------------------------------------------------------------
 
-    def release(self, fam: Family, unpacked_in: int = -1) -> None:
-        """One member handle died; free the family's bytes when it was the last.
+    def release(
+        self, fam: Family, unpacked_in: int = -1, holders: int = 1, unpacks: int = 1
+    ) -> None:
+        """One member handle died (held by ``holders`` saved variables, unpacked ``unpacks``
+        times in round ``unpacked_in``); free the family's bytes when it was the last.
 
         Runs from ``_Member.__del__``, so on any thread and at any allocation (a GC pass), also
         on a copy engine or I/O thread in the middle of completing a transfer that the thread
@@ -781,10 +784,11 @@ class Executor:
             or (self.capture.possible and self.capture.capturing())
             or not self.lock.acquire(blocking=False)
         ):
-            self._deferred_releases.append((fam, unpacked_in))  # deque.append is atomic
+            # (deque.append is atomic)
+            self._deferred_releases.append((fam, unpacked_in, holders, unpacks))
             return
         try:
-            _release.release(self, fam, unpacked_in)
+            _release.release(self, fam, unpacked_in, holders, unpacks)
             if self._deferred_releases:
                 _release.drain_releases(self)
         finally:

@@ -227,6 +227,7 @@ class _Member:
         "dtype",
         "executor",
         "family",
+        "holders",
         "key",
         "offset_bytes",
         "seq",
@@ -234,6 +235,7 @@ class _Member:
         "stride",
         "token",
         "unpacked_in",
+        "unpacks",
     )
 
     def __init__(
@@ -252,6 +254,10 @@ class _Member:
         self.key = key  # (module, call index, ordinal) under a plan: unpack triggers
         self.seq = -1  # the recorder's record number during a profiling step
         self.unpacked_in = -1  # the family's unpack round it was last unpacked in
+        self.unpacks = 0  # its unpacks in that round
+        # The saved variables autograd holds it in: more than one where an op saved one tensor
+        # twice (NOTE [ Packed again ] in _pack.py); the family counts each.
+        self.holders = 1
         self.executor = executor
         self.family = family
         self.token = family.token  # (NOTE [ Member tokens ])
@@ -267,7 +273,7 @@ class _Member:
     def __del__(self) -> None:
         # Once per saved tensor: try/except, not contextlib.suppress (an object per call).
         try:  # noqa: SIM105
-            self.executor.release(self.family, self.unpacked_in)
+            self.executor.release(self.family, self.unpacked_in, self.holders, self.unpacks)
         except Exception:  # in a finalizer: nothing to raise to
             pass
 
@@ -387,7 +393,6 @@ def aligned_buffer(nbytes: int, mod: int, device: torch.device) -> tuple[torch.T
 
 def rebuild(
     raw: torch.Tensor,
-    off: int,
     fam: Family,
     dtype: torch.dtype,
     size: tuple[int, ...],
@@ -408,6 +413,7 @@ def rebuild(
         # from each view an unpack returns, so one serves both.
         return last[4]
     item = dtype.itemsize
+    off = (fam.storage_mod - raw.data_ptr()) % ALIGN_BYTES  # aligned_offset, inline
     start = off + offset_bytes - fam.span_start  # byte position of the member's element 0
     # ``raw`` is uint8 with storage offset 0; view it whole as ``dtype`` when lengths allow,
     # else view the piece starting at the member's first element.

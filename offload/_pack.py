@@ -221,7 +221,7 @@ class Packer:
                 if step.cursor >= 0:
                     step.plan_kept[st._cdata] = weakref.ref(st)
                 if prof is None and not maybe_recipe and dtensor is None:
-                    step.again = (nr, id(t), t._version, n, item, None, None)
+                    step.again = (nr, id(t), t._version, n, item, None)
                 return self.keep(t, step, prof)
         # Reloaded when the backward of the module that saved it starts (and the look-ahead
         # window). Not a record the plan placed: that one reloads at its planned trigger, or at
@@ -230,23 +230,6 @@ class Packer:
         # plan's kept tensors are freed. An unplanned record has no trigger.
         own = top.own if top is not None and (active is None or tier is None) else None
         if not t.requires_grad:
-            # NOTE [ Packed again ]
-            #     One op may save one tensor twice (``x * x`` saves both of its inputs; so does a custom
-            #     Function's ``save_for_backward(a, a)``). The second pack would find what the first one
-            #     found: the same eligibility, the same family (a member of it, deduplicated). So a pack
-            #     remembers what it decided (``Step.again``: the thread's autograd sequence number, the
-            #     tensor's id and version, its numel and element size, and the member's family and view
-            #     facts, or None where the plan kept it), and a pack of the same tensor at the same
-            #     version under the same sequence number takes it from there. The sequence number moves
-            #     whenever an autograd node is made, and every op that saves makes its node first, so an
-            #     equal number means the same op's saves, with no user code between them that could have
-            #     changed what the tensor is (``t.data = ...`` keeps the version): the id then names the
-            #     same live tensor, which the op holds. Only the checks that depend on the record key
-            #     (the plan's decision for it, its trigger) run again. What is remembered holds no tensor
-            #     and no member: the family's bytes still go when autograd drops its members. A recorded
-            #     step (a profile, a timing step) and a DTensor or a possible recipe always take the
-            #     full path. At unpack the second member's view is the first one's again (``rebuild``).
-
             # NOTE [ Fill after pack ]: no gradient, so possibly an op's buffer that the op
             # itself fills after saving it: copied once the op has returned.
             d = _Deferred(t, local, module, dtensor, tier, key, own)
@@ -260,16 +243,13 @@ class Packer:
         if prof is None:
             # self.offload without its clock and record number (the common case: nothing is
             # recorded or timed).
-            member = None if again is None or again[6] is None else ex.again(again, key)
+            first = again[5]() if again is not None and again[5] is not None else None
+            member = None if first is None else ex.again(first, key)
             if member is None:
                 member = ex.offload(local, module, dtensor, tier, None, key, st, n, item)
                 if not maybe_recipe and dtensor is None:
-                    m = member
-                    # (Facts, not the member: held here, it would outlive autograd's use.)
-                    step.again = (
-                        nr, id(t), t._version, n, item, m.family, m.dtype, m.size, m.stride,
-                        m.offset_bytes, m.bits,
-                    )  # fmt: skip
+                    # (The member weakly: held here, it would outlive autograd's use of it.)
+                    step.again = (nr, id(t), t._version, n, item, weakref.ref(member))
             _joined(ex, active, key, own, member.family)
             return member
         member = self.offload(
@@ -538,6 +518,27 @@ def _has_storage(t: torch.Tensor) -> bool:
         return False
     return True
 
+
+# NOTE [ Packed again ]
+#     One op may save one tensor twice: ``x * x`` saves both of its inputs, and so does a
+#     custom Function's ``save_for_backward(a, a)``. The second pack would find what the first
+#     one found: the same eligibility and the same family. So a pack remembers what it decided
+#     (``Step.again``: the thread's autograd sequence number, the tensor's id and version, its
+#     numel and element size, and its member, weakly, or None where the plan kept it), and a
+#     pack of the same tensor at the same version under the same sequence number starts from
+#     there. The sequence number moves whenever an autograd node is made, and every op that
+#     saves makes its node first, so an equal number means the same op's saves, with no user
+#     code between them that could have changed what the tensor is (``t.data = ...`` keeps its
+#     id and its version; test_offload_packed_again.py reassigns it between two ops): the id
+#     then names the same live tensor, which the op holds. What depends on the record key runs
+#     again: under a plan the second record gets its own decision and, offloaded, a member of
+#     its own (its key may name an unpack trigger). In a min-memory step no key tells the two
+#     records apart, and the second pack returns the first one's member: one handle that two
+#     saved variables hold (``_Member.holders``), counted twice in ``Family.members``, released
+#     for both when autograd has dropped both, and whose second unpack gets its first view
+#     again (``rebuild``, ``Family.view``). Stats count both records, the second one
+#     deduplicated, as before. A recorded step (a profile, a timing step), a DTensor and a
+#     tensor a recipe might rebuild always take the full path.
 
 # NOTE [ Fill after pack ]
 #     An op may save a buffer it fills itself afterwards, in the same call: F.rrelu in training

@@ -44,16 +44,20 @@ def drain_releases(ex: Executor) -> None:
         release(ex, *ex._deferred_releases.popleft())
 
 
-def release(ex: Executor, fam: Family, unpacked_in: int = -1) -> None:
+def release(
+    ex: Executor, fam: Family, unpacked_in: int = -1, holders: int = 1, unpacks: int = 1
+) -> None:
     # ``unpacked_in``: the unpack round the dying member was last unpacked in. Unpacked
     # since the last reload, it takes that unpack with it: ``unpacked`` counts the live
     # members' unpacks, so that the last live member's unpack is the one that drops the
     # buffer. (Counted, the unpack of v by ``att @ v``, freed with its node, made the unpack
     # of k the last of q, k, v: the buffer was dropped under k's view and q's unpack
     # reloaded the family again, two buffers held at once.)
+    # A member ``holders`` saved variables held (NOTE [ Packed again ] in _pack.py) takes
+    # their unpacks of this round with it, and counted for each of them.
     if unpacked_in == fam.unpack_round and fam.unpacked > 0:
-        fam.unpacked -= 1
-    fam.members -= 1
+        fam.unpacked -= 1 if holders == 1 else min(unpacks, holders, fam.unpacked)
+    fam.members -= holders
     if fam.members > 0 or fam.life is Life.FREED:
         return
     unowned(ex, fam)

@@ -18,7 +18,6 @@ import torch
 from offload import _backpressure, _faults, _lookahead, _release, storage
 from offload._errors import OffloadError, from_storage
 from offload._family import (
-    ALIGN_BYTES,
     Family,
     Life,
     aligned_buffer,
@@ -33,6 +32,9 @@ from offload.lifecycle._calls import graph_task
 if TYPE_CHECKING:
     from offload._executor import Executor
     from offload._family import _Member
+
+
+_ASK: Any = object()  # unpack's ``step`` not given: read from the family
 
 
 def mark_ahead(ex: Executor, fam: Family, ahead: bool) -> None:
@@ -192,8 +194,9 @@ def _h2d_copy(
         fam.reload_event.record(ex._h2d)  # R: the device buffer holds the bytes
 
 
-def unpack(ex: Executor, m: _Member) -> torch.Tensor:
-    """The member's tensor, with the family's bytes on the device."""
+def unpack(ex: Executor, m: _Member, step: Any = _ASK) -> torch.Tensor:
+    """The member's tensor, with the family's bytes on the device; ``step``: the state of the
+    step that packed it (``step_of(m.family)``), where the caller read it already."""
     fam = m.family
     with ex.lock:
         if ex._forked:
@@ -216,7 +219,8 @@ def unpack(ex: Executor, m: _Member) -> torch.Tensor:
         # Prefetch follows the step that packed the family: with two forwards before their
         # backwards (pipelining, accumulation) the current step is another one. Counters go
         # to the current step, which is ``stats.last``.
-        step = fam.step_ref() if fam.step_ref is not None else None
+        if step is _ASK:
+            step = fam.step_ref() if fam.step_ref is not None else None
         if life is not Life.RESIDENT:
             _bring_back(ex, fam)
         raw = fam.resident
@@ -230,10 +234,12 @@ def unpack(ex: Executor, m: _Member) -> torch.Tensor:
             # unpack, not only the one that finished the reload: a member unpacked later, or
             # one reusing a live buffer, may run on another stream.
             _wait_reload(ex, fam.reload_event, consumer)
-        off = (fam.storage_mod - raw.data_ptr()) % ALIGN_BYTES  # aligned_offset
-        out = rebuild(raw, off, fam, m.dtype, m.size, m.stride, m.offset_bytes)
+        out = rebuild(raw, fam, m.dtype, m.size, m.stride, m.offset_bytes)
         fam.unpacked += 1
-        m.unpacked_in = fam.unpack_round
+        if m.unpacked_in == fam.unpack_round:
+            m.unpacks += 1
+        else:
+            m.unpacked_in, m.unpacks = fam.unpack_round, 1
         task = fam.unpacked_task = graph_task()
         if fam.ahead:
             mark_ahead(ex, fam, False)

@@ -156,7 +156,7 @@ class Unpacker:
         step = ref() if ref is not None else None
         if step is not None and step.triggers:
             self.start_triggered(ex, step, key if key is not None else packed.key)
-        return _reload.unpack(ex, packed)  # Executor.unpack, one call less
+        return _reload.unpack(ex, packed, step)  # Executor.unpack, one call less
 
     @staticmethod
     def start_triggered(ex: Executor | None, step: Any, key: Any) -> None:

@@ -168,3 +168,31 @@ def test_planned_budget_with_squares_matches_no_offloading() -> None:
         )
     finally:
         mgr.close()
+
+
+def test_one_handle_for_both_saves_is_released_for_both() -> None:
+    """In a min-memory step the second pack returns the first one's member (two saved variables
+    hold it): dropping the graph unused, or running it twice, releases the family once both are
+    gone, and not before."""
+    x0 = torch.rand(32, 16, generator=torch.Generator().manual_seed(6)) + 0.5
+    with manager(nn.Identity()) as mgr:
+        x = x0.clone().requires_grad_()
+        with mgr:
+            y = _squares(x, 3)
+        ex = mgr._executor
+        members = [f.members for f in ex.step.families]
+        assert members == [2, 2, 2]
+        del y  # the graph dies unused
+        assert_nothing_live(mgr)
+
+        want = _run(None, x0, lambda t: _squares(t, 3))
+        x = x0.clone().requires_grad_()
+        with mgr:
+            loss = _squares(x, 3).sum()
+        loss.backward(retain_graph=True)
+        first = x.grad.clone()
+        assert ex.live_families() == 3  # the retained graph still holds them
+        x.grad = None
+        loss.backward()  # every family reloads again; this backward frees the graph
+        assert torch.equal(first, want) and torch.equal(x.grad, want)
+        assert_nothing_live(mgr)
