@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from _thread import get_ident
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -121,6 +122,7 @@ class Packer:
             and again[1] == id(t)
             and prof is None
             and t._version == again[2]
+            and again[6] == get_ident()
         ):
             # The op packing ``t`` packed it already (``x * x``): NOTE [ Packed again ].
             dtensor = None
@@ -221,7 +223,7 @@ class Packer:
                 if step.cursor >= 0:
                     step.plan_kept[st._cdata] = weakref.ref(st)
                 if prof is None and not maybe_recipe and dtensor is None:
-                    step.again = (nr, id(t), t._version, n, item, None)
+                    step.again = (nr, id(t), t._version, n, item, None, get_ident())
                 return self.keep(t, step, prof)
         # Reloaded when the backward of the module that saved it starts (and the look-ahead
         # window). Not a record the plan placed: that one reloads at its planned trigger, or at
@@ -249,7 +251,9 @@ class Packer:
                 member = ex.offload(local, module, dtensor, tier, None, key, st, n, item)
                 if not maybe_recipe and dtensor is None:
                     # (The member weakly: held here, it would outlive autograd's use of it.)
-                    step.again = (nr, id(t), t._version, n, item, weakref.ref(member))
+                    step.again = (
+                        nr, id(t), t._version, n, item, weakref.ref(member), get_ident()
+                    )  # fmt: skip
             _joined(ex, active, key, own, member.family)
             return member
         member = self.offload(
@@ -530,7 +534,10 @@ def _has_storage(t: torch.Tensor) -> bool:
 #     saves makes its node first, so an equal number means the same op's saves, with no user
 #     code between them that could have changed what the tensor is (``t.data = ...`` keeps its
 #     id and its version; test_offload_packed_again.py reassigns it between two ops): the id
-#     then names the same live tensor, which the op holds. What depends on the record key runs
+#     then names the same live tensor, which the op holds. (The sequence number is the
+#     thread's: a pack on another thread may meet an equal one by chance, so the thread is
+#     compared too; there the id could name another tensor at the address of a dead one.)
+#     What depends on the record key runs
 #     again: under a plan the second record gets its own decision and, offloaded, a member of
 #     its own (its key may name an unpack trigger). In a min-memory step no key tells the two
 #     records apart, and the second pack returns the first one's member: one handle that two
