@@ -28,6 +28,7 @@ from offload._family import (
 from offload._points import point
 from offload._tiers import kind_of
 from offload.lifecycle._calls import graph_task
+from offload.storage._host_tier import read_at_once
 
 if TYPE_CHECKING:
     from offload._executor import Executor
@@ -54,6 +55,7 @@ def reuse(ex: Executor, fam: Family) -> bool:
     fam.unpack_round += 1
     fam.to(Life.COPYING_IN)
     fam.to(Life.RESIDENT)
+    fam.reload_started_s = 0.0  # no reload: no lead to count (NOTE [ Reloads done at once ])
     mark_ahead(ex, fam, True)
     return True
 
@@ -88,9 +90,13 @@ def start_reload(ex: Executor, fam: Family) -> None:
     dst = raw[off : off + fam.nbytes]
     try:
         if not ex.cuda:
-            fam.reload = fam.tier.read(fam.handle, dst)
-            if not kind.in_host_memory:
-                ex._reading.append((fam, None))
+            reload = fam.tier.read(fam.handle, dst)
+            if read_at_once(reload):
+                fam.to(Life.RESIDENT)  # NOTE [ Reloads done at once ]
+            else:
+                fam.reload = reload
+                if not kind.in_host_memory:
+                    ex._reading.append((fam, None))
         elif fam.spill is not None:
             # NVMe write still running (or failed): the pinned copy is right here.
             _h2d_copy(ex, fam, dst, fam.spill.tensor)
@@ -223,6 +229,8 @@ def unpack(ex: Executor, m: _Member, step: Any = _ASK) -> torch.Tensor:
             step = fam.step_ref() if fam.step_ref is not None else None
         if life is not Life.RESIDENT:
             _bring_back(ex, fam)
+        elif fam.reload_started_s:
+            _landed_at_once(ex, fam)
         raw = fam.resident
         assert raw is not None
         consumer = ex.streams.current()
@@ -270,6 +278,27 @@ def _bring_back(ex: Executor, fam: Family) -> None:
             stats.stall_s += time.perf_counter() - t0
             if prefetched:
                 stats._leads.append(t0 - fam.reload_started_s)
+    fam.reload_started_s = 0.0  # its lead counted, if it had one
+
+
+def _landed_at_once(ex: Executor, fam: Family) -> None:
+    """The first unpack of a family whose prefetch completed in its call: its lead, as
+    ``_bring_back`` counts one (NOTE [ Reloads done at once ])."""
+    if ex.step is not None:
+        ex.step.stats._leads.append(time.perf_counter() - fam.reload_started_s)
+    fam.reload_started_s = 0.0
+
+
+# NOTE [ Reloads done at once ]
+#     On a CPU device the cpu tier's read of a stored record copies in the call (NOTE
+#     [ Copies done at once ] in storage/_host_tier.py): the family is resident when
+#     ``start_reload`` returns, so it goes there at once, and its first unpack has nothing
+#     to finish (no transfer to wait on, no landing, no stall time to take). That unpack
+#     still counts the prefetch's lead, from ``reload_started_s``, which is nonzero exactly
+#     while a reload's lead is uncounted: ``_bring_back`` and ``reuse`` clear it (a stall's
+#     reload, done for its unpack, and a reused buffer have none). A read of any other tier
+#     or engine, and every reload on CUDA, still goes through ``COPYING_IN`` and
+#     ``finish_reload``.
 
 
 # NOTE [ Reload buffers used on another stream ]

@@ -22,6 +22,12 @@ from offload.storage._transfer import CopyEngine, Transfer, byte_view, check_wai
 # but its finished future and a label, so one serves them all.
 _READ_DONE = Transfer.completed("host read")
 
+
+def read_at_once(transfer: Transfer) -> bool:
+    """Whether a read's ``transfer`` completed in its call, without error (NOTE [ Copies done
+    at once ]); False says nothing more."""
+    return transfer is _READ_DONE
+
 # NOTE [ Copies done at once ]
 #     With an engine that is not deferred (the default) every copy runs on the calling thread
 #     before the call returns, so a write of a CPU tensor (no ``after``) and a read of a record

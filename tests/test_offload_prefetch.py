@@ -195,3 +195,32 @@ def test_a_member_released_after_its_unpack_leaves_its_family_reloaded_once() ->
         assert torch.equal(qkv.weight.grad, want)
         # The qkv output's buffer once (with the softmax output's beside it), not twice.
         assert saved.peak_planned < 2 * (2 * 8 * 96 * 4), saved.peak_planned
+
+
+@pytest.mark.parametrize("engine", ["sync", "deferred"])
+def test_every_prefetch_counts_one_lead(engine: str) -> None:
+    """A prefetched reload's lead is counted once, at its family's first unpack, whether the
+    read completed in its call (NOTE [ Reloads done at once ] in offload/_reload.py) or ran on
+    the engine; a stall's reload and a reused buffer count none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
+    x = torch.randn(32, 64)
+    with manager(model, engine, tiers=("cpu",)) as mgr:
+        for _ in range(2):
+            with mgr:
+                loss = model(x).pow(2).sum()
+            loss.backward()
+        last = mgr.stats.last
+        assert len(last._leads) == last.reloads - last.stalls
+        assert all(lead >= 0 for lead in last._leads)
+        if engine == "sync":
+            # (A deferred engine's copies out may still run at unpack: no reload then.)
+            assert last.reloads == last.records_offloaded_cpu == 7
+            assert len(last._leads) > 0 and last.prefetch_lead_s_p50 > 0
+        with mgr:
+            loss = model(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # every family reloads again (none is still alive to reuse)
+        last = mgr.stats.last
+        assert len(last._leads) == last.reloads - last.stalls
+        assert_nothing_live(mgr)
