@@ -200,9 +200,10 @@ def _h2d_copy(
         fam.reload_event.record(ex._h2d)  # R: the device buffer holds the bytes
 
 
-def unpack(ex: Executor, m: _Member, step: Any = _ASK) -> torch.Tensor:
+def unpack(ex: Executor, m: _Member, step: Any = _ASK, task: int | None = None) -> torch.Tensor:
     """The member's tensor, with the family's bytes on the device; ``step``: the state of the
-    step that packed it (``step_of(m.family)``), where the caller read it already."""
+    step that packed it (``step_of(m.family)``), and ``task``: the running backward's graph
+    task, where the caller read them already."""
     fam = m.family
     with ex.lock:
         if ex._forked:
@@ -210,27 +211,28 @@ def unpack(ex: Executor, m: _Member, step: Any = _ASK) -> torch.Tensor:
         if fam.error is not None:
             raise fam.error
         life = fam.life
-        if life is Life.FREED:
-            raise OffloadError(
-                f"saved tensor of {fam.module or '<root>'} was already released (the manager "
-                "was closed, or its step failed); run forward again"
-            )
-        if life is Life.COPYING_OUT:
-            ex._check_version(fam)
-            if fam.error is not None:
-                raise fam.error
-        if fam.source is not None and (life is Life.COPYING_OUT or fam.tier is None):
-            # Rule 3: the source is still held (or storing it failed and it stayed): no copy.
-            return m.wrap(m.source_view())
+        if life is not Life.RESIDENT:  # (a resident family, the common case, skips this)
+            if life is Life.FREED:
+                raise OffloadError(
+                    f"saved tensor of {fam.module or '<root>'} was already released (the "
+                    "manager was closed, or its step failed); run forward again"
+                )
+            if life is Life.COPYING_OUT:
+                ex._check_version(fam)
+                if fam.error is not None:
+                    raise fam.error
+            if fam.source is not None and (life is Life.COPYING_OUT or fam.tier is None):
+                # Rule 3: the source is still held (or storing it failed and it stayed): no
+                # copy.
+                return m.wrap(m.source_view())
+            _bring_back(ex, fam)
+        elif fam.reload_started_s:
+            _landed_at_once(ex, fam)
         # Prefetch follows the step that packed the family: with two forwards before their
         # backwards (pipelining, accumulation) the current step is another one. Counters go
         # to the current step, which is ``stats.last``.
         if step is _ASK:
             step = fam.step_ref() if fam.step_ref is not None else None
-        if life is not Life.RESIDENT:
-            _bring_back(ex, fam)
-        elif fam.reload_started_s:
-            _landed_at_once(ex, fam)
         raw = fam.resident
         assert raw is not None
         consumer = ex.streams.current()
@@ -248,9 +250,12 @@ def unpack(ex: Executor, m: _Member, step: Any = _ASK) -> torch.Tensor:
             m.unpacks += 1
         else:
             m.unpacked_in, m.unpacks = fam.unpack_round, 1
-        task = fam.unpacked_task = graph_task()
-        if fam.ahead:
-            mark_ahead(ex, fam, False)
+        if task is None:
+            task = graph_task()
+        fam.unpacked_task = task
+        if fam.ahead:  # mark_ahead(ex, fam, False), inline (once per unpack)
+            fam.ahead = False
+            ex._ahead_bytes -= fam.nbytes
         if fam.unpacked >= fam.members:
             # Every live member has its view: drop the strong reference so the buffer dies
             # with autograd's use of it; a later unpack (retain_graph) reloads or reuses it.

@@ -99,13 +99,13 @@ class Unpacker:
             # backward (NOTE [ Retained graphs ] in lifecycle's recorder).
             profiler.recorder.record_unpack(packed.seq, held=packed)
         if prof is None:
-            return self.unpack_member(packed.executor, packed)
+            return self.unpack_member(packed.executor, packed, None, task)
         held = prof.compute_clock
         if held is None:
-            return self.unpack_member(packed.executor, packed)
+            return self.unpack_member(packed.executor, packed, None, task)
         started = time.perf_counter()
         try:
-            return self.unpack_member(packed.executor, packed)
+            return self.unpack_member(packed.executor, packed, None, task)
         finally:
             held.held_s += time.perf_counter() - started
 
@@ -149,14 +149,17 @@ class Unpacker:
             if held is not None:
                 held.held_s += time.perf_counter() - started
 
-    def unpack_member(self, ex: Executor, packed: Any, key: Any = None) -> torch.Tensor:
+    def unpack_member(
+        self, ex: Executor, packed: Any, key: Any = None, task: int | None = None
+    ) -> torch.Tensor:
         """``ex.unpack(packed)`` after the reloads planned to start at this unpack (of
-        ``packed``'s key, or ``key``: the record a recipe stands for) have started."""
+        ``packed``'s key, or ``key``: the record a recipe stands for) have started; ``task``:
+        the running backward's graph task, where the caller read it."""
         ref = packed.family.step_ref
         step = ref() if ref is not None else None
         if step is not None and step.triggers:
             self.start_triggered(ex, step, key if key is not None else packed.key)
-        return _reload.unpack(ex, packed, step)  # Executor.unpack, one call less
+        return _reload.unpack(ex, packed, step, task)  # Executor.unpack, one call less
 
     @staticmethod
     def start_triggered(ex: Executor | None, step: Any, key: Any) -> None:
