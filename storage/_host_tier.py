@@ -28,6 +28,7 @@ def read_at_once(transfer: Transfer) -> bool:
     at once ]); False says nothing more."""
     return transfer is _READ_DONE
 
+
 # NOTE [ Copies done at once ]
 #     With an engine that is not deferred (the default) every copy runs on the calling thread
 #     before the call returns, so a write of a CPU tensor (no ``after``) and a read of a record
