@@ -3,11 +3,14 @@ saved-tensor hook pair.
 
 Run:
     python benchmarks/bench_hooks.py [--tensors 2000] [--repeats 31] [--out benchmarks/results/cpu]
-        [--baseline-rev REV] [--rounds 5]
+        [--baseline-rev REV] [--rounds 5] [--workload mul|tanh]
 
-Both variants run in the same process on the same workload: a chain of ``torch.mul`` ops on small
-CPU tensors, each of which saves its two inputs (so packs dominate and compute is tiny). The figure
-is (median time with hooks - median time without hooks) / number of packs, for
+Both variants run in the same process on the same workload: a chain of ``x * x`` ops on small
+CPU tensors, each of which saves its input twice (so packs dominate and compute is tiny; the two
+packs of one tensor are one alias family). ``--workload tanh`` runs a chain of ``torch.tanh``
+instead, each of which saves its output once: a family per saved tensor, as most of a real model's
+saved tensors are (written to ``hooks-tanh.json`` / ``.md``). The figure is (median time with
+hooks - median time without hooks) / number of packs, for
 
 * identity: ``saved_tensors_hooks(lambda t: t, lambda t: t)``, the floor any hook pays;
 * recorder: ``lifecycle.Recorder`` recording a step (module hooks included), as ``offload.profile``
@@ -28,7 +31,8 @@ its figure less the identity pair's (and less the copies' for its Python alone).
 ``hooks.json`` and ``hooks.md``.
 
 ``--baseline-rev REV`` then compares this tree with git revision ``REV`` (its own
-``bench_hooks.py`` and package, from ``git archive``): ``--rounds`` rounds, each running both in
+``bench_hooks.py`` and package, from ``git archive``; for ``--workload tanh``, this tree's script
+on ``REV``'s package, which older scripts cannot run): ``--rounds`` rounds, each running both in
 fresh processes, in ABBA order, and reports the median of each figure above the identity pair
 and the ratio this/REV per round (a machine whose speed drifts moves both sides of a round).
 """
@@ -65,6 +69,38 @@ class MulChain(nn.Module):
         for b in self.blocks:
             x = b(x)
         return x
+
+
+class TanhChain(nn.Module):
+    """``blocks`` submodules, each applying ``per_block`` tanh (1 saved tensor each: its output)."""
+
+    def __init__(self, blocks: int, per_block: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_TanhBlock(per_block) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _TanhBlock(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            x = torch.tanh(x)
+        return x
+
+
+def _chain(workload: str, tensors: int) -> tuple[nn.Module, int]:
+    """``workload``'s model for about ``tensors`` saved tensors a step, and its alias families."""
+    if workload == "tanh":
+        return TanhChain(blocks=max(1, tensors // 40), per_block=40), max(1, tensors // 40) * 40
+    muls = tensors // 2
+    return MulChain(blocks=max(1, muls // 20), per_block=20), max(1, muls // 20) * 20
 
 
 class _MulBlock(nn.Module):
@@ -144,12 +180,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu"))
     ap.add_argument("--baseline-rev", default=None, help="also compare with this git revision")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the comparison")
+    ap.add_argument(
+        "--workload",
+        choices=("mul", "tanh"),
+        default="mul",
+        help="x * x (a tensor saved twice) or tanh (saved once)",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1; got {args.rounds}")
     torch.set_num_threads(1)
-    muls = args.tensors // 2
-    model = MulChain(blocks=max(1, muls // 20), per_block=20)
+    model, families = _chain(args.workload, args.tensors)
     x0 = torch.full((16,), 0.999, requires_grad=True)
 
     def plain() -> None:
@@ -160,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
             model(x0).sum().backward()
 
     rec = Recorder()
-    hooked = MulChain(blocks=max(1, muls // 20), per_block=20)  # no parameters: the same model
+    hooked = _chain(args.workload, args.tensors)[0]  # no parameters: the same model
 
     def recorder() -> None:
         with rec.hooks():
@@ -168,10 +209,10 @@ def main(argv: list[str] | None = None) -> dict:
             hooked(x0).sum().backward()
             rec.end_step()
 
-    mm_model = MulChain(blocks=max(1, muls // 20), per_block=20)
+    mm_model = _chain(args.workload, args.tensors)[0]
     mm = offload.ActivationOffloader(mm_model, tiers=("cpu",), min_offload_bytes=0)
-    bd_model = MulChain(blocks=max(1, muls // 20), per_block=20)
-    saved_bytes = muls * x0.numel() * x0.element_size()  # one family per mul (it saves x twice)
+    bd_model = _chain(args.workload, args.tensors)[0]
+    saved_bytes = families * x0.numel() * x0.element_size()  # one family per op
     bd = offload.ActivationOffloader(
         bd_model,
         tiers=("cpu",),
@@ -181,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for _ in range(4):  # profile, first planned step (timed for refinement), refined plan
         _manager_step(bd, bd_model, x0)
-    sources = [torch.full((16,), 0.999).view(torch.uint8) for _ in range(muls)]
+    sources = [torch.full((16,), 0.999).view(torch.uint8) for _ in range(families)]
     hosts = [torch.empty_like(s) for s in sources]
 
     def min_memory() -> None:
@@ -226,8 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
     def per_tensor(a: str, b: str) -> float:
         return (med[a] - med[b]) / packs * 1e6
 
+    stem = "hooks" if args.workload == "mul" else f"hooks-{args.workload}"
     result = {
         "benchmark": "bench_hooks",
+        "workload": args.workload,
         "machine": {
             "cpu": _cpu_name(),
             "cores": os.cpu_count(),
@@ -265,14 +308,15 @@ def main(argv: list[str] | None = None) -> dict:
         "target_us_per_tensor": 10.0,
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hooks.json"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(result, f, indent=2)
     us = result["us_per_tensor"]
     md = [
         "# Saved-tensor hook overhead (benchmarks/bench_hooks.py)",
         "",
         f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores, torch {torch.__version__}, "
-        f"1 intra-op thread, CPU tensors. {packs} saved tensors per step, median of {args.repeats}.",
+        f"1 intra-op thread, CPU tensors. {packs} saved tensors per step ({_WORKLOADS[args.workload]}), "
+        f"median of {args.repeats}.",
         "",
         "| variant | step time (ms) | overhead per saved tensor (us) |",
         "|---|---|---|",
@@ -292,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"work {us['copies']:.2f} us and Python {us['offload_min_memory_python']:.2f} us (the manager's, "
         "and the host tier's CPU path, which a GPU run does not take); "
         f"{mm_last.records_offloaded_cpu} families offloaded for {mm_last.records} saved tensors "
-        "(each mul saves its input twice). Budget "
+        f"({_SAVES[args.workload]}). Budget "
         f"{us['offload_budget_minus_identity']:.2f} us (gpu_budget {saved_bytes // 2} bytes: "
         f"{bd_last.records_offloaded_cpu} families offloaded, {bd_last.records_kept} saved tensors "
         "kept).",
@@ -305,12 +349,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.baseline_rev:
         result["baseline"] = compare(args)
         md += baseline_markdown(result["baseline"])
-        with open(os.path.join(args.out, "hooks.json"), "w") as f:
+        with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
             json.dump(result, f, indent=2)
-    with open(os.path.join(args.out, "hooks.md"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write("\n".join(md))
     print("\n".join(md))
     return result
+
+
+_WORKLOADS = {"mul": "a chain of x * x", "tanh": "a chain of tanh"}
+_SAVES = {"mul": "each mul saves its input twice", "tanh": "each tanh saves its output once"}
 
 
 def _verdict(value: float, target: float) -> str:
@@ -353,12 +401,23 @@ def compare(args: argparse.Namespace) -> dict:
             for side in order:
                 out = os.path.join(tmp, f"{side}-{r}")
                 env = dict(os.environ, PYTHONPATH=trees[side])
-                cmd = [sys.executable, os.path.join(trees[side], "benchmarks", "bench_hooks.py")]
+                # Each tree's own script for the default workload; this tree's script, on the
+                # other tree's package, for another (revisions before the option lack it).
+                script = trees[side] if args.workload == "mul" else root
+                cmd = [sys.executable, os.path.join(script, "benchmarks", "bench_hooks.py")]
                 cmd += ["--tensors", str(args.tensors), "--repeats", str(args.repeats)]
-                subprocess.run(
-                    [*cmd, "--out", out], cwd=trees[side], env=env, check=True, capture_output=True
+                if args.workload != "mul":
+                    cmd += ["--workload", args.workload]
+                done = subprocess.run(
+                    [*cmd, "--out", out], cwd=trees[side], env=env, capture_output=True, text=True
                 )
-                with open(os.path.join(out, "hooks.json")) as f:
+                if done.returncode != 0:
+                    raise RuntimeError(
+                        f"bench_hooks.py failed on {'this tree' if side == 'this' else rev}: "
+                        f"{done.stderr[-2000:]}"
+                    )
+                stem = "hooks" if args.workload == "mul" else f"hooks-{args.workload}"
+                with open(os.path.join(out, f"{stem}.json")) as f:
                     runs[side].append(json.load(f)["us_per_tensor"])
             print(f"  comparison round {r + 1}/{args.rounds} done", flush=True)
     out: dict = {"rev": rev, "this_rev": here, "dirty": dirty, "rounds": args.rounds, "figures": {}}

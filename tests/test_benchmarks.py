@@ -119,6 +119,22 @@ def test_bench_hooks_compares_with_a_revision(tmp_path: Path) -> None:
     assert json.loads((out / "hooks.json").read_text())["baseline"]["rev"] == cmp["rev"]
 
 
+def test_bench_hooks_tanh_workload_saves_each_tensor_once(tmp_path: Path) -> None:
+    """``--workload tanh``: every saved tensor is a family of its own, reported apart from the
+    default workload's files (no timing asserted)."""
+    import bench_hooks
+
+    out = tmp_path / "out"
+    result = bench_hooks.main(
+        ["--workload", "tanh", "--tensors", "80", "--repeats", "1", "--out", str(out)]
+    )
+    assert result["workload"] == "tanh" and result["packs_per_step"] == 80
+    mm = result["offload"]["min_memory"]
+    assert mm["records"] == mm["families_offloaded"] == 80
+    assert sorted(p.name for p in out.iterdir()) == ["hooks-tanh.json", "hooks-tanh.md"]
+    assert "each tanh saves its output once" in (out / "hooks-tanh.md").read_text()
+
+
 def test_profile_hooks_counts_calls_per_saved_tensor() -> None:
     import profile_hooks
 
