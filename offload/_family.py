@@ -432,5 +432,6 @@ def rebuild(
         # each. It holds the buffer as ``resident`` does, and is dropped with it.
         fam.typed = typed
     out = typed.as_strided(size, stride, start // item)
-    fam.view = (dtype, size, stride, offset_bytes, out)  # held as ``typed`` is, and dropped with it
+    if fam.members > 1:  # (a family of one member has no other view to serve)
+        fam.view = (dtype, size, stride, offset_bytes, out)  # held as ``typed`` is, dropped with it
     return out

@@ -412,6 +412,8 @@ class StepHooks:
             self._budget._profiling if self._round is None else None,
         )
         step = self._step
+        if step is not None:
+            step.again = None  # its member goes with autograd's use (NOTE [ Packed again ])
         if step is not None and step.running:
             if step.between:  # after its top-level calls: its backward (NOTE [ Installed steps ])
                 step.backward_begun = True

@@ -510,6 +510,7 @@ class ActivationOffloader(StepHooks):
 
     def _end_step_in_point(self, step: Step, exc_type: Any, exc: Any) -> None:
         step.running = False
+        step.again = None  # no more packs: its member goes with autograd's (NOTE [ Packed again ])
         cm, step.hooks_cm = step.hooks_cm, None
         if step.hooks_popped:
             step.hooks_popped = False  # paused() took the pair off the stack already

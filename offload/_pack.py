@@ -245,15 +245,12 @@ class Packer:
         if prof is None:
             # self.offload without its clock and record number (the common case: nothing is
             # recorded or timed).
-            first = again[5]() if again is not None and again[5] is not None else None
+            first = again[5] if again is not None else None
             member = None if first is None else ex.again(first, key)
             if member is None:
                 member = ex.offload(local, module, dtensor, tier, None, key, st, n, item)
                 if not maybe_recipe and dtensor is None:
-                    # (The member weakly: held here, it would outlive autograd's use of it.)
-                    step.again = (
-                        nr, id(t), t._version, n, item, weakref.ref(member), get_ident()
-                    )  # fmt: skip
+                    step.again = (nr, id(t), t._version, n, item, member, get_ident())
             _joined(ex, active, key, own, member.family)
             return member
         member = self.offload(
@@ -528,7 +525,7 @@ def _has_storage(t: torch.Tensor) -> bool:
 #     custom Function's ``save_for_backward(a, a)``. The second pack would find what the first
 #     one found: the same eligibility and the same family. So a pack remembers what it decided
 #     (``Step.again``: the thread's autograd sequence number, the tensor's id and version, its
-#     numel and element size, and its member, weakly, or None where the plan kept it), and a
+#     numel and element size, and its member, or None where the plan kept it), and a
 #     pack of the same tensor at the same version under the same sequence number starts from
 #     there. The sequence number moves whenever an autograd node is made, and every op that
 #     saves makes its node first, so an equal number means the same op's saves, with no user
@@ -545,7 +542,11 @@ def _has_storage(t: torch.Tensor) -> bool:
 #     for both when autograd has dropped both, and whose second unpack gets its first view
 #     again (``rebuild``, ``Family.view``). Stats count both records, the second one
 #     deduplicated, as before. A recorded step (a profile, a timing step), a DTensor and a
-#     tensor a recipe might rebuild always take the full path.
+#     tensor a recipe might rebuild always take the full path. The entry holds its member
+#     until the next pack replaces it, a backward begins (``_on_backward_begin``) or the
+#     step's block ends: held longer, the member of a graph's last pack would outlive
+#     autograd's use of it, and its family's bytes with it. (A weak reference instead cost
+#     an object per pack.)
 
 # NOTE [ Fill after pack ]
 #     An op may save a buffer it fills itself afterwards, in the same call: F.rrelu in training

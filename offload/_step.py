@@ -64,7 +64,7 @@ class Step:
         self.deferred_at = -1
         # What the last pack decided, for a pack of the same tensor by the same op (NOTE
         # [ Packed again ] in _pack.py): ``(sequence number, id, version, numel, element size,
-        # weak reference to its member, thread)``, the member None where the plan kept it.
+        # member, thread)``, the member None where the plan kept it.
         self.again: tuple[Any, ...] | None = None
         if carried is not None:
             self._carry_on(carried)
