@@ -250,7 +250,8 @@ class Packer:
             if member is None:
                 member = ex.offload(local, module, dtensor, tier, None, key, st, n, item)
                 if not maybe_recipe and dtensor is None:
-                    step.again = (nr, id(t), t._version, n, item, member, get_ident())
+                    # (The family's version is t's at this pack: one read of t less.)
+                    step.again = (nr, id(t), member.family.version, n, item, member, get_ident())
             _joined(ex, active, key, own, member.family)
             return member
         member = self.offload(
