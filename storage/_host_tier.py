@@ -131,13 +131,14 @@ class HostTier(Tier):
         size = data.numel()
         n = size if nbytes is None else check_nbytes(nbytes, size, "source")
         region = self._pool.allocate(n)
-        handle = StoredHandle(self, n, region.capacity_bytes, region)
+        # (Its fields, not its properties: a region just allocated is live. Once per record.)
+        handle = StoredHandle(self, n, region._capacity, region)
         try:
             self._register(handle)
         except BaseException:
             region.release()
             raise
-        error = _copy(region.tensor, data if n == size else data[:n])
+        error = _copy(region._tensor, data if n == size else data[:n])
         if error is not None:
             # As a failed write of the engine: the record is freed, its space back, and its
             # ``written`` re-raises the error.
@@ -148,7 +149,8 @@ class HostTier(Tier):
     def _read_now(self, handle: StoredHandle, dst: torch.Tensor) -> Transfer:
         """``read`` of a stored record with the copy done here (NOTE [ Copies done at once ])."""
         with self._lock:
-            self._check_open()
+            if self._closed:
+                self._check_open()
             if handle._freed:
                 raise StorageError(f"{handle!r} was freed (or its write failed); it has no bytes")
             # As _run's: free() waits for this read, close() for this call.
@@ -157,7 +159,7 @@ class HostTier(Tier):
         try:
             region = handle._region
             assert region is not None  # every host record has one
-            src = region.tensor
+            src = region._tensor  # (live: free() waits for this read to release it)
             n = handle.nbytes
             error = _copy(dst, src if region._nbytes == n else src[:n])
         finally:
@@ -219,7 +221,7 @@ class HostTier(Tier):
 
     def _release(self, handle: StoredHandle) -> None:
         region = handle._region
-        if region is not None and not region.released:
+        if region is not None and not region._released:
             if not self._now:  # (a deferred engine's poisoning; the span is made for it only)
                 self._engine.poison(region.span)
             region.release()

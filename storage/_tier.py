@@ -299,7 +299,8 @@ class Tier(ABC):
 
     def _register(self, handle: StoredHandle) -> None:
         with self._lock:
-            self._check_open()
+            if self._closed:  # (_check_open, asked first: once per record)
+                self._check_open()
             self._live.add(handle)
             self._used += handle._charge
 
