@@ -140,17 +140,22 @@ _CPU_HARDWARE = HardwareModel.cpu_only(
 )
 
 
-def workload(mode: str) -> tuple[nn.Module, torch.Tensor, offload.ActivationOffloader, int]:
-    """This benchmark's model and input with a manager in ``mode`` ("min-memory" or "budget"),
-    and how many steps it takes to reach its steady state (profile_hooks.py, count_hooks.py)."""
-    model = MulChain(blocks=50, per_block=20)
+def workload(
+    mode: str, kind: str = "mul"
+) -> tuple[nn.Module, torch.Tensor, offload.ActivationOffloader, int]:
+    """This benchmark's model (``kind``: "mul" or "tanh", as ``--workload``, 2,000 saved
+    tensors) and input with a manager in ``mode`` ("min-memory" or "budget"), and how many
+    steps it takes to reach its steady state (profile_hooks.py, count_hooks.py)."""
+    if kind not in _WORKLOADS:
+        raise ValueError(f"kind must be one of {sorted(_WORKLOADS)}; got {kind!r}")
+    model, families = _chain(kind, 2000)
     x0 = torch.full((16,), 0.999, requires_grad=True)
     if mode == "min-memory":
         return model, x0, offload.ActivationOffloader(model, tiers=("cpu",), min_offload_bytes=0), 1
     if mode != "budget":
         raise ValueError(f"mode must be 'min-memory' or 'budget'; got {mode!r}")
     mgr = offload.ActivationOffloader(
-        model, tiers=("cpu",), min_offload_bytes=0, gpu_budget=1000 * 64 // 2,
+        model, tiers=("cpu",), min_offload_bytes=0, gpu_budget=families * 64 // 2,
         hardware=_CPU_HARDWARE,
     )  # fmt: skip
     return model, x0, mgr, 4  # profile, first planned step, refinement, refined plan

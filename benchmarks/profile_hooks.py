@@ -2,10 +2,12 @@
 
 Run:
     python benchmarks/profile_hooks.py [--mode min-memory|budget] [--steps 10] [--top 25]
+        [--workload mul|tanh]
 
-Runs ``benchmarks/bench_hooks.py``'s model (2,000 saved tensors per step, 1,000 alias families)
-through ``offload.ActivationOffloader`` in min-memory mode or under its planned budget (after the
-profiling and refinement steps), profiles ``--steps`` steps, and prints per function its share of
+Runs ``benchmarks/bench_hooks.py``'s model (2,000 saved tensors per step in 1,000 alias families;
+``--workload tanh``: in 2,000) through ``offload.ActivationOffloader`` in min-memory mode or under
+its planned budget (after the profiling and refinement steps), profiles ``--steps`` steps, and
+prints per function its share of
 the profiled time spent inside it (``tottime``), its calls per saved tensor, and the Python
 function calls per saved tensor in all. cProfile adds a fixed cost to every call, so the shares
 lean towards functions called often; the call counts are exact, and the same on any machine.
@@ -61,9 +63,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--workload", choices=("mul", "tanh"), default="mul", help="as bench_hooks'")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model, x0, mgr, _ = bench_hooks.workload(args.mode)
+    model, x0, mgr, _ = bench_hooks.workload(args.mode, args.workload)
     for _ in range(5):  # profile, refinement (budget), then steady steps
         bench_hooks._manager_step(mgr, model, x0)
     packs = mgr.stats.last.records
