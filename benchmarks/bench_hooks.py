@@ -58,33 +58,22 @@ import offload
 from offload.lifecycle import HardwareModel, Recorder
 
 
-class MulChain(nn.Module):
-    """``blocks`` submodules, each doing ``per_block`` multiplications (2 saved tensors each)."""
+class _MulBlock(nn.Module):
+    """``n`` multiplications ``x * x``: each saves x twice (two saved tensors, one family)."""
 
-    def __init__(self, blocks: int, per_block: int) -> None:
+    def __init__(self, n: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_MulBlock(per_block) for _ in range(blocks))
+        self.n = n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-class TanhChain(nn.Module):
-    """``blocks`` submodules, each applying ``per_block`` tanh (1 saved tensor each: its output)."""
-
-    def __init__(self, blocks: int, per_block: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_TanhBlock(per_block) for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
+        for _ in range(self.n):
+            x = x * x
         return x
 
 
 class _TanhBlock(nn.Module):
+    """``n`` tanh: each saves its output once (a family of its own)."""
+
     def __init__(self, n: int) -> None:
         super().__init__()
         self.n = n
@@ -95,23 +84,31 @@ class _TanhBlock(nn.Module):
         return x
 
 
-def _chain(workload: str, tensors: int) -> tuple[nn.Module, int]:
-    """``workload``'s model for about ``tensors`` saved tensors a step, and its alias families."""
-    if workload == "tanh":
-        return TanhChain(blocks=max(1, tensors // 40), per_block=40), max(1, tensors // 40) * 40
-    muls = tensors // 2
-    return MulChain(blocks=max(1, muls // 20), per_block=20), max(1, muls // 20) * 20
+# Each workload's block (``--workload``), and the saved tensors one op of it makes.
+_BLOCKS: dict[str, tuple[type[nn.Module], int]] = {"mul": (_MulBlock, 2), "tanh": (_TanhBlock, 1)}
 
 
-class _MulBlock(nn.Module):
-    def __init__(self, n: int) -> None:
+class Chain(nn.Module):
+    """``blocks`` submodules of workload ``op``, each applying its op ``per_block`` times."""
+
+    def __init__(self, blocks: int, per_block: int, op: str = "mul") -> None:
         super().__init__()
-        self.n = n
+        block = _BLOCKS[op][0]
+        self.blocks = nn.ModuleList(block(per_block) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.n):
-            x = x * x
+        for b in self.blocks:
+            x = b(x)
         return x
+
+
+def _chain(workload: str, tensors: int) -> tuple[nn.Module, int]:
+    """``workload``'s model for about ``tensors`` saved tensors a step (20 ops per block for
+    mul, 40 for tanh), and its alias families (one per op)."""
+    saves = _BLOCKS[workload][1]
+    per_block = 40 // saves
+    blocks = max(1, tensors // saves // per_block)
+    return Chain(blocks, per_block, workload), blocks * per_block
 
 
 def _cpu_name() -> str:
