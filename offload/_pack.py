@@ -129,7 +129,9 @@ class Packer:
             local = t
             n, item = again[3], again[4]
             nbytes = n * item
-            st = t.untyped_storage()
+            # (Its storage is asked for only where a kept record registers it; Executor.offload
+            # asks for itself when given None.)
+            st: torch.UntypedStorage | None = None
             maybe_recipe = False
         else:
             again = None
@@ -221,6 +223,8 @@ class Packer:
                 stats.unplanned_records += 1  # to the first tier with room
             elif tier == KEEP:
                 if step.cursor >= 0:
+                    if st is None:
+                        st = local.untyped_storage()
                     step.plan_kept[st._cdata] = weakref.ref(st)
                 if prof is None and not maybe_recipe and dtensor is None:
                     step.again = (nr, id(t), t._version, n, item, None, get_ident())
