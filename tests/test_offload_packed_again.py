@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from offload_util import ENGINES, assert_nothing_live, manager
+from offload_util import ENGINES, assert_nothing_live, manager, nvme_kw
 from torch import nn
 
 import offload
@@ -47,19 +47,23 @@ def _run(mgr: Any, x0: torch.Tensor, body: Any) -> torch.Tensor:
     return x.grad
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("tiers", [("cpu",), ("nvme",)])
 @pytest.mark.parametrize("engine", ENGINES)
-def test_a_tensor_squared_is_stored_once_per_op(engine: str) -> None:
-    x0 = torch.rand(64, 32, generator=torch.Generator().manual_seed(1)) + 0.5
+def test_a_tensor_squared_is_stored_once_per_op(
+    engine: str, tiers: tuple[str, ...], dtype: torch.dtype, tmp_path: Any
+) -> None:
+    x0 = (torch.rand(64, 32, generator=torch.Generator().manual_seed(1)) + 0.5).to(dtype)
     want = _run(None, x0, _squares)
-    with manager(nn.Identity(), engine) as mgr:
+    with manager(nn.Identity(), engine, tiers=tiers, **nvme_kw(tiers, tmp_path)) as mgr:
         got = _run(mgr, x0, _squares)
         assert torch.equal(got, want)
         last = mgr.stats.last
         assert last.records == 12
         # Each mul stores its input once; its second pack joins that family.
-        assert last.records_offloaded_cpu == 6
-        assert last.records_deduplicated == 6
-        assert last.bytes_offloaded_cpu == 6 * x0.numel() * 4
+        moved = last.records_offloaded_cpu + last.records_offloaded_nvme
+        assert moved == 6 and last.records_deduplicated == 6
+        assert last.bytes_offloaded_cpu + last.bytes_offloaded_nvme == 6 * x0.numel() * x0.itemsize
         assert_nothing_live(mgr)
 
 
