@@ -19,6 +19,7 @@ from offload._family import Family
 
 if TYPE_CHECKING:
     from offload._executor import Executor, _StepState
+    from offload._tiers import TierKind
 
 
 # NOTE [ A full pool waits for what is in flight ]
@@ -80,11 +81,22 @@ def _wait_events(ex: Executor, fam: Family) -> None:
             event.synchronize()
 
 
-def write_waiting(ex: Executor, step: _StepState, tier: storage.Tier, source: torch.Tensor) -> Any:
-    """CPU device: ``tier.write(source)``, waiting for room when the pool is full (its
-    region, or NVMe staging; NOTE [ A full pool waits for what is in flight ])."""
+def write_waiting(
+    ex: Executor,
+    step: _StepState,
+    tier: storage.Tier,
+    source: torch.Tensor,
+    fam: Family,
+    kind: TierKind,
+) -> Any:
+    """CPU device: ``tier.write(source)`` (``fam``'s, in a tier of ``kind``), waiting for room
+    when the pool is full (its region, or NVMe staging; NOTE [ A full pool waits for what is
+    in flight ])."""
     while True:
         try:
+            if fam.dense is not None and kind.in_host_memory:
+                # A whole tensor, as itself (NOTE [ Whole tensors ] in _family.py).
+                return tier._write_whole(source, fam.nbytes, fam.dense)  # type: ignore[attr-defined]
             return tier.write(source)
         except storage.StorageFullError as e:
             # directory None: host memory (a tier's own cap or disk names its directory).

@@ -365,12 +365,15 @@ class Executor:
         # span_of(t), inline (once per saved tensor); the member keeps ``start``.
         # (An int, not a SymInt: packs run eagerly.)
         start: int = t.storage_offset() * item  # type: ignore[assignment]
+        contiguous = False
         if n == 0:
             end = start
         elif t.is_contiguous():  # the common case: its elements are one dense run
             end = start + n * item
+            contiguous = True
         else:
             end = span_of(t)[1]
+        size = tuple(t.shape)
         with self.lock:
             step = self.step
             assert step is not None, "offload outside a step"
@@ -408,15 +411,16 @@ class Executor:
             if fam is None:
                 # What is copied, and the guard: ``t.detach()``, not the graph (see NOTE [ Alias
                 # handling ]). A member of a family stored already needs no copy of its own.
+                whole = contiguous and start == 0 and not bits and type(t) is torch.Tensor
                 fam = self._new_family(
                     step, t.detach(), st, root, base is not None, version, start, end, module,
-                    tier, stream, bits, stride,
+                    tier, stream, bits, stride, (t.dtype, size, stride) if whole else None,
                 )  # fmt: skip
             else:
                 step.stats.records_deduplicated += 1
-            # ``tuple(t.shape)``: a plain tuple of ints, which the collector stops tracking (a
-            # torch.Size it tracks for good: NOTE [ Objects per saved tensor ]).
-            member = _Member(self, fam, t.dtype, tuple(t.shape), stride, start, bits, dtensor, key)
+            # ``size``: a plain tuple of ints, which the collector stops tracking (a torch.Size
+            # it tracks for good: NOTE [ Objects per saved tensor ]).
+            member = _Member(self, fam, t.dtype, size, stride, start, bits, dtensor, key)
             fam.members += 1
             return member
 
@@ -467,6 +471,7 @@ class Executor:
         stream: Any = None,
         bits: int = -1,
         stride: tuple[int, ...] | None = None,
+        dense: tuple[Any, ...] | None = None,
     ) -> Family:
         # See NOTE [ Alias handling ]: a view spanning at least a quarter of its storage brings
         # the whole storage along (WHOLE_STORAGE_FACTOR, which a trace's family spans follow
@@ -481,7 +486,13 @@ class Executor:
             len(step.families), step.ref,
         )  # fmt: skip
         self._next_fid += 1
-        source = storage_bytes(t, start, end, bits, stride)
+        if dense is not None and end - start == whole:
+            # The storage's whole bytes are ``t``'s elements: copied as ``t`` itself (NOTE
+            # [ Whole tensors ] in _family.py).
+            fam.dense = dense
+            source = t
+        else:
+            source = storage_bytes(t, start, end, bits, stride)
         self._store(step, fam, source, tier, stream)
         fam.guard = t
         step.families.append(fam)
@@ -538,7 +549,10 @@ class Executor:
                         ) from e
             with torch.cuda.stream(self._d2h):
                 self._d2h.wait_event(packed)  # rule 1: the copy reads t only after P
-                region.tensor[:n].copy_(source, non_blocking=True)
+                # (A whole tensor into the region's view of its shape: NOTE [ Typed copies ].)
+                dense = fam.dense
+                dst = region._shaped(dense) if dense is not None else region.tensor[:n]
+                dst.copy_(source, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._d2h)  # D: the host region holds the bytes
         last_error: BaseException | None = None
@@ -568,7 +582,7 @@ class Executor:
                         handle = tier.write(region, n, after=self._io_event())
                         fam.spill = region
                     else:
-                        handle = _backpressure.write_waiting(self, step, tier, source)
+                        handle = _backpressure.write_waiting(self, step, tier, source, fam, kind)
                 except storage.StorageError as e:  # full, or an I/O error: the next tier
                     with point("fault", f"writing to the {tier.name} tier"):
                         last_error = e

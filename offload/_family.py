@@ -80,6 +80,7 @@ class Family:
     __slots__ = (
         "__weakref__",
         "ahead",
+        "dense",
         "error",
         "fid",
         "guard",
@@ -154,7 +155,13 @@ class Family:
         # takes its unpack with it when it dies (see _release.release).
         self.unpack_round = 0
         self.unpacked_task = -1  # the graph task (backward) of the last of them
-        self.source: torch.Tensor | None = None  # uint8 view of the span, held until copied
+        # Held until copied: a uint8 view of the span, or the first member's ``t.detach()``
+        # itself where the family is that one dense tensor (``dense``).
+        self.source: torch.Tensor | None = None
+        # ``(dtype, size, stride)`` of the family's one dense tensor: a plain contiguous tensor
+        # that is its storage's whole bytes (most saved tensors), copied and reloaded as itself
+        # (NOTE [ Whole tensors ]); else None.
+        self.dense: tuple[torch.dtype, tuple[int, ...], tuple[int, ...]] | None = None
         # ``t.detach()`` of the first member, held as long as ``source``: it shares the saved
         # tensor's version counter, so an in-place change before the copy completed is seen.
         self.guard: torch.Tensor | None = None
@@ -193,6 +200,20 @@ class Family:
     def covers(self, start: int, end: int) -> bool:
         return self.span_start <= start and end <= self.span_start + self.nbytes
 
+
+# NOTE [ Whole tensors ]
+#     Most saved tensors are a plain contiguous tensor whose storage holds just its elements
+#     (an op's output). Such a family (``Family.dense``: the tensor's dtype, size and stride;
+#     no conjugate or negative bit, not a subclass) is copied as the tensor itself: its
+#     ``t.detach()`` (the guard) is the source, copied into the host region's view of its
+#     shape (NOTE [ Typed copies ] in storage/_pool.py), where any other family's source is a
+#     uint8 view of its span (two views per family). On a CPU device its reload fills the
+#     tensor's own view over the reload buffer, at the same aligned offset, which is kept as
+#     the family's last view (``Family.view``) for ``rebuild`` to hand out: one view of the
+#     reload buffer less (the uint8 slice a reload filled). The bytes are the same: a copy
+#     between equal dtypes moves the bytes as they are. A member of another dtype or layout
+#     is rebuilt from the same buffer as before. On CUDA the reload still fills the uint8
+#     slice (its H2D copy is issued from the bytes of the host region or of NVMe staging).
 
 # NOTE [ Member tokens ]
 #     A member's ``__del__`` releases its family, and an exception raised inside it (a
@@ -287,6 +308,10 @@ class _Member:
         item = self.dtype.itemsize
         src = fam.source  # uint8: the storage's bytes [span_start, span_start + nbytes)
         assert src is not None
+        if fam.dense is not None:  # the tensor itself (NOTE [ Whole tensors ])
+            if src.dtype is self.dtype:
+                return src.as_strided(self.size, self.stride, self.offset_bytes // item)
+            src = src.view(-1).view(torch.uint8)  # its bytes: the whole storage's
         lo = -fam.span_start % item  # the first byte at a multiple of the item size
         n = src.numel()
         usable = (n - lo) // item * item

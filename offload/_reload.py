@@ -87,10 +87,16 @@ def start_reload(ex: Executor, fam: Family) -> None:
     fam.resident, fam.resident_ref, fam.typed, fam.view = raw, weakref.ref(raw), None, None
     if ex.meter is not None:
         ex.meter.watch(raw.untyped_storage(), fam.nbytes)
-    dst = raw[off : off + fam.nbytes]
+    whole = None
+    if fam.dense is not None and not ex.cuda:
+        whole = _whole_view(fam, raw, off)  # NOTE [ Whole tensors ] in _family.py
+    dst = raw[off : off + fam.nbytes] if whole is None else whole
     try:
         if not ex.cuda:
-            reload = fam.tier.read(fam.handle, dst)
+            if whole is not None and kind.in_host_memory:
+                reload = fam.tier._read_whole(fam.handle, whole, fam.dense)
+            else:
+                reload = fam.tier.read(fam.handle, dst)
             if read_at_once(reload):
                 fam.to(Life.RESIDENT)  # NOTE [ Reloads done at once ]
             else:
@@ -119,6 +125,22 @@ def start_reload(ex: Executor, fam: Family) -> None:
         if isinstance(e, OffloadError) or not isinstance(e, storage.StorageError):
             raise
         raise from_storage(e, f"reloading a saved tensor of {fam.module or '<root>'}") from e
+
+
+def _whole_view(fam: Family, raw: torch.Tensor, off: int) -> torch.Tensor | None:
+    """The dense tensor of ``fam`` over ``raw`` at byte ``off``, as ``rebuild`` makes its
+    members and kept as the family's last view, for the reload to fill as itself; None where
+    ``off`` is no multiple of its item size (``rebuild`` then raises as before)."""
+    assert fam.dense is not None
+    dtype, size, stride = fam.dense
+    item = dtype.itemsize
+    if off % item:
+        return None
+    typed = raw.view(dtype)  # (raw holds nbytes + ALIGN_BYTES: a multiple of the item size)
+    out = typed.as_strided(size, stride, off // item)
+    fam.typed = typed
+    fam.view = (dtype, size, stride, 0, out)
+    return out
 
 
 def undo_reload(ex: Executor, fam: Family) -> None:

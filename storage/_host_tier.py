@@ -73,6 +73,10 @@ class HostTier(Tier):
         # thread, so a tensor write and a read of a stored record copy here, without a closure,
         # a future chain or a transfer of their own (once per saved tensor: the hot path).
         self._now = not self._engine.deferred
+        # Whole tensors copied as themselves (``_write_whole``, ``_read_whole``) where copies are
+        # done at once and no subclass made ``write`` or ``read`` its own (that one is called).
+        cls = type(self)
+        self._whole = self._now and cls.write is HostTier.write and cls.read is HostTier.read
 
     @property
     def pool(self) -> HostPool:
@@ -122,14 +126,29 @@ class HostTier(Tier):
             handle._write = self._run(handle, "host write", None, start, failure_frees=True)
         return handle
 
-    def _write_now(self, source: torch.Tensor, nbytes: int | None) -> StoredHandle:
-        """``write(source)`` with the copy done here (NOTE [ Copies done at once ])."""
-        if source.dtype is torch.uint8 and source.dim() == 1 and source.is_contiguous():
-            data = source  # its bytes already (the executor's sources): byte_view's first case
+    def _write_whole(self, source: torch.Tensor, nbytes: int, key: Any) -> StoredHandle:
+        """``write(source)`` of a plain contiguous CPU tensor of ``nbytes`` bytes without a
+        conjugate or negative bit, ``key`` its ``(dtype, size, stride)``: copied as itself into
+        the region's view of its shape (NOTE [ Typed copies ] in _pool.py). The executor's
+        whole tensors (NOTE [ Whole tensors ] in offload/_family.py), which it checked."""
+        if not self._whole or not source.is_cpu:
+            return self.write(source)
+        return self._write_now(source, nbytes, key)
+
+    def _write_now(self, source: torch.Tensor, nbytes: int | None, key: Any = None) -> StoredHandle:
+        """``write(source)`` with the copy done here (NOTE [ Copies done at once ]); ``key``:
+        see ``_write_whole``."""
+        if key is not None:
+            assert nbytes is not None
+            data, n = source, nbytes
+            size = n
         else:
-            data = byte_view(source)  # (source_bytes, for a tensor)
-        size = data.numel()
-        n = size if nbytes is None else check_nbytes(nbytes, size, "source")
+            if source.dtype is torch.uint8 and source.dim() == 1 and source.is_contiguous():
+                data = source  # its bytes already: byte_view's first case
+            else:
+                data = byte_view(source)  # (source_bytes, for a tensor)
+            size = data.numel()
+            n = size if nbytes is None else check_nbytes(nbytes, size, "source")
         region = self._pool.allocate(n)
         # (Its fields, not its properties: a region just allocated is live. Once per record.)
         handle = StoredHandle(self, n, region._capacity, region)
@@ -138,7 +157,10 @@ class HostTier(Tier):
         except BaseException:
             region.release()
             raise
-        error = _copy(region._tensor, data if n == size else data[:n])
+        if key is not None:
+            error = _copy_whole(region, key, data, True)
+        else:
+            error = _copy(region._tensor, data if n == size else data[:n])
         if error is not None:
             # As a failed write of the engine: the record is freed, its space back, and its
             # ``written`` re-raises the error.
@@ -146,8 +168,27 @@ class HostTier(Tier):
             handle._write = Transfer.failed(error, "host write")
         return handle
 
-    def _read_now(self, handle: StoredHandle, dst: torch.Tensor) -> Transfer:
-        """``read`` of a stored record with the copy done here (NOTE [ Copies done at once ])."""
+    def _read_whole(self, handle: StoredHandle, into: torch.Tensor, key: Any) -> Transfer:
+        """``read(handle, into)`` into a plain contiguous CPU tensor of the record's size, and
+        dtype, size and stride ``key``: filled from the region's view of its shape (NOTE
+        [ Typed copies ] in _pool.py). The executor's reloads of whole tensors."""
+        written = handle._write
+        region = handle._region
+        if (
+            self._whole
+            and into.is_cpu
+            and type(handle) is StoredHandle
+            and handle._tier is self
+            and (written is _WRITTEN or written.done())
+            and region is not None
+            and region._nbytes == handle.nbytes
+        ):
+            return self._read_now(handle, into, key)
+        return self.read(handle, into)
+
+    def _read_now(self, handle: StoredHandle, dst: torch.Tensor, key: Any = None) -> Transfer:
+        """``read`` of a stored record with the copy done here (NOTE [ Copies done at once ]);
+        ``key``: see ``_read_whole``."""
         with self._lock:
             if self._closed:
                 self._check_open()
@@ -161,7 +202,10 @@ class HostTier(Tier):
             assert region is not None  # every host record has one
             src = region._tensor  # (live: free() waits for this read to release it)
             n = handle.nbytes
-            error = _copy(dst, src if region._nbytes == n else src[:n])
+            if key is not None:
+                error = _copy_whole(region, key, dst, False)
+            else:
+                error = _copy(dst, src if region._nbytes == n else src[:n])
         finally:
             with self._lock:
                 handle._pending -= 1
@@ -229,6 +273,20 @@ class HostTier(Tier):
     def _stop(self) -> None:
         if self._own_engine:
             self._engine.close()
+
+
+def _copy_whole(region: HostRegion, key: Any, t: torch.Tensor, into: bool) -> BaseException | None:
+    """``t`` copied into the region's view of its shape ``key`` (``into``), else out of it;
+    the error returned, as ``_copy``'s (NOTE [ Typed copies ] in _pool.py)."""
+    try:
+        shaped = region._shaped(key)
+        if into:
+            shaped.copy_(t)
+        else:
+            t.copy_(shaped)
+    except BaseException as e:
+        return e
+    return None
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> BaseException | None:

@@ -7,6 +7,7 @@ import mmap
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,15 @@ _DEFAULT_SLAB_BYTES = 256 << 20
 # before anything asks it: a request the free list cannot place (so a recent range never makes
 # the pool grow or refuse), ``largest_free_bytes``, ``trim`` and making room at the cap. A
 # range is still handed out again only after its region was released.
+
+# NOTE [ Typed copies ]
+# A contiguous tensor copied whole into a region, or out of one, needs the region's bytes as
+# a tensor of its dtype and shape; ``HostRegion._shaped`` makes that view and keeps it with
+# the range, among the recent ranges too, so the next record of that dtype and shape (the next
+# step's, NOTE [ Recent regions ]) copies without any new view (a uint8 view of the tensor
+# took two). The copy is one of equal dtypes: the same bytes as a copy of the bytes. The cpu
+# tier's ``_write_whole`` and ``_read_whole`` take these copies for the executor, which
+# checked that the tensor is plain, contiguous and free of lazy bits.
 
 # NOTE [ Slab sizes ]
 # Slabs are powers of two because torch's pinned host allocator rounds every request up to one
@@ -88,6 +98,7 @@ class HostRegion:
         "_offset",
         "_pool",
         "_released",
+        "_shaped_view",
         "_slab",
         "_span",
         "_start",
@@ -104,6 +115,7 @@ class HostRegion:
         capacity: int,
         nbytes: int,
         tensor: torch.Tensor | None = None,
+        shaped: Any = None,
     ) -> None:
         self._pool = pool
         self._slab = slab
@@ -119,6 +131,9 @@ class HostRegion:
         self._tensor = memory[start : start + nbytes] if tensor is None else tensor
         self._nbytes = nbytes
         self._released = False
+        # ``(key, view)``: the bytes viewed as the last whole tensor copied in or out
+        # (``_shaped``), kept with the range (NOTE [ Typed copies ]).
+        self._shaped_view = shaped
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +155,15 @@ class HostRegion:
         if self._released:  # _check_live, inline: read once per copy
             self._check_live()
         return self._tensor
+
+    def _shaped(self, key: tuple[Any, ...]) -> torch.Tensor:
+        """The region's bytes as a contiguous tensor of dtype ``key[0]`` and size ``key[1]``
+        (``key``: a whole tensor's ``(dtype, size, stride)``, with ``nbytes`` bytes), to copy
+        it into or out of whole: NOTE [ Typed copies ]. The caller holds the region live."""
+        shaped = self._shaped_view
+        if shaped is None or (shaped[0] is not key and shaped[0] != key):
+            shaped = self._shaped_view = (key, self._tensor.view(key[0]).view(key[1]))
+        return shaped[1]
 
     @property
     def span(self) -> torch.Tensor:
@@ -250,9 +274,9 @@ class HostPool:
         self._poison = bool(poison_on_release)
         self._lock = threading.Lock()
         self._slabs: list[_Slab] = []
-        # Released ranges by their regions' ``nbytes``: (slab, offset, capacity, byte view) each,
-        # not yet in their slab's free list (NOTE [ Recent regions ]).
-        self._recent: dict[int, list[tuple[_Slab, int, int, torch.Tensor]]] = {}
+        # Released ranges by their regions' ``nbytes``: (slab, offset, capacity, byte view,
+        # shaped view or None) each, not yet in their slab's free list (NOTE [ Recent regions ]).
+        self._recent: dict[int, list[tuple[_Slab, int, int, torch.Tensor, Any]]] = {}
         self._reserved = 0
         self._used = 0
         self._host_allocations = 0
@@ -329,9 +353,12 @@ class HostPool:
                 self._check_open()
             recent = self._recent.get(nbytes)
             if recent:  # NOTE [ Recent regions ]: the common case once a step has run
-                at, where, room, view = recent.pop()  # (slab, offset, capacity, byte view)
+                # (slab, offset, capacity, byte view, shaped view)
+                at, where, room, view, shaped = recent.pop()
                 self._used += room
-                return HostRegion(self, at, where, at.memory, at.base + where, room, nbytes, view)
+                return HostRegion(
+                    self, at, where, at.memory, at.base + where, room, nbytes, view, shaped
+                )
             capacity = round_up(nbytes)
             slabs = self._slabs
             if len(slabs) == 1:  # _place's first case, inline (once per record)
@@ -513,7 +540,9 @@ class HostPool:
             if region._slab is None or self._closed:
                 return
             # To the free list later (NOTE [ Recent regions ]).
-            entry = (region._slab, region._offset, region._capacity, region._tensor)
+            entry = (
+                region._slab, region._offset, region._capacity, region._tensor, region._shaped_view
+            )  # fmt: skip
             recent = self._recent.get(region._nbytes)
             if recent is None:
                 self._recent[region._nbytes] = [entry]
@@ -526,7 +555,7 @@ class HostPool:
         holds the lock."""
         recent, self._recent = self._recent, {}
         for entries in recent.values():
-            for slab, offset, capacity, _ in entries:
+            for slab, offset, capacity, _, _ in entries:
                 slab.allocator.free(offset, capacity)
 
     # -- lifetime ---------------------------------------------------------------------------------
