@@ -178,7 +178,9 @@ class Family:
         # The stream current when the reload buffer was allocated: its caching-allocator pool
         # (see NOTE [ Stream ordering ], rule 3, in _executor.py).
         self.reload_stream: Any = None
-        self.resident: torch.Tensor | None = None  # raw uint8 device buffer of a reload
+        # Raw 1-D device buffer of a reload: uint8, or a whole tensor's dtype (NOTE [ Whole
+        # tensors ]).
+        self.resident: torch.Tensor | None = None
         self.typed: torch.Tensor | None = None  # ``resident`` viewed as its members' dtype
         # The last member view rebuilt over ``resident``, with its facts: ``(dtype, size,
         # stride, offset_bytes, view)`` (see rebuild).
@@ -207,13 +209,15 @@ class Family:
 #     no conjugate or negative bit, not a subclass) is copied as the tensor itself: its
 #     ``t.detach()`` (the guard) is the source, copied into the host region's view of its
 #     shape (NOTE [ Typed copies ] in storage/_pool.py), where any other family's source is a
-#     uint8 view of its span (two views per family). On a CPU device its reload fills the
-#     tensor's own view over the reload buffer, at the same aligned offset, which is kept as
-#     the family's last view (``Family.view``) for ``rebuild`` to hand out: one view of the
-#     reload buffer less (the uint8 slice a reload filled). The bytes are the same: a copy
-#     between equal dtypes moves the bytes as they are. A member of another dtype or layout
-#     is rebuilt from the same buffer as before. On CUDA the reload still fills the uint8
-#     slice (its H2D copy is issued from the bytes of the host region or of NVMe staging).
+#     uint8 view of its span (two views per family). On a CPU device its reload buffer is
+#     of the tensor's dtype, and the reload fills the tensor's own view over it, at the same
+#     aligned offset, kept as the family's last view (``Family.view``) for ``rebuild`` to hand
+#     out: one view per reload where there were three (the uint8 slice the reload filled,
+#     the buffer as the dtype, the member's view). The bytes are the same: a copy between
+#     equal dtypes moves the bytes as they are. A member of another dtype or layout is
+#     rebuilt from the same buffer as before (viewed as its bytes first). On CUDA the reload
+#     still fills a uint8 slice of a uint8 buffer (its H2D copy is issued from the bytes of
+#     the host region or of NVMe staging).
 
 # NOTE [ Member tokens ]
 #     A member's ``__del__`` releases its family, and an exception raised inside it (a
@@ -410,9 +414,12 @@ def aligned_offset(raw: torch.Tensor, mod: int) -> int:
     return (mod - raw.data_ptr()) % ALIGN_BYTES
 
 
-def aligned_buffer(nbytes: int, mod: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """A uint8 device buffer and the offset in it whose address is ``mod`` modulo ALIGN_BYTES."""
-    raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8, device=device)
+def aligned_buffer(
+    nbytes: int, mod: int, device: torch.device, dtype: torch.dtype = torch.uint8
+) -> tuple[torch.Tensor, int]:
+    """A device buffer of ``nbytes + ALIGN_BYTES`` bytes (1-D, of ``dtype``, whose item size
+    divides ``nbytes``) and the byte offset in it whose address is ``mod`` modulo ALIGN_BYTES."""
+    raw = torch.empty((nbytes + ALIGN_BYTES) // dtype.itemsize, dtype=dtype, device=device)
     return raw, aligned_offset(raw, mod)
 
 
@@ -440,8 +447,7 @@ def rebuild(
     item = dtype.itemsize
     off = (fam.storage_mod - raw.data_ptr()) % ALIGN_BYTES  # aligned_offset, inline
     start = off + offset_bytes - fam.span_start  # byte position of the member's element 0
-    # ``raw`` is uint8 with storage offset 0; view it whole as ``dtype`` when lengths allow,
-    # else view the piece starting at the member's first element.
+    # ``raw`` is 1-D with storage offset 0 (uint8, or a whole tensor's dtype).
     if start % item:
         raise OffloadError(
             f"internal: member of family {fam.fid} starts at byte {start}, not a multiple of its "
@@ -449,10 +455,10 @@ def rebuild(
         )
     typed = fam.typed
     if typed is None or typed.dtype is not dtype:
-        n = raw.numel()
-        usable = (n // item) * item
-        # (Whole when it divides: one view less per unpack.)
-        typed = raw.view(dtype) if usable == n else raw[:usable].view(dtype)
+        if raw.dtype is dtype:  # a whole tensor's buffer (NOTE [ Whole tensors ])
+            typed = raw
+        else:
+            typed = _typed(raw, dtype)
         # The family's other members (q, k and v of one qkv output) reuse it: one view less
         # each. It holds the buffer as ``resident`` does, and is dropped with it.
         fam.typed = typed
@@ -460,3 +466,14 @@ def rebuild(
     if fam.members > 1:  # (a family of one member has no other view to serve)
         fam.view = (dtype, size, stride, offset_bytes, out)  # held as ``typed`` is, dropped with it
     return out
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` (1-D, storage offset 0) viewed as ``dtype``: whole when its length divides,
+    else its longest prefix that does (one view less per unpack where it divides)."""
+    if raw.dtype is not torch.uint8:
+        raw = raw.view(torch.uint8)  # its bytes (a whole tensor's buffer)
+    item = dtype.itemsize
+    n = raw.numel()
+    usable = (n // item) * item
+    return raw.view(dtype) if usable == n else raw[:usable].view(dtype)

@@ -63,7 +63,13 @@ def reuse(ex: Executor, fam: Family) -> bool:
 def start_reload(ex: Executor, fam: Family) -> None:
     # Memory first: an allocation that fails (a device OOM, a full pool) leaves the family
     # off the device as it was, for the unpack to try again.
-    raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, ex.device)
+    # A whole tensor on a CPU device comes back in a buffer of its dtype (NOTE [ Whole
+    # tensors ] in _family.py).
+    dense = fam.dense if not ex.cuda else None
+    if dense is None:
+        raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, ex.device)
+    else:
+        raw, off = aligned_buffer(fam.nbytes, fam.storage_mod, ex.device, dense[0])
     fam.reload_stream = ex.streams.current()  # the pool raw came from (rule 3)
     allocated = None
     kind = kind_of(fam.tier)
@@ -87,10 +93,11 @@ def start_reload(ex: Executor, fam: Family) -> None:
     fam.resident, fam.resident_ref, fam.typed, fam.view = raw, weakref.ref(raw), None, None
     if ex.meter is not None:
         ex.meter.watch(raw.untyped_storage(), fam.nbytes)
-    whole = None
-    if fam.dense is not None and not ex.cuda:
-        whole = _whole_view(fam, raw, off)  # NOTE [ Whole tensors ] in _family.py
-    dst = raw[off : off + fam.nbytes] if whole is None else whole
+    whole = None if dense is None else _whole_view(fam, raw, off)
+    if whole is not None:
+        dst = whole
+    else:
+        dst = (raw if dense is None else raw.view(torch.uint8))[off : off + fam.nbytes]
     try:
         if not ex.cuda:
             if whole is not None and kind.in_host_memory:
@@ -128,17 +135,17 @@ def start_reload(ex: Executor, fam: Family) -> None:
 
 
 def _whole_view(fam: Family, raw: torch.Tensor, off: int) -> torch.Tensor | None:
-    """The dense tensor of ``fam`` over ``raw`` at byte ``off``, as ``rebuild`` makes its
-    members and kept as the family's last view, for the reload to fill as itself; None where
-    ``off`` is no multiple of its item size (``rebuild`` then raises as before)."""
+    """The dense tensor of ``fam`` over ``raw`` (a buffer of its dtype) at byte ``off``, as
+    ``rebuild`` makes its members, and kept as the family's last view, for the reload to fill
+    as itself; None where ``off`` is no multiple of its item size (``rebuild`` then raises as
+    before)."""
     assert fam.dense is not None
     dtype, size, stride = fam.dense
     item = dtype.itemsize
     if off % item:
         return None
-    typed = raw.view(dtype)  # (raw holds nbytes + ALIGN_BYTES: a multiple of the item size)
-    out = typed.as_strided(size, stride, off // item)
-    fam.typed = typed
+    out = raw.as_strided(size, stride, off // item)
+    fam.typed = raw
     fam.view = (dtype, size, stride, 0, out)
     return out
 
