@@ -40,6 +40,10 @@ class DeviceStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        if not self.cuda:
+            # ``current``, one call less where it asks torch.cpu (once per store, reload and
+            # unpack).
+            self.current = torch.cpu.current_stream  # type: ignore[method-assign]
 
     def current(self) -> Any:
         """The stream ops on the device are queued on now (this thread's current stream)."""

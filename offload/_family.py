@@ -455,10 +455,8 @@ def rebuild(
         )
     typed = fam.typed
     if typed is None or typed.dtype is not dtype:
-        if raw.dtype is dtype:  # a whole tensor's buffer (NOTE [ Whole tensors ])
-            typed = raw
-        else:
-            typed = _typed(raw, dtype)
+        # (``raw`` itself: a whole tensor's buffer, NOTE [ Whole tensors ].)
+        typed = raw if raw.dtype is dtype else _typed(raw, dtype)
         # The family's other members (q, k and v of one qkv output) reuse it: one view less
         # each. It holds the buffer as ``resident`` does, and is dropped with it.
         fam.typed = typed

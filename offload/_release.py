@@ -60,6 +60,14 @@ def release(
     fam.members -= holders
     if fam.members > 0 or fam.life is Life.FREED:
         return
+    if fam.life is Life.OFF_DEVICE and not ex.cuda:
+        # unowned(ex, fam) and free(ex, fam), inline for a family stored and off the device
+        # on CPU (once per family): nothing in flight, no event to wait for.
+        if fam.ahead:
+            _reload.mark_ahead(ex, fam, False)
+        fam.life = Life.FREED  # (every state but FREED leads there: Family.to's check)
+        drop(ex, fam)
+        return
     unowned(ex, fam)
 
 

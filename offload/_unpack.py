@@ -99,7 +99,12 @@ class Unpacker:
             # backward (NOTE [ Retained graphs ] in lifecycle's recorder).
             profiler.recorder.record_unpack(packed.seq, held=packed)
         if prof is None:
-            return self.unpack_member(packed.executor, packed, None, task)
+            # unpack_member, inline (once per saved tensor)
+            ref = packed.family.step_ref
+            packed_by = ref() if ref is not None else None
+            if packed_by is not None and packed_by.triggers:
+                self.start_triggered(packed.executor, packed_by, packed.key)
+            return _reload.unpack(packed.executor, packed, packed_by, task)
         held = prof.compute_clock
         if held is None:
             return self.unpack_member(packed.executor, packed, None, task)

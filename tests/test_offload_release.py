@@ -42,12 +42,12 @@ def _interrupted_once(fn: Any) -> Any:
     return wrapper
 
 
-@pytest.mark.parametrize("where", ["release", "free", "tier"])
+@pytest.mark.parametrize("where", ["release", "drop", "tier"])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_release_cut_short_by_an_interrupt_is_finished(engine: str, where: str, monkeypatch):
     """Ctrl-C while backward frees the graph: the KeyboardInterrupt is raised inside a saved
-    tensor's handle's ``__del__`` (Python prints it and drops it) as it releases its family, on
-    entry, before the bytes are freed, or inside the tier's ``free``. That family kept its 32 KiB
+    tensor's handle's ``__del__`` (Python prints it and drops it) as it releases its family: on
+    entry, where its bytes are about to be freed (``drop``), or inside the tier's ``free``. That family kept its 32 KiB
     in the host tier (and in ``cpu_bytes``, the cpu_budget count) until close(); now the next
     count of live families finishes the release, and the next steps are exact and leave nothing."""
     from offload import _release
@@ -68,7 +68,7 @@ def test_a_release_cut_short_by_an_interrupt_is_finished(engine: str, where: str
         elif where == "release":
             monkeypatch.setattr(type(ex), "release", _interrupted_once(type(ex).release))
         else:
-            monkeypatch.setattr(_release, "free", _interrupted_once(_release.free))
+            monkeypatch.setattr(_release, "drop", _interrupted_once(_release.drop))
         loss.backward()
         monkeypatch.undo()
         assert dropped == [KeyboardInterrupt]
