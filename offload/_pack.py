@@ -161,6 +161,10 @@ class Packer:
                 or n == 0
                 or local.layout is not torch.strided  # sparse: no one storage to copy
                 or local.is_nested
+                # At an address no multiple of its item size (``torch.frombuffer`` at an odd
+                # offset): no view of a reload buffer can start there, and a copy placed
+                # elsewhere would run other kernels' code paths (NOTE [ Alias handling ]).
+                or local.data_ptr() % item
                 or self.params.holds(local, (st := local.untyped_storage()))
                 or (dtensor is not None and wraps_parameter(t))
             ):

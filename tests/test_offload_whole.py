@@ -225,3 +225,24 @@ def test_which_families_are_whole(name: str) -> None:
     with manager(nn.Identity()) as mgr:
         assert torch.equal(grad(mgr), want)
         assert_nothing_live(mgr)
+
+
+def test_a_tensor_at_an_address_no_multiple_of_its_item_size_is_kept() -> None:
+    """``torch.frombuffer`` at an odd offset makes a float tensor at an address that is no
+    multiple of 4: no view of a reload buffer can start there, so it stays where it is (counted
+    kept), and its gradient is exact. Offloaded, its unpack raised an internal error."""
+    buf = bytearray(4 * 16 + 2)
+    x = torch.frombuffer(buf, dtype=torch.float32, offset=2, count=16)
+    x.copy_(torch.randn(16, generator=torch.Generator().manual_seed(5)))
+    assert x.data_ptr() % 4 == 2
+    x.requires_grad_()
+    want = torch.autograd.grad((x * x).tanh().sum(), x)[0]
+    with manager(nn.Identity()) as mgr:
+        with mgr:
+            loss = (x * x).tanh().sum()
+        got = torch.autograd.grad(loss, x)[0]
+        assert torch.equal(got, want)
+        last = mgr.stats.last
+        assert last.records_kept >= 2  # x, twice
+        assert last.records_offloaded_cpu >= 1  # x * x (a tensor of its own) still goes
+        assert_nothing_live(mgr)
