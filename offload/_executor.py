@@ -411,10 +411,11 @@ class Executor:
             if fam is None:
                 # What is copied, and the guard: ``t.detach()``, not the graph (see NOTE [ Alias
                 # handling ]). A member of a family stored already needs no copy of its own.
-                whole = contiguous and start == 0 and not bits and type(t) is torch.Tensor
+                # A whole tensor if its bytes are its storage's (_new_family asks that).
+                plain = contiguous and start == 0 and not bits and type(t) is torch.Tensor
                 fam = self._new_family(
                     step, t.detach(), st, root, base is not None, version, start, end, module,
-                    tier, stream, bits, stride, (t.dtype, size, stride) if whole else None,
+                    tier, stream, bits, stride, (t.dtype, size, stride) if plain else None,
                 )  # fmt: skip
             else:
                 step.stats.records_deduplicated += 1
@@ -479,6 +480,9 @@ class Executor:
         # find their bytes already stored; a small slice of a large storage copies only itself,
         # and so does a tensor that is no view (its siblings count versions apart: none can join).
         whole = st.nbytes()
+        if dense is not None and end - start != whole:
+            dense = None  # ``t``'s own bytes are not its storage's whole (checked before a view
+            # is widened to the whole storage below: ``t`` would be too small a source then)
         if view and whole <= WHOLE_STORAGE_FACTOR * (end - start):
             start, end = 0, whole
         fam = Family(
@@ -486,7 +490,7 @@ class Executor:
             len(step.families), step.ref,
         )  # fmt: skip
         self._next_fid += 1
-        if dense is not None and end - start == whole:
+        if dense is not None:
             # The storage's whole bytes are ``t``'s elements: copied as ``t`` itself (NOTE
             # [ Whole tensors ] in _family.py).
             fam.dense = dense
