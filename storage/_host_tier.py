@@ -157,6 +157,7 @@ class HostTier(Tier):
         except BaseException:
             region.release()
             raise
+        handle._own_region = True  # (NOTE [ Reused region objects ] in _pool.py)
         if key is not None:
             error = _copy_whole(region, key, data, True)
         else:
@@ -268,7 +269,11 @@ class HostTier(Tier):
         if region is not None and not region._released:
             if not self._now:  # (a deferred engine's poisoning; the span is made for it only)
                 self._engine.poison(region.span)
-            region.release()
+            if handle._own_region:  # (NOTE [ Reused region objects ] in _pool.py)
+                handle._region = None
+                self._pool._release(region, True)
+            else:
+                region.release()
 
     def _stop(self) -> None:
         if self._own_engine:

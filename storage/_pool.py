@@ -45,6 +45,16 @@ _DEFAULT_SLAB_BYTES = 256 << 20
 # the pool grow or refuse), ``largest_free_bytes``, ``trim`` and making room at the cap. A
 # range is still handed out again only after its region was released.
 
+# NOTE [ Reused region objects ]
+# A record's region lives from its pack to its unpack: past the collector's young generations,
+# so each one allocated is one more object its next full collection walks (NOTE [ Objects per
+# saved tensor ] in offload/_executor.py). The cpu tier allocates the regions of its records
+# itself, and hands them to no one unless asked for (``StoredHandle.region``); once such a
+# record is released, the tier drops its reference and gives the region object back with its
+# range (``_release(region, reuse=True)``), and the next request of that size gets the same
+# object, live again. A region anyone else may hold is never reused: its range comes back as a
+# new region, so a second ``release()`` of the old one still does nothing.
+
 # NOTE [ Typed copies ]
 # A contiguous tensor copied whole into a region, or out of one, needs the region's bytes as
 # a tensor of its dtype and shape; ``HostRegion._shaped`` makes that view and keeps it with
@@ -276,7 +286,7 @@ class HostPool:
         self._slabs: list[_Slab] = []
         # Released ranges by their regions' ``nbytes``: (slab, offset, capacity, byte view,
         # shaped view or None) each, not yet in their slab's free list (NOTE [ Recent regions ]).
-        self._recent: dict[int, list[tuple[_Slab, int, int, torch.Tensor, Any]]] = {}
+        self._recent: dict[int, list[HostRegion | tuple[_Slab, int, int, torch.Tensor, Any]]] = {}
         self._reserved = 0
         self._used = 0
         self._host_allocations = 0
@@ -353,8 +363,13 @@ class HostPool:
                 self._check_open()
             recent = self._recent.get(nbytes)
             if recent:  # NOTE [ Recent regions ]: the common case once a step has run
+                entry = recent.pop()
+                if isinstance(entry, HostRegion):  # NOTE [ Reused region objects ]
+                    entry._released = False
+                    self._used += entry._capacity
+                    return entry
                 # (slab, offset, capacity, byte view, shaped view)
-                at, where, room, view, shaped = recent.pop()
+                at, where, room, view, shaped = entry
                 self._used += room
                 return HostRegion(
                     self, at, where, at.memory, at.base + where, room, nbytes, view, shaped
@@ -528,7 +543,10 @@ class HostPool:
             freed += self._drop_slab(unused.pop(0))
         self._give_back_pinned()  # before the larger slab is allocated
 
-    def _release(self, region: HostRegion) -> None:
+    def _release(self, region: HostRegion, reuse: bool = False) -> None:
+        """``region.release()``; ``reuse``: the caller holds the only reference to ``region``,
+        and drops it, so the object itself serves the next request of its size (NOTE [ Reused
+        region objects ])."""
         if region._released:
             return
         if self._poison and region._slab is not None and not self._closed:
@@ -540,9 +558,17 @@ class HostPool:
             if region._slab is None or self._closed:
                 return
             # To the free list later (NOTE [ Recent regions ]).
-            entry = (
-                region._slab, region._offset, region._capacity, region._tensor, region._shaped_view
-            )  # fmt: skip
+            entry: HostRegion | tuple[_Slab, int, int, torch.Tensor, Any] = (
+                region
+                if reuse
+                else (
+                    region._slab,
+                    region._offset,
+                    region._capacity,
+                    region._tensor,
+                    region._shaped_view,
+                )
+            )
             recent = self._recent.get(region._nbytes)
             if recent is None:
                 self._recent[region._nbytes] = [entry]
@@ -555,7 +581,12 @@ class HostPool:
         holds the lock."""
         recent, self._recent = self._recent, {}
         for entries in recent.values():
-            for slab, offset, capacity, _, _ in entries:
+            for entry in entries:
+                if isinstance(entry, HostRegion):
+                    slab, offset, capacity = entry._slab, entry._offset, entry._capacity
+                    assert slab is not None  # (a region of no slab is never recent)
+                else:
+                    slab, offset, capacity = entry[0], entry[1], entry[2]
                 slab.allocator.free(offset, capacity)
 
     # -- lifetime ---------------------------------------------------------------------------------

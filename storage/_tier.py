@@ -61,6 +61,7 @@ class StoredHandle:
         "_freed",
         "_offset",
         "_on_device",
+        "_own_region",
         "_pending",
         "_region",
         "_released",
@@ -83,6 +84,9 @@ class StoredHandle:
         self.nbytes = nbytes
         self._charge = charge  # bytes of the tier's capacity this record holds
         self._region = region
+        # The tier allocated ``region`` and no one else was handed it: it is reused once the
+        # record is released (NOTE [ Reused region objects ] in _pool.py).
+        self._own_region = False
         self._offset = offset
         self._crcs = crcs
         self._on_device = on_device
@@ -102,7 +106,9 @@ class StoredHandle:
 
     @property
     def region(self) -> HostRegion | None:
-        """The host region holding the bytes (cpu tier only), for a direct H2D copy from it."""
+        """The host region holding the bytes (cpu tier only), for a direct H2D copy from it;
+        None once the record was released, if it was not asked for before."""
+        self._own_region = False  # (someone may hold it now: never reused)
         return self._region
 
     @property

@@ -95,3 +95,102 @@ def test_after_is_waited_before_the_source_is_read(pool):
         tier.read(h, out).wait()
         assert out.tolist() == list(range(10))
         tier.free(h)
+
+
+def _regions() -> list:
+    import gc
+
+    from offload.storage import HostRegion
+
+    return [o for o in gc.get_objects() if type(o) is HostRegion]
+
+
+def test_a_released_records_region_object_serves_the_next_record_of_its_size(pool):
+    """NOTE [ Reused region objects ]: a region only the tier held comes back as itself, live
+    again, and the freed handle that held it lets go of it."""
+    with HostTier(pool) as tier:
+        x = torch.arange(1000, dtype=torch.float32)
+        first = tier.write(x)
+        region = first._region
+        tier.free(first)
+        assert region.released and first._region is None
+        second = tier.write(x + 1)
+        assert second._region is region and not region.released
+        assert pool.used_bytes == region.capacity_bytes
+        # The freed handle touches nothing of the new record's: freeing it again does nothing,
+        # a read raises, and the new record reads back its own bytes.
+        tier.free(first)
+        with pytest.raises(StorageError, match="freed"):
+            tier.read(first, torch.empty(1000))
+        out = torch.empty(1000)
+        tier.read(second, out).wait()
+        assert torch.equal(out, x + 1) and not region.released
+        tier.free(second)
+        assert pool.used_bytes == 0 and tier.used_bytes == 0
+        # Another size takes another range (the recent one waits for its size or a merge).
+        third = tier.write(torch.zeros(10))
+        assert third._region is not region
+        tier.free(third)
+
+
+def test_a_region_handed_out_is_never_reused(pool):
+    """A record whose region was asked for (``handle.region``), or adopted from the caller,
+    comes back as a new region object: the old one, held by whoever asked, stays released."""
+    with HostTier(pool) as tier:
+        x = torch.arange(1000, dtype=torch.float32)
+        h = tier.write(x)
+        lent = h.region
+        tier.free(h)
+        assert lent.released and h.region is lent
+        again = tier.write(x)
+        assert again.region is not lent and again.region.data_ptr() == lent.data_ptr()
+        lent.release()  # a second release of the old object: nothing of the new record's
+        assert not again.region.released
+        with pytest.raises(StorageError, match="released"):
+            lent.tensor  # noqa: B018
+        tier.free(again)
+        adopted = pool.allocate(4000)
+        h = tier.write(adopted)
+        tier.free(h)
+        assert adopted.released
+        h = tier.write(torch.zeros(4000, dtype=torch.uint8))
+        assert h._region is not adopted
+        tier.free(h)
+        # (pool.allocate's own regions, released by their owner, are never reused either)
+        mine = pool.allocate(300)
+        mine.release()
+        other = pool.allocate(300)
+        assert other is not mine and mine.released and not other.released
+        other.release()
+
+
+def test_reused_region_objects_merge_back_before_a_request_they_would_refuse():
+    """Recent ranges held as region objects go back to the free list like the others: a
+    request the free list cannot place gets them merged, and trim gives the slab back."""
+    with HostPool(1 * MiB, slab_bytes=1 * MiB, poison_on_release=True) as pool:
+        with HostTier(pool) as tier:
+            small = [tier.write(torch.full((1024,), i, dtype=torch.float32)) for i in range(256)]
+            for h in small:
+                tier.free(h)
+            big = tier.write(torch.ones(1 * MiB, dtype=torch.uint8))  # the whole slab
+            assert big._region.capacity_bytes == 1 * MiB and pool.host_allocations == 1
+            tier.free(big)
+        assert pool.trim() == 1 * MiB and pool.reserved_bytes == 0
+
+
+def test_a_tiers_steady_records_make_no_new_region_objects(pool):
+    """Step after step of the same sizes, the records' regions are the step before's."""
+    with HostTier(pool) as tier:
+        xs = [torch.randn(n) for n in (10, 1000, 1000, 50000)]
+        for _ in range(2):
+            for h in [tier.write(x) for x in xs]:
+                tier.free(h)
+        before = {id(r) for r in _regions()}
+        for _ in range(5):
+            handles = [tier.write(x) for x in xs]
+            assert {id(h._region) for h in handles} <= before
+            for h, x in zip(handles, xs, strict=True):
+                out = torch.empty_like(x)
+                tier.read(h, out).wait()
+                assert torch.equal(out, x)
+                tier.free(h)
