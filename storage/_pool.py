@@ -102,6 +102,7 @@ class HostRegion:
     """
 
     __slots__ = (
+        "_address",
         "_capacity",
         "_memory",
         "_nbytes",
@@ -135,6 +136,7 @@ class HostRegion:
         # view less per region counts once per saved tensor.
         self._memory = memory
         self._start = start
+        self._address = memory.data_ptr() + start  # (its first byte: a slab never moves)
         self._capacity = capacity
         self._span: torch.Tensor | None = None
         # ``tensor``: that view already made (a recent range's, NOTE [ Recent regions ]).
@@ -202,7 +204,7 @@ class HostRegion:
 
     def data_ptr(self) -> int:
         """Address of the first byte (a multiple of 4096)."""
-        return self._memory.data_ptr() + self._start
+        return self._address
 
     def release(self) -> None:
         """Give the bytes back to the pool; calling it again does nothing.
