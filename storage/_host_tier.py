@@ -191,6 +191,26 @@ class HostTier(Tier):
     def _read_now(self, handle: StoredHandle, dst: torch.Tensor, key: Any = None) -> Transfer:
         """``read`` of a stored record with the copy done here (NOTE [ Copies done at once ]);
         ``key``: see ``_read_whole``."""
+        n = handle.nbytes
+        region = handle._region
+        if (
+            key is not None
+            and n <= _SMALL_COPY_BYTES
+            and region is not None
+            and dst.nbytes == n
+            and dst.is_contiguous()
+        ):
+            # NOTE [ Small copies ]: a memmove, under the lock (no free() can run meanwhile,
+            # so the read needs no count of its own, and the record no release after it).
+            with self._lock:
+                if self._closed:
+                    self._check_open()
+                if handle._freed:  # (its region may be another record's now)
+                    raise StorageError(
+                        f"{handle!r} was freed (or its write failed); it has no bytes"
+                    )
+                _memmove(dst.data_ptr(), region._address, n)
+            return _READ_DONE
         with self._lock:
             if self._closed:
                 self._check_open()
@@ -203,7 +223,6 @@ class HostTier(Tier):
             region = handle._region
             assert region is not None  # every host record has one
             src = region._tensor  # (live: free() waits for this read to release it)
-            n = handle.nbytes
             if key is not None:
                 error = _copy_whole(region, key, dst, False)
             else:

@@ -279,3 +279,30 @@ def test_a_tensor_at_an_address_no_multiple_of_its_item_size_is_kept() -> None:
         assert last.records_kept >= 2  # x, twice
         assert last.records_offloaded_cpu >= 1  # x * x (a tensor of its own) still goes
         assert_nothing_live(mgr)
+
+
+def test_a_small_whole_read_of_a_freed_record_or_a_closed_tier_raises() -> None:
+    """NOTE [ Small copies ]: the read under the lock still refuses a freed record (its region
+    may be another record's by then) and a closed tier, and copies nothing."""
+    with storage.HostPool(1 << 20, slab_bytes=1 << 20) as pool:
+        tier = storage.HostTier(pool)
+        x = torch.randn(4, 4)
+        h = tier._write_whole(x, 64, _key(x))
+        tier.free(h)
+        y = torch.randn(4, 4)
+        other = tier._write_whole(y, 64, _key(y))  # h's region, reused
+        out = torch.zeros(4, 4)
+        with pytest.raises(storage.StorageError, match="freed"):
+            tier._read_now(h, out, _key(out))
+        assert torch.equal(out, torch.zeros(4, 4))
+        tier._read_whole(other, out, _key(out)).wait()
+        assert torch.equal(out, y)
+        lent = tier._write_whole(x, 64, _key(x))
+        assert lent.region is not None  # asked for: kept by the handle once freed
+        tier.free(lent)
+        with pytest.raises(storage.StorageError, match="freed"):
+            tier._read_now(lent, out, _key(out))
+        assert torch.equal(out, y)
+        tier.close()
+        with pytest.raises(storage.StorageError, match="closed"):
+            tier._read_now(other, out, _key(out))
