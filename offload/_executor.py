@@ -89,10 +89,14 @@ log = logging.getLogger("offload")
 #     [ Member tokens ] in _family.py), and an unpack trigger names its one family without a
 #     list: 4.1 per saved tensor in min-memory mode, 3.3 under the plan (bench_hooks' steps).
 #     Left: the member; the family with the weak references to its storage and its root
-#     (both needed: NOTE [ Alias handling ]); the tier's handle and host region; and the node
-#     object torch keeps once a pack asked for ``grad_fn``. Under a plan a kept tensor holds
-#     its detached tensor, and its storage object with the weak reference that
-#     ``Step.kept_by_plan`` asks.
+#     (both needed: NOTE [ Alias handling ]); the tier's handle; and the node object torch
+#     keeps once a pack asked for ``grad_fn``. Under a plan a kept tensor holds its detached
+#     tensor, and its storage object with the weak reference that ``Step.kept_by_plan`` asks.
+#     The cpu tier's host region is the step before's object (NOTE [ Reused region objects ]
+#     in storage/_pool.py): 3.75 -> 3.19 objects per saved tensor at c05aa15 in min-memory
+#     mode, counted as every object the collector tracks that a forward made and still holds,
+#     and the collector's time per step 6.05 -> 3.71 ms (full collections every 12 steps,
+#     then every 20).
 
 
 class _StepState:
