@@ -192,30 +192,19 @@ class HostTier(Tier):
         """``read`` of a stored record with the copy done here (NOTE [ Copies done at once ]);
         ``key``: see ``_read_whole``."""
         n = handle.nbytes
-        region = handle._region
-        if (
-            key is not None
-            and n <= _SMALL_COPY_BYTES
-            and region is not None
-            and dst.nbytes == n
-            and dst.is_contiguous()
-        ):
-            # NOTE [ Small copies ]: a memmove, under the lock (no free() can run meanwhile,
-            # so the read needs no count of its own, and the record no release after it).
-            with self._lock:
-                if self._closed:
-                    self._check_open()
-                if handle._freed:  # (its region may be another record's now)
-                    raise StorageError(
-                        f"{handle!r} was freed (or its write failed); it has no bytes"
-                    )
-                _memmove(dst.data_ptr(), region._address, n)
-            return _READ_DONE
+        small = key is not None and _memmove_fits(n, dst)
         with self._lock:
             if self._closed:
                 self._check_open()
-            if handle._freed:
+            if handle._freed:  # (a reused region may be another record's now)
                 raise StorageError(f"{handle!r} was freed (or its write failed); it has no bytes")
+            if small:
+                # NOTE [ Small copies ]: a memmove, under the lock (no free() can run
+                # meanwhile, so the read needs no count of its own, nor a release after it).
+                region = handle._region
+                assert region is not None  # every host record not freed has one
+                _memmove(dst.data_ptr(), region._address, n)
+                return _READ_DONE
             # As _run's: free() waits for this read, close() for this call.
             handle._pending += 1
             self._starting += 1
@@ -313,15 +302,16 @@ _SMALL_COPY_BYTES = 32 << 10
 _memmove = ctypes.memmove
 
 
+def _memmove_fits(n: int, t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes are a record's ``n`` bytes for NOTE [ Small copies ]' memmove."""
+    return n <= _SMALL_COPY_BYTES and t.nbytes == n and t.is_contiguous()
+
+
 def _copy_whole(region: HostRegion, key: Any, t: torch.Tensor, into: bool) -> BaseException | None:
     """``t`` copied into the region's view of its shape ``key`` (``into``), else out of it;
     the error returned, as ``_copy``'s (NOTE [ Typed copies ] in _pool.py)."""
-    n = region._nbytes
-    if n <= _SMALL_COPY_BYTES and t.nbytes == n and t.is_contiguous():  # NOTE [ Small copies ]
-        if into:
-            _memmove(region._address, t.data_ptr(), n)
-        else:
-            _memmove(t.data_ptr(), region._address, n)
+    if into and _memmove_fits(region._nbytes, t):  # (a small read: _read_now's own)
+        _memmove(region._address, t.data_ptr(), region._nbytes)
         return None
     try:
         shaped = region._shaped(key)

@@ -287,7 +287,8 @@ class HostPool:
         self._lock = threading.Lock()
         self._slabs: list[_Slab] = []
         # Released ranges by their regions' ``nbytes``: (slab, offset, capacity, byte view,
-        # shaped view or None) each, not yet in their slab's free list (NOTE [ Recent regions ]).
+        # shaped view or None) each, or the region itself to reuse (NOTE [ Reused region
+        # objects ]), not yet in their slab's free list (NOTE [ Recent regions ]).
         self._recent: dict[int, list[HostRegion | tuple[_Slab, int, int, torch.Tensor, Any]]] = {}
         self._reserved = 0
         self._used = 0
